@@ -1,0 +1,128 @@
+"""Input checking shared by every backend: clear errors before any work.
+
+Shape, dtype, device and contiguity problems raise ``TypeError`` /
+``ValueError`` here, on the host, from metadata only (no device sync).
+Expert ids out of range are data, so they are found on device
+(``Schedule.num_invalid``) and reported by ``raise_if_invalid_routes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """Dimensions read off validated inputs."""
+
+    r: int  # ranks
+    t: int  # tokens per rank
+    h: int  # hidden
+    i: int  # routed expert width
+    e: int  # routed experts, global
+    k: int  # top-k
+    s: int  # shared expert width, 0 without one
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.e // self.r
+
+
+def _tensor(name: str, v, ndim: int, dtypes: tuple[torch.dtype, ...], device: torch.device | None):
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+    if v.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(v.shape)}")
+    if v.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {v.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    if device is not None and v.device != device:
+        raise ValueError(f"{name} is on {v.device} but the inputs are on {device}; move every tensor to one device")
+    if not v.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous()); got strides {v.stride()}")
+
+
+def check_moe_inputs(
+    x_RTH: list[torch.Tensor],
+    topk_ids_RTK: list[torch.Tensor],
+    topk_weights_RTK: list[torch.Tensor],
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+) -> MoEDims:
+    """Validate every rank's inputs and the (global) weights; return the dimensions."""
+    for name, v in (("x", x_RTH), ("topk_ids", topk_ids_RTK), ("topk_weights", topk_weights_RTK)):
+        if not isinstance(v, (list, tuple)) or not v:
+            raise TypeError(f"{name} must be a non-empty list with one tensor per rank, got {type(v).__name__}")
+    r = len(x_RTH)
+    if len(topk_ids_RTK) != r or len(topk_weights_RTK) != r:
+        raise ValueError(f"one tensor per rank expected: got {r} x, {len(topk_ids_RTK)} topk_ids, "
+                         f"{len(topk_weights_RTK)} topk_weights")
+    _tensor("w13", w13_E2IH, 3, FLOAT_DTYPES, None)
+    device = w13_E2IH.device
+    _tensor("w2", w2_EHI, 3, FLOAT_DTYPES, device)
+    e, two_i, h = w13_E2IH.shape
+    if two_i % 2:
+        raise ValueError(f"w13 must be [E, 2*I, H] (gate rows then up rows); dim 1 = {two_i} is odd")
+    i = two_i // 2
+    if tuple(w2_EHI.shape) != (e, h, i):
+        raise ValueError(f"w2 must be [E, H, I] = {(e, h, i)} to match w13 {tuple(w13_E2IH.shape)}, "
+                         f"got {tuple(w2_EHI.shape)}")
+    if w2_EHI.dtype != w13_E2IH.dtype:
+        raise TypeError(f"w13 ({w13_E2IH.dtype}) and w2 ({w2_EHI.dtype}) must share a dtype")
+    if e % r:
+        raise ValueError(f"E={e} experts cannot be split evenly over R={r} ranks")
+
+    t = k = None
+    for rank in range(r):
+        x, ids, w = x_RTH[rank], topk_ids_RTK[rank], topk_weights_RTK[rank]
+        _tensor(f"x[{rank}]", x, 2, FLOAT_DTYPES, device)
+        _tensor(f"topk_ids[{rank}]", ids, 2, INDEX_DTYPES, device)
+        _tensor(f"topk_weights[{rank}]", w, 2, FLOAT_DTYPES, device)
+        if x.dtype != w13_E2IH.dtype:
+            raise TypeError(f"x[{rank}] has dtype {x.dtype} but the expert weights are {w13_E2IH.dtype}")
+        if x.shape[1] != h:
+            raise ValueError(f"x[{rank}] has hidden size {x.shape[1]}, the weights expect H={h}")
+        if t is None:
+            t, k = x.shape[0], ids.shape[1]
+        if x.shape[0] != t:
+            raise ValueError(f"x[{rank}] has {x.shape[0]} tokens but x[0] has {t}; every rank needs the same T")
+        if tuple(ids.shape) != (t, k) or tuple(w.shape) != (t, k):
+            raise ValueError(f"topk_ids[{rank}] {tuple(ids.shape)} and topk_weights[{rank}] {tuple(w.shape)} "
+                             f"must both be [T, K] = {(t, k)}")
+    if t == 0:
+        raise ValueError("x has no tokens (T=0)")
+    if k < 1:
+        raise ValueError("topk_ids has K=0 columns; at least one expert per token is needed")
+    if k > e:
+        raise ValueError(f"top-k K={k} exceeds the number of experts E={e}")
+
+    s = 0
+    if (shared_w13_2SH is None) != (shared_w2_HS is None):
+        raise ValueError("shared_w13 and shared_w2 must be given together (or both None for no shared expert)")
+    if shared_w13_2SH is not None:
+        _tensor("shared_w13", shared_w13_2SH, 2, FLOAT_DTYPES, device)
+        _tensor("shared_w2", shared_w2_HS, 2, FLOAT_DTYPES, device)
+        two_s, hs = shared_w13_2SH.shape
+        if two_s % 2 or hs != h:
+            raise ValueError(f"shared_w13 must be [2*S, H={h}], got {tuple(shared_w13_2SH.shape)}")
+        s = two_s // 2
+        if tuple(shared_w2_HS.shape) != (h, s):
+            raise ValueError(f"shared_w2 must be [H, S] = {(h, s)}, got {tuple(shared_w2_HS.shape)}")
+        if shared_w13_2SH.dtype != w13_E2IH.dtype or shared_w2_HS.dtype != w13_E2IH.dtype:
+            raise TypeError("the shared expert weights must have the routed weights' dtype "
+                            f"{w13_E2IH.dtype}, got {shared_w13_2SH.dtype} / {shared_w2_HS.dtype}")
+    return MoEDims(r=r, t=t, h=h, i=i, e=e, k=k, s=s)
+
+
+def raise_if_invalid_routes(num_invalid: torch.Tensor, num_experts: int) -> None:
+    """Raise if any route named an expert outside [0, E). Reads one device int (a sync on CUDA)."""
+    n = int(num_invalid.item())
+    if n:
+        raise ValueError(f"{n} routes name an expert id outside [0, E={num_experts}); every id in topk_ids "
+                         f"must be a valid global expert index")

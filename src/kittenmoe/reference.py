@@ -1,0 +1,146 @@
+"""The plain-PyTorch MoE layer: the truth every backend and kernel is checked against.
+
+Everything is computed in fp32 (or fp64 on request) from upcast inputs, with
+loops that favour obviousness over speed. Gradients flow through autograd to
+the original (possibly bf16) tensors.
+
+Legend: T tokens, H hidden, I expert width, S shared-expert width, E experts,
+K top-k, R ranks, L = E // R experts per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kittenmoe.config import ScoreFunc
+
+
+def route(
+    logits_TE: torch.Tensor,
+    k: int,
+    score_func: ScoreFunc = "softmax",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    correction_bias_E: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router: scores from logits, top-k selection, weights.
+
+    ``correction_bias_E`` (DeepSeek-V3's auxiliary-loss-free balancing) shifts
+    the scores used for selection only; the weights come from the unbiased
+    scores. Returns (topk_ids_TK int64, topk_weights_TK in compute_dtype).
+    """
+    if k > logits_TE.shape[-1]:
+        raise ValueError(f"route: top-k K={k} exceeds the number of experts E={logits_TE.shape[-1]}")
+    logits_TE = logits_TE.to(compute_dtype)
+    if score_func == "softmax":
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+    elif score_func == "sigmoid":
+        scores_TE = torch.sigmoid(logits_TE)
+    else:
+        raise ValueError(f"route: score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    select_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(compute_dtype)
+    topk_ids_TK = torch.topk(select_TE.detach(), k, dim=-1).indices
+    topk_weights_TK = scores_TE.gather(1, topk_ids_TK)
+    if renormalize:
+        topk_weights_TK = topk_weights_TK / topk_weights_TK.sum(dim=-1, keepdim=True)
+    return topk_ids_TK, topk_weights_TK * routed_scaling_factor
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up, with DeepSeek-V4's optional clamp (gate <= L, -L <= up <= L)."""
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return F.silu(gate) * up
+
+
+def swiglu_ffn(x_NH: torch.Tensor, w13_2IH: torch.Tensor, w2_HI: torch.Tensor,
+               swiglu_limit: float | None = None) -> torch.Tensor:
+    """One SwiGLU expert; ``w13_2IH`` stacks the gate rows then the up rows."""
+    i = w2_HI.shape[1]
+    gu_N2I = x_NH @ w13_2IH.t()
+    return swiglu(gu_N2I[:, :i], gu_N2I[:, i:], swiglu_limit) @ w2_HI.t()
+
+
+def moe_reference(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """out[t] = shared(x[t]) + sum_{j<K} w[t, j] * expert_{ids[t, j]}(x[t]), j in order.
+
+    Returns [T, H] in ``compute_dtype``.
+    """
+    t, k = topk_ids_TK.shape
+    h = x_TH.shape[1]
+    x = x_TH.to(compute_dtype)
+    w_TK = topk_weights_TK.to(compute_dtype)
+    y_TKH = x.new_zeros(t, k, h)
+    for e in range(w13_E2IH.shape[0]):
+        tok, slot = (topk_ids_TK == e).nonzero(as_tuple=True)
+        if tok.numel():
+            y_TKH = y_TKH.index_put(
+                (tok, slot),
+                swiglu_ffn(x[tok], w13_E2IH[e].to(compute_dtype), w2_EHI[e].to(compute_dtype), swiglu_limit))
+    if shared_w13_2SH is not None:
+        out = swiglu_ffn(x, shared_w13_2SH.to(compute_dtype), shared_w2_HS.to(compute_dtype), swiglu_limit)
+    else:
+        out = x.new_zeros(t, h)
+    for j in range(k):  # fixed order, as every backend must
+        out = out + w_TK[:, j, None] * y_TKH[:, j]
+    return out
+
+
+def moe_reference_multirank(
+    x_RTH: list[torch.Tensor],
+    topk_ids_RTK: list[torch.Tensor],
+    topk_weights_RTK: list[torch.Tensor],
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
+    """Every rank's outputs from every rank's inputs, under expert parallelism.
+
+    Expert ``e`` lives on rank ``e // L``; which rank computes a route changes
+    nothing mathematically, so rank r's output is the single-rank layer on its
+    own tokens with the global expert weights. The shared expert is replicated
+    (one tensor, so its gradient is the sum over ranks, as after DP all-reduce).
+    """
+    return [
+        moe_reference(x, ids, w, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, swiglu_limit, compute_dtype)
+        for x, ids, w in zip(x_RTH, topk_ids_RTK, topk_weights_RTK, strict=True)
+    ]
+
+
+def moe_layer_reference(
+    x_TH: torch.Tensor,
+    router_w_EH: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    k: int,
+    score_func: ScoreFunc = "softmax",
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+    swiglu_limit: float | None = None,
+    correction_bias_E: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The whole layer: router then experts, in ``compute_dtype``."""
+    logits_TE = x_TH.to(compute_dtype) @ router_w_EH.to(compute_dtype).t()
+    ids_TK, w_TK = route(logits_TE, k, score_func, renormalize, routed_scaling_factor, correction_bias_E,
+                         compute_dtype)
+    return moe_reference(x_TH, ids_TK, w_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, swiglu_limit,
+                         compute_dtype)

@@ -1,0 +1,141 @@
+"""The on-device routing schedule (DESIGN.md "The pipeline, per rank", step 2).
+
+One rank's routed buffer is laid out by a two-column table indexed by
+destination row: ``peer_rank[row]`` (source rank) and ``peer_token_idx[row]``
+(``t * K + j`` of the source route). Rows are sorted by (local expert,
+per-source ordinal, source rank): each expert's rows are contiguous and the
+source ranks interleave round-robin so every link carries similar load. Each
+expert segment is padded to a multiple of ``block_m`` with ``-1`` rows.
+
+Built from torch ops with fixed output sizes: no host sync, no size taken from
+data, identical on CPU and CUDA (integer sorts on unique keys, integer
+scatter-adds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kittenmoe.config import routed_capacity
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Routing tables for one destination rank.
+
+    C = ``capacity`` = R*T*K + L*(block_m - 1), the worst case (every route of
+    every rank lands here), so the table can never overflow.
+    """
+
+    peer_rank: torch.Tensor  # [C] int32, source rank of each row; -1 for padding and unused rows
+    peer_token_idx: torch.Tensor  # [C] int32, t*K + j on the source rank; -1 for padding and unused rows
+    expert_offsets: torch.Tensor  # [L + 1] int32, first row of each expert's padded segment; [L] = num_rows
+    expert_counts: torch.Tensor  # [L] int32, real (unpadded) rows of each local expert
+    num_rows: torch.Tensor  # [1] int32, padded rows in use (a multiple of block_m)
+    tile_expert: torch.Tensor  # [C // block_m] int32, local expert of each row tile; -1 past num_rows
+    num_invalid: torch.Tensor  # [1] int32, routes on any rank whose expert id is outside [0, E)
+    rank: int
+    num_ranks: int
+    experts_per_rank: int
+    tokens: int
+    topk: int
+    block_m: int
+
+    @property
+    def capacity(self) -> int:
+        return self.peer_rank.shape[0]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_expert.shape[0]
+
+
+def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
+    if not isinstance(topk_ids_RTK, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_RTK).__name__}")
+    if topk_ids_RTK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids_RTK.dtype}")
+    if topk_ids_RTK.dim() != 3:
+        raise ValueError(f"topk_ids_RTK must be [R, T, K], got shape {tuple(topk_ids_RTK.shape)}")
+
+
+def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int) -> Schedule:
+    """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids)."""
+    check_routing_ids(topk_ids_RTK)
+    R, T, K = topk_ids_RTK.shape
+    L = experts_per_rank
+    if not 0 <= rank < R:
+        raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
+    if L < 1:
+        raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
+    if block_m < 1:
+        raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+    dev = topk_ids_RTK.device
+    P = T * K  # routes per source rank
+    C = routed_capacity(R, T, K, L, block_m)
+    i64 = torch.int64
+
+    ids_RP = topk_ids_RTK.reshape(R, P).to(i64)
+    num_invalid = ((ids_RP < 0) | (ids_RP >= R * L)).sum().to(torch.int32).reshape(1)
+    local_RP = ids_RP - rank * L
+    mine_RP = (local_RP >= 0) & (local_RP < L)
+    # Bucket L collects every route this rank does not own.
+    bucket_RP = torch.where(mine_RP, local_RP, L)
+    cnt_RB = torch.zeros(R, L + 1, dtype=i64, device=dev).scatter_add_(1, bucket_RP, torch.ones_like(bucket_RP))
+
+    # Ordinal of each route among the routes of the same (source, expert), in
+    # (t, j) order: a stable sort groups them, position minus group start.
+    sorted_b_RP, order_RP = torch.sort(bucket_RP, dim=1, stable=True)
+    start_RB = torch.cumsum(cnt_RB, dim=1) - cnt_RB
+    pos_P = torch.arange(P, dtype=i64, device=dev).expand(R, P)
+    ordinal_RP = torch.empty_like(order_RP).scatter_(1, order_RP, pos_P - start_RB.gather(1, sorted_b_RP))
+
+    # Sort every owned route by (expert, ordinal, source); the key is unique
+    # per route. Foreign routes get a key past every owned one.
+    src_RP = torch.arange(R, dtype=i64, device=dev)[:, None].expand(R, P)
+    key_RP = (local_RP * P + ordinal_RP) * R + src_RP
+    key_RP = torch.where(mine_RP, key_RP, L * P * R)
+    sorted_key, order = torch.sort(key_RP.reshape(-1))
+    owned = sorted_key < L * P * R
+    e_sorted = torch.where(owned, sorted_key // (P * R), 0)
+
+    cnt_L = cnt_RB[:, :L].sum(0)
+    unpadded_start_L = torch.cumsum(cnt_L, 0) - cnt_L
+    padded_L = (cnt_L + block_m - 1) // block_m * block_m
+    offsets = torch.zeros(L + 1, dtype=i64, device=dev)
+    offsets[1:] = torch.cumsum(padded_L, 0)
+    # Destination row of each sorted route; foreign routes go to a dump row C.
+    s = torch.arange(R * P, dtype=i64, device=dev)
+    row = torch.where(owned, offsets[e_sorted] + s - unpadded_start_L[e_sorted], C)
+    src = order // P
+    tok = order % P
+
+    peer_rank = torch.full((C + 1,), -1, dtype=torch.int32, device=dev)
+    peer_token_idx = torch.full((C + 1,), -1, dtype=torch.int32, device=dev)
+    # Owned rows are unique; the dump row only receives -1.
+    peer_rank.scatter_(0, row, torch.where(owned, src, -1).to(torch.int32))
+    peer_token_idx.scatter_(0, row, torch.where(owned, tok, -1).to(torch.int32))
+
+    num_rows = offsets[L:].clone()
+    n_tiles = C // block_m
+    tile_start = torch.arange(n_tiles, dtype=i64, device=dev) * block_m
+    tile_expert = torch.searchsorted(offsets[1:].contiguous(), tile_start, right=True)
+    tile_expert = torch.where(tile_start < num_rows, tile_expert, -1)
+
+    return Schedule(
+        peer_rank=peer_rank[:C],
+        peer_token_idx=peer_token_idx[:C],
+        expert_offsets=offsets.to(torch.int32),
+        expert_counts=cnt_L.to(torch.int32),
+        num_rows=num_rows.to(torch.int32),
+        tile_expert=tile_expert.to(torch.int32),
+        num_invalid=num_invalid,
+        rank=rank,
+        num_ranks=R,
+        experts_per_rank=L,
+        tokens=T,
+        topk=K,
+        block_m=block_m,
+    )

@@ -1,0 +1,140 @@
+"""Test and benchmark helpers: the one tolerance table, comparisons, input generators.
+
+Every comparison of a backend or kernel against ``reference.py`` takes its
+tolerance from ``TOLERANCES`` so the bar is set in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kittenmoe.config import ModelShape
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float  # elementwise, torch.testing.assert_close style
+    atol: float
+    rel_l1: float  # ||a - b||_1 / ||b||_1 bound
+    cosine: float  # minimum cosine similarity (gradients)
+
+
+# Keyed by the dtype the kernel computes in (operands), compared against the
+# fp32/fp64 reference. bf16: MoK's and DeepGEMM's bar (rel L1 <= 1e-2);
+# fp8: MoK's own tests (rel L1 <= 0.1, cosine >= 0.996).
+TOLERANCES: dict[str, Tolerance] = {
+    "fp64": Tolerance(rtol=1e-10, atol=1e-10, rel_l1=1e-10, cosine=1 - 1e-12),
+    "fp32": Tolerance(rtol=1e-4, atol=1e-5, rel_l1=1e-5, cosine=1 - 1e-8),
+    # fp32 operands through tensor cores round to tf32 (10-bit mantissa).
+    "tf32": Tolerance(rtol=2e-2, atol=2e-3, rel_l1=3e-3, cosine=0.99999),
+    "bf16": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.9999),
+    "fp8": Tolerance(rtol=0.5, atol=0.5, rel_l1=0.1, cosine=0.996),
+}
+
+_DTYPE_KEY = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
+
+
+def tolerance_for(dtype: torch.dtype | str) -> Tolerance:
+    key = dtype if isinstance(dtype, str) else _DTYPE_KEY[dtype]
+    return TOLERANCES[key]
+
+
+def rel_l1(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, b = actual.double(), expected.double()
+    return ((a - b).abs().sum() / b.abs().sum().clamp_min(1e-30)).item()
+
+
+def cosine(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    a, b = actual.double().flatten(), expected.double().flatten()
+    return (a @ b / (a.norm() * b.norm()).clamp_min(1e-30)).item()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | str, name: str = "") -> None:
+    """Elementwise (rtol/atol), rel-L1 and cosine checks at ``dtype``'s tolerance; NaN never passes."""
+    tol = tolerance_for(dtype)
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values in the result"
+    err = rel_l1(actual, expected)
+    assert err <= tol.rel_l1, f"{name}: relative L1 error {err:.3e} > {tol.rel_l1:.1e}"
+    if expected.abs().sum() > 0:
+        cos = cosine(actual, expected)
+        assert cos >= tol.cosine, f"{name}: cosine similarity {cos:.8f} < {tol.cosine}"
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol.rtol, atol=tol.atol, msg=lambda m: f"{name}: {m}")
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str = "") -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape}/{a.dtype} vs {b.shape}/{b.dtype}"
+    if not torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
+                       b.view(torch.uint8) if b.dtype != torch.bool else b):
+        diff = (a.double() - b.double()).abs()
+        raise AssertionError(f"{name}: not bitwise equal; {int((diff > 0).sum())} elements differ, max {diff.max():.3e}")
+
+
+# ---------------------------------------------------------------- routing
+
+def topk_from_logits(logits_TE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids and renormalised softmax weights (fp32)."""
+    probs = torch.softmax(logits_TE.float(), dim=-1)
+    w, ids = torch.topk(probs, k, dim=-1)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def routing_uniform(t: int, e: int, k: int, generator: torch.Generator | None = None, device="cpu"):
+    """Top-k of standard-normal logits: roughly balanced load."""
+    return topk_from_logits(torch.randn(t, e, generator=generator).to(device), k)
+
+
+def routing_zipf(t: int, e: int, k: int, alpha: float = 1.2, generator: torch.Generator | None = None,
+                 device="cpu"):
+    """Skewed load: expert popularity ~ 1 / rank^alpha (random expert order), k distinct experts per token."""
+    pop = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** alpha
+    pop = pop[torch.randperm(e, generator=generator)]
+    ids = torch.multinomial(pop.expand(t, e), k, replacement=False, generator=generator)
+    w = torch.rand(t, k, generator=generator) + 0.1
+    return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+def routing_one_hot(t: int, e: int, k: int, hot: int = 0, generator: torch.Generator | None = None, device="cpu"):
+    """Every token's first choice is expert ``hot``; the rest are the next k-1 experts (mod E)."""
+    ids = (hot + torch.arange(k)).remainder(e).expand(t, k).contiguous()
+    w = torch.rand(t, k, generator=generator) + 0.1
+    return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+ROUTINGS = {"uniform": routing_uniform, "zipf": routing_zipf, "one_hot": routing_one_hot}
+
+
+# ---------------------------------------------------------------- weights and inputs
+
+@dataclass
+class MoEWeights:
+    w13_E2IH: torch.Tensor
+    w2_EHI: torch.Tensor
+    shared_w13_2SH: torch.Tensor | None
+    shared_w2_HS: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH, self.shared_w2_HS) if t is not None]
+
+    def requires_grad_(self) -> "MoEWeights":
+        for t in self.tensors():
+            t.requires_grad_(True)
+        return self
+
+
+def make_weights(shape: ModelShape, dtype=torch.float32, device="cpu", generator: torch.Generator | None = None,
+                 shared: bool = True) -> MoEWeights:
+    """Random weights scaled like a trained layer (std 1/sqrt(fan_in)) so outputs are O(1)."""
+    e, h, i, s = shape.e, shape.h, shape.i, shape.shared_width
+
+    def rnd(*size, fan_in):
+        return (torch.randn(*size, generator=generator) / fan_in ** 0.5).to(device=device, dtype=dtype)
+
+    return MoEWeights(
+        w13_E2IH=rnd(e, 2 * i, h, fan_in=h),
+        w2_EHI=rnd(e, h, i, fan_in=i),
+        shared_w13_2SH=rnd(2 * s, h, fan_in=h) if shared and s else None,
+        shared_w2_HS=rnd(h, s, fan_in=s) if shared and s else None,
+    )

@@ -1,0 +1,147 @@
+"""The multi-rank pipeline in torch ops: the ``torch`` backend.
+
+This is the semantic model the Triton megakernel must match, step for step
+(DESIGN.md "The pipeline, per rank"), and the CPU path of the layer:
+
+1. every rank's routing ``[R, T, K]`` is gathered;
+2. each destination rank builds its ``Schedule``;
+3. pull dispatch: routed row ``n`` of rank d is row ``peer_token_idx[n] // K``
+   of rank ``peer_rank[n]``'s ``x``; padding rows are zero;
+4. experts: each ``block_m`` row tile belongs to one local expert
+   (``tile_expert``) and runs its SwiGLU FFN (padding rows stay exactly 0);
+5. push combine: row n lands in rank ``peer_rank[n]``'s ``[T*K, H]`` combine
+   buffer at ``peer_token_idx[n]``;
+6. epilogue: ``out = y_shared + sum_j w[t, j] * combine[t*K + j]`` in fp32,
+   j in fixed order, cast to x's dtype.
+
+All R virtual ranks live in one process (the ``LocalPeers`` setting), so the
+pull and push are plain indexing into stacked tensors and autograd runs
+through everything. The per-tile weight gather costs ``tiles x 2I x H``
+memory: fine for the small CPU shapes this backend serves, not for the seed
+shapes (use the megakernel on a GPU there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kittenmoe.checks import MoEDims, check_moe_inputs, raise_if_invalid_routes
+from kittenmoe.reference import swiglu
+from kittenmoe.schedule import Schedule, build_schedule
+
+DEFAULT_TORCH_BLOCK_M = 16
+
+
+def expert_rows(
+    x_routed_NH: torch.Tensor,
+    sched: Schedule,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """Run each ``block_m`` row tile through its local expert; returns y_routed [C, H]."""
+    bm = sched.block_m
+    nt = sched.num_tiles
+    c, h = x_routed_NH.shape
+    i = w2_LHI.shape[2]
+    # Tiles past num_rows are all padding (zero rows); any expert gives 0 there.
+    te = sched.tile_expert.long().clamp(min=0)
+    x_tiles = x_routed_NH[: nt * bm].view(nt, bm, h)
+    gu = torch.bmm(x_tiles, w13_L2IH[te].transpose(1, 2))
+    hid = swiglu(gu[..., :i], gu[..., i:], swiglu_limit)
+    y = torch.bmm(hid, w2_LHI[te].transpose(1, 2)).reshape(nt * bm, h)
+    if nt * bm < c:  # rows after the last full tile are never used
+        y = torch.cat([y, y.new_zeros(c - nt * bm, h)])
+    return y
+
+
+def epilogue(
+    x_TH: torch.Tensor,
+    combine_TKH: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    """out = shared(x) + sum_j w[:, j] * combine[:, j], fp32, fixed j order; cast to x's dtype."""
+    t, k, h = combine_TKH.shape
+    if shared_w13_2SH is not None:
+        s = shared_w2_HS.shape[1]
+        gu = x_TH @ shared_w13_2SH.t()
+        acc = (swiglu(gu[:, :s], gu[:, s:], swiglu_limit) @ shared_w2_HS.t()).float()
+    else:
+        acc = x_TH.new_zeros(t, h, dtype=torch.float32)
+    w = topk_weights_TK.float()
+    for j in range(k):
+        acc = acc + w[:, j, None] * combine_TKH[:, j].float()
+    return acc.to(x_TH.dtype)
+
+
+def moe_forward_multirank(
+    x_RTH: list[torch.Tensor],
+    topk_ids_RTK: list[torch.Tensor],
+    topk_weights_RTK: list[torch.Tensor],
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    block_m: int = DEFAULT_TORCH_BLOCK_M,
+) -> list[torch.Tensor]:
+    """Every rank's layer output from every rank's inputs, through the schedule.
+
+    ``w13_E2IH``/``w2_EHI`` are the global expert weights; rank d uses its
+    slice ``[d*L, (d+1)*L)`` (views, so gradients land in the global tensor).
+    The shared expert is one replicated tensor.
+    """
+    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                            shared_w2_HS)
+    if block_m < 1:
+        raise ValueError(f"block_m must be >= 1, got {block_m}")
+    ids_all = torch.stack(list(topk_ids_RTK))
+    y_all, dest_all = _dispatch_experts(torch.stack(list(x_RTH)), ids_all, w13_E2IH, w2_EHI, swiglu_limit,
+                                        block_m, dims)
+    R, T, K, H = dims.r, dims.t, dims.k, dims.h
+    # Push combine: every owned route is written exactly once; padding rows
+    # (all zeros) go to a dump row past the end.
+    combine = y_all.new_zeros(R * T * K + 1, H).index_copy(0, dest_all, y_all)
+    combine_RTKH = combine[: R * T * K].view(R, T, K, H)
+    return [
+        epilogue(x_RTH[r], combine_RTKH[r], topk_weights_RTK[r], shared_w13_2SH, shared_w2_HS, swiglu_limit)
+        for r in range(R)
+    ]
+
+
+def _dispatch_experts(x_RTH, ids_RTK, w13_E2IH, w2_EHI, swiglu_limit, block_m, dims: MoEDims):
+    R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
+    x_flat = x_RTH.reshape(R * T, H)
+    ys, dests = [], []
+    for d in range(R):
+        sched = build_schedule(ids_RTK, d, L, block_m)
+        if d == 0:
+            raise_if_invalid_routes(sched.num_invalid, dims.e)
+        valid = sched.peer_rank >= 0
+        src = sched.peer_rank.long().clamp(min=0)
+        tok = sched.peer_token_idx.long().clamp(min=0)
+        # Pull dispatch.
+        x_routed = torch.where(valid[:, None], x_flat[src * T + tok // K], 0)
+        ys.append(expert_rows(x_routed, sched, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
+                              swiglu_limit))
+        dests.append(torch.where(valid, src * (T * K) + tok, R * T * K))
+    return torch.cat(ys), torch.cat(dests)
+
+
+def moe_forward(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    block_m: int = DEFAULT_TORCH_BLOCK_M,
+) -> torch.Tensor:
+    """Single-rank (R=1) form of ``moe_forward_multirank``."""
+    return moe_forward_multirank([x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH,
+                                 shared_w2_HS, swiglu_limit, block_m)[0]
