@@ -1,0 +1,123 @@
+"""One device round for the forward megakernel: build, check, time; a short table last.
+
+    PYTHONPATH=src python3 benchmarks/fwd_round.py [--shapes kimi-k2.7,...] [--tokens 2048] [--out DIR]
+
+Checks every seed shape sliced to one EP8 rank (E_local = E/8, R=1) against
+the fp32 reference (relative L1 <= 1e-2) and for bitwise determinism, then
+times the megakernel forward (schedule construction and epilogue included)
+and the grouped_mm baseline with the same routing, median of many runs.
+Writes one JSON row per shape to --out (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import triton
+
+from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.config import SEED_SHAPES, KernelConfig
+from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.peers import LocalPeers
+from kittenmoe.reference import moe_reference
+from kittenmoe.testing import make_weights, rel_l1, routing_uniform
+
+# The issue's slices: (shape, tokens) with E_local = E / 8.
+SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+
+
+def parse_config(s: str | None) -> KernelConfig:
+    if not s:
+        return KernelConfig()
+    kw = {k: (None if v == "None" else int(v)) for k, v in (p.split("=") for p in s.split(","))}
+    return KernelConfig(**kw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SLICES))
+    ap.add_argument("--tokens", type=int, default=0, help="override tokens per shape (0 = the issue's slice)")
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--config", default="", help="KernelConfig overrides, e.g. num_comm_programs_fwd=16,block_n=128")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    cfg = parse_config(args.config)
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+               python=platform.python_version())
+    print(env, cfg, flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        base = SEED_SHAPES[name]
+        L = base.e // args.ep
+        shape = base.with_(e=L, k=base.k)  # R=1 slice: E_local experts, all routes land here
+        T = args.tokens or SLICES[name]
+        g = torch.Generator().manual_seed(0)
+        w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+        x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
+        ids, wts = routing_uniform(T, L, shape.k, generator=g, device=dev)
+        peers = LocalPeers(1, dev)
+        args_k = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+
+        def run_mk():
+            return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]
+
+        def run_base():
+            return grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+                                      shape.swiglu_limit)
+
+        t0 = time.time()
+        res = megakernel_forward_multirank(*args_k, config=cfg, peers=peers)
+        res.check_errors()
+        out = res.outputs[0]
+        compile_s = time.time() - t0
+        err = det = base_err = float("nan")
+        if not args.skip_check:
+            ref = moe_reference(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+                                shape.swiglu_limit, torch.float32)
+            err = rel_l1(out, ref)
+            base_err = rel_l1(run_base(), ref)
+            det = all(torch.equal(run_mk(), out) for _ in range(5))
+            del ref
+        ms_mk = triton.testing.do_bench(run_mk, warmup=100, rep=args.reps * 10, return_mode="median")
+        ms_base = triton.testing.do_bench(run_base, warmup=100, rep=args.reps * 10, return_mode="median")
+        routed = 6 * T * shape.k * shape.h * shape.i
+        total = 6 * T * (1 + shape.k) * shape.h * shape.i
+        row = dict(
+            kind="forward", shape=name, ep_slice=args.ep, experts_local=L, tokens=T, h=shape.h, i=shape.i,
+            k=shape.k, dtype="bf16", ranks=1, config=cfg.__dict__, ms_kittenmoe=ms_mk, ms_grouped_mm=ms_base,
+            speedup=ms_base / ms_mk, routed_tflops=routed / ms_mk / 1e9, effective_tflops=total / ms_mk / 1e9,
+            baseline_routed_tflops=routed / ms_base / 1e9, rel_l1=err, baseline_rel_l1=base_err, deterministic=det,
+            compile_s=compile_s, **env,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            command="PYTHONPATH=src python3 " + " ".join(sys.argv),
+        )
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del res, out
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    with open(os.path.join(args.out, f"fwd-{stamp}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{'shape':<20}{'T':>6}{'kmoe ms':>9}{'base ms':>9}{'x':>6}{'routed TF':>10}{'base TF':>9}"
+          f"{'relL1':>9}{'det':>5}")
+    for r in rows:
+        print(f"{r['shape']:<20}{r['tokens']:>6}{r['ms_kittenmoe']:>9.3f}{r['ms_grouped_mm']:>9.3f}"
+              f"{r['speedup']:>6.2f}{r['routed_tflops']:>10.0f}{r['baseline_routed_tflops']:>9.0f}"
+              f"{r['rel_l1']:>9.1e}{str(r['deterministic']):>5}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

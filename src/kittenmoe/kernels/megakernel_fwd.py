@@ -1,0 +1,336 @@
+"""Forward megakernel ``dispatch_mlp_swiglu_combine`` and its epilogue (Triton only).
+
+One persistent launch per rank. Programs [0, C) are communication programs,
+the rest compute programs (DESIGN.md "The pipeline, per rank"):
+
+- comm, per minibatch p in processing order: pull the routed rows from the
+  source ranks' ``x`` (peer pointer table) into the ring slot, bump
+  ``x_ready[p]``; D minibatches later, wait ``y_ready[p]`` and push the
+  finished rows into the origin ranks' combine buffers, bump ``done[p]``.
+- compute, over one global tile sequence (a topological order, so a
+  round-robin walk cannot deadlock): shared-expert gate|up tiles, then per
+  minibatch its gate|up+SwiGLU tiles (wait ``x_ready``) and its down tiles
+  (wait ``hid_ready``), then the shared-expert down tiles.
+
+Ring: buffers hold ``MAC`` rows = ``NSLOT`` minibatch slots. Processing index
+p maps to macrobatch ``nmac - 1 - p // NSLOT`` (reverse order, so macrobatch 0
+stays resident for the backward) and slot ``p % NSLOT``. Pulling into a slot
+waits until its previous occupant was pushed (``done[p - NSLOT]``).
+
+Every wait is bounded: after ``max_spin`` polls, or once another program has
+flagged an error, it sets ``err`` and gives up, so a broken launch ends with
+an error flag instead of a hang.
+
+Under the Triton interpreter programs run one after another, so the launcher
+runs one role (``phase``) over one minibatch range per launch; on a GPU one
+launch runs every phase concurrently.
+
+Counters are int32, bumped with ``sem="release"`` after a CTA barrier and
+polled with ``sem="acquire"``; atomics never touch data.
+"""
+
+import triton
+import triton.language as tl
+
+# phase bits
+PH_SHARED_GU = 1
+PH_PULL = 2
+PH_GATEUP = 4
+PH_DOWN = 8
+PH_PUSH = 16
+PH_SHARED_DOWN = 32
+PH_ALL = 63
+
+# error flag bits
+ERR_TIMEOUT = 1
+ERR_BAD_EXPERT_ID = 2
+
+# counter layout: [x_ready | hid_ready | y_ready | done] each NMB long, then shared_ready
+CNT_X, CNT_HID, CNT_Y, CNT_DONE = 0, 1, 2, 3
+
+
+@triton.jit
+def _wait_geq(cnt_ptr, target, err_ptr, max_spin):
+    v = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+    e = tl.atomic_add(err_ptr, 0, sem="relaxed")
+    n = 0
+    while (v < target) & (n < max_spin) & (e == 0):
+        v = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        e = tl.atomic_add(err_ptr, 0, sem="relaxed")
+        n += 1
+    if v < target:
+        tl.atomic_or(err_ptr, 1)  # ERR_TIMEOUT
+    tl.debug_barrier()
+
+
+@triton.jit
+def _signal(cnt_ptr):
+    tl.debug_barrier()  # every thread's stores happen before the release
+    tl.atomic_add(cnt_ptr, 1, sem="release")
+
+
+@triton.jit
+def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
+    """First routed row of processing index p (reverse macrobatch order) and whether it holds rows."""
+    nmac = (num_rows + MAC - 1) // MAC
+    q = p // NSLOT
+    m = nmac - 1 - q
+    row0 = m * MAC + (p % NSLOT) * MB
+    live = (m >= 0) & (row0 < num_rows)
+    return row0, live
+
+
+@triton.jit
+def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr):
+    """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors."""
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        m = valid[:, None] & (cols < H)[None, :]
+        v = tl.load(src_base[:, None] + cols[None, :], mask=m)
+        tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _gateup_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I, swiglu_limit,
+                 HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """out[a_row0 + m, n0 + n] = swiglu(A W_gate^T, A W_up^T) for one BM x BN tile.
+
+    a_ptr: [*, H] rows; w_ptr: one expert's [2I, H] (gate rows then up rows);
+    out_ptr: [*, I]. Rows >= a_rows are not loaded or stored.
+    """
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    row_ok = rm < a_rows
+    rows = (a_row0 + rm).to(tl.int64)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + rk
+        k_ok = kk < H
+        a = tl.load(a_ptr + rows[:, None] * H + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wm = (rn < I)[None, :] & k_ok[:, None]
+        wg = tl.load(w_ptr + rn[None, :].to(tl.int64) * H + kk[:, None], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None], mask=wm, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, swiglu_limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+    hid = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(out_ptr + rows[:, None] * I + rn[None, :], hid.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rn < I)[None, :])
+
+
+@triton.jit
+def _down_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """out[a_row0 + m, n0 + n] = (A W^T)[m, n]; a_ptr: [*, I] hidden, w_ptr: [H, I], out_ptr: [*, H]."""
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    row_ok = rm < a_rows
+    rows = (a_row0 + rm).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        kk = k0 + rk
+        k_ok = kk < I
+        a = tl.load(a_ptr + rows[:, None] * I + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :].to(tl.int64) * I + kk[:, None], mask=(rn < H)[None, :] & k_ok[:, None],
+                    other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    tl.store(out_ptr + rows[:, None] * H + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (rn < H)[None, :])
+
+
+@triton.jit
+def dispatch_mlp_swiglu_combine_kernel(
+    # schedule of this rank
+    peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
+    peer_tok_ptr,  # [C] int32, t*K + j on the source rank
+    tile_expert_ptr,  # [C // BM] int32, local expert per row tile, -1 past num_rows
+    num_rows_ptr,  # [1] int32, padded routed rows on this rank
+    num_invalid_ptr,  # [1] int32, out-of-range expert ids seen in the routing
+    # peers
+    x_ptrs_ptr,  # [R] int64, base of every rank's x [T, H]
+    combine_ptrs_ptr,  # [R] int64, base of every rank's combine [T*K, H]
+    # local buffers
+    x_local_ptr,  # [T, H] this rank's x (shared-expert input)
+    xr_ptr,  # [MAC, H] routed x ring
+    hid_ptr,  # [MAC, I] routed hidden ring
+    yr_ptr,  # [MAC, H] routed y ring
+    sh_hid_ptr,  # [T, S] shared-expert hidden
+    y_shared_ptr,  # [T, H] shared-expert output
+    # weights of this rank
+    w13_ptr,  # [L, 2I, H]
+    w2_ptr,  # [L, H, I]
+    sw13_ptr,  # [2S, H]
+    sw2_ptr,  # [H, S]
+    # sync
+    cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
+    err_ptr,  # [1] int32 error flag
+    # sizes
+    T, H, I, S, K, NMB, NSLOT,
+    swiglu_limit,
+    phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
+    MAC: tl.constexpr, MB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_rows = tl.load(num_rows_ptr)
+    if pid == 0:
+        if tl.load(num_invalid_ptr) > 0:
+            tl.atomic_or(err_ptr, 2)  # ERR_BAD_EXPERT_ID
+    DT = xr_ptr.dtype.element_ty
+    x_ready = cnt_ptr
+    hid_ready = cnt_ptr + NMB
+    y_ready = cnt_ptr + 2 * NMB
+    done = cnt_ptr + 3 * NMB
+    shared_ready = cnt_ptr + 4 * NMB
+    n_gu_tiles_i = tl.cdiv(I, BN)
+    n_dn_tiles_h = tl.cdiv(H, BN2)
+    per_mb_gu = (MB // BM) * n_gu_tiles_i
+    per_mb_dn = (MB // BM) * n_dn_tiles_h
+
+    if pid < num_comm:
+        # ------------------------------------------------ communication program
+        for it in range(p_lo, p_hi + pull_ahead):
+            p = it
+            if ((phase & 2) != 0) & (p < p_hi):  # PH_PULL
+                row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+                if live:
+                    if p >= NSLOT:
+                        _, prev_live = _mb_rows(p - NSLOT, num_rows, NSLOT, MAC, MB)
+                        if prev_live:
+                            _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
+                    brow0 = (p % NSLOT) * MB
+                    for ch in range(pid, MB // ROWS, num_comm):
+                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                        ok = pr >= 0
+                        base = tl.load(x_ptrs_ptr + pr, mask=ok, other=0)
+                        src = base.to(tl.pointer_type(DT)) + (pt // K).to(tl.int64) * H
+                        dst = xr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
+                        _copy_rows(src, dst, ok, H, BLOCK_H)
+                    _signal(x_ready + p)
+            pp = it - pull_ahead
+            if ((phase & 16) != 0) & (pp >= p_lo):  # PH_PUSH
+                row0, live = _mb_rows(pp, num_rows, NSLOT, MAC, MB)
+                if live:
+                    _wait_geq(y_ready + pp, per_mb_dn, err_ptr, max_spin)
+                    brow0 = (pp % NSLOT) * MB
+                    for ch in range(pid, MB // ROWS, num_comm):
+                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                        ok = pr >= 0
+                        base = tl.load(combine_ptrs_ptr + pr, mask=ok, other=0)
+                        dst = base.to(tl.pointer_type(DT)) + pt.to(tl.int64) * H
+                        src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
+                        _copy_rows(src, dst, ok, H, BLOCK_H)
+                    _signal(done + pp)
+    else:
+        # ------------------------------------------------ compute program
+        cid = pid - num_comm
+        ncomp = nprog - num_comm
+        n_sh_row_tiles = tl.cdiv(T, BM)
+        n_sh_gu = 0
+        n_sh_dn = 0
+        if HAS_SHARED:
+            n_sh_gu = n_sh_row_tiles * tl.cdiv(S, BN)
+            n_sh_dn = n_sh_row_tiles * n_dn_tiles_h
+        per_mb = per_mb_gu + per_mb_dn
+        mb_lo = n_sh_gu + p_lo * per_mb
+        mb_hi = n_sh_gu + p_hi * per_mb
+        total = mb_hi + n_sh_dn
+        for tile in range(cid, total, ncomp):
+            if tile < n_sh_gu:
+                if (phase & 1) != 0:  # PH_SHARED_GU
+                    rt = tile // tl.cdiv(S, BN)
+                    nt = tile % tl.cdiv(S, BN)
+                    _gateup_tile(x_local_ptr, rt * BM, T - rt * BM, sw13_ptr, sh_hid_ptr, nt * BN, H, S,
+                                 swiglu_limit, HAS_LIMIT, BM, BN, BK, DOT_FP32, PRECISION)
+                    _signal(shared_ready)
+            elif tile < mb_lo:
+                pass  # minibatches before p_lo belong to another launch
+            elif tile < mb_hi:
+                p = (tile - n_sh_gu) // per_mb
+                i = (tile - n_sh_gu) % per_mb
+                row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+                brow0 = (p % NSLOT) * MB
+                if live:
+                    if i < per_mb_gu:
+                        if (phase & 4) != 0:  # PH_GATEUP
+                            rt = i // n_gu_tiles_i
+                            nt = i % n_gu_tiles_i
+                            _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
+                            e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM, mask=row0 + rt * BM < num_rows,
+                                        other=-1)
+                            if e >= 0:
+                                _gateup_tile(xr_ptr, brow0 + rt * BM, BM, w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                             hid_ptr, nt * BN, H, I, swiglu_limit, HAS_LIMIT, BM, BN, BK,
+                                             DOT_FP32, PRECISION)
+                            _signal(hid_ready + p)
+                    else:
+                        if (phase & 8) != 0:  # PH_DOWN
+                            j = i - per_mb_gu
+                            rt = j // n_dn_tiles_h
+                            nt = j % n_dn_tiles_h
+                            _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
+                            e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM, mask=row0 + rt * BM < num_rows,
+                                        other=-1)
+                            if e >= 0:
+                                _down_tile(hid_ptr, brow0 + rt * BM, BM, w2_ptr + e.to(tl.int64) * (H * I), yr_ptr,
+                                           nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
+                            _signal(y_ready + p)
+            else:
+                if (phase & 32) != 0:  # PH_SHARED_DOWN
+                    j = tile - mb_hi
+                    rt = j // n_dn_tiles_h
+                    nt = j % n_dn_tiles_h
+                    _wait_geq(shared_ready, n_sh_gu, err_ptr, max_spin)
+                    _down_tile(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, y_shared_ptr, nt * BN2, H, S,
+                               BM, BN2, BK, DOT_FP32, PRECISION)
+
+
+@triton.jit
+def combine_epilogue_kernel(
+    y_shared_ptr,  # [T, H] shared-expert output (ignored without a shared expert)
+    combine_ptr,  # [T*K, H] routed rows pushed here by the expert owners
+    w_ptr,  # [T, K] fp32 router weights
+    ids_ptr,  # [T, K] global expert ids (routes with ids outside [0, E) contribute nothing)
+    out_ptr,  # [T, H]
+    T, H, E,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+):
+    """out = y_shared + sum_j w[t, j] * combine[t*K + j], in fp32, j = 0..K-1 in order."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    tm = rt < T
+    m = tm[:, None] & (rh < H)[None, :]
+    rt64 = rt.to(tl.int64)
+    if HAS_SHARED:
+        acc = tl.load(y_shared_ptr + rt64[:, None] * H + rh[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for j in tl.static_range(K):
+        wj = tl.load(w_ptr + rt64 * K + j, mask=tm, other=0.0).to(tl.float32)
+        ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
+        ok = (ej >= 0) & (ej < E)
+        c = tl.load(combine_ptr + (rt64 * K + j)[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
+        acc = acc + wj[:, None] * c.to(tl.float32)
+    tl.store(out_ptr + rt64[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)

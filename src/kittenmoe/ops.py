@@ -1,0 +1,268 @@
+"""Launchers: check, allocate, launch. The megakernel forward over ``LocalPeers``.
+
+``megakernel_forward_multirank`` runs the whole multi-rank forward the way
+DESIGN.md lays it out for R virtual ranks on one device: copy every rank's x
+into its peer buffer, all-gather the routing, then every rank's megakernel,
+then every rank's epilogue. No host sync on a GPU: sizes come from shapes and
+the config, never from data; errors found on device (timeouts, expert ids out
+of range) land in an error flag read by ``check_errors``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kittenmoe.checks import check_moe_inputs
+from kittenmoe.config import KernelConfig, routed_capacity
+from kittenmoe.kernels import megakernel_fwd as mk
+from kittenmoe.peers import LocalPeers
+from kittenmoe.schedule import Schedule, build_schedule
+
+# Polls before a wait gives up and flags a timeout. One poll is an atomic
+# load (~0.5-1 us on an H200), so 2^22 polls is a few seconds: far beyond any
+# legitimate wait (a whole seed-shape forward is a few ms).
+DEFAULT_MAX_SPIN = 1 << 22
+
+# Rows each communication step moves, and columns per load: 16 x 256 bf16 is
+# an 8 KiB chunk per program per step.
+COPY_ROWS = 16
+COPY_BLOCK_H = 256
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class MegakernelError(RuntimeError):
+    """A device-side failure reported through the megakernel's error flag."""
+
+
+def check_errors(err: torch.Tensor) -> None:
+    """Raise ``MegakernelError`` if a megakernel flagged an error (reads the flag: a sync on CUDA)."""
+    code = int(err.max().item())
+    if code == 0:
+        return
+    what = []
+    if code & mk.ERR_TIMEOUT:
+        what.append("a spin-wait timed out (a producer never signalled: programs not co-resident, or a bug)")
+    if code & mk.ERR_BAD_EXPERT_ID:
+        what.append("topk_ids held expert ids outside [0, E); those routes were not computed")
+    raise MegakernelError("megakernel error: " + "; ".join(what))
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and interpreting():
+        return
+    raise RuntimeError(
+        f"the megakernel runs on CUDA devices, or on CPU tensors under the Triton interpreter "
+        f"(TRITON_INTERPRET=1 set before kittenmoe is imported); got tensors on {device}. "
+        f"Use kittenmoe.torch_backend for a CPU path without the interpreter.")
+
+
+@dataclass(frozen=True)
+class RingGeometry:
+    """Sizes of the routed-row ring of one rank, all from shapes and config."""
+
+    capacity: int  # C: worst-case routed rows
+    minibatch: int  # MB
+    macrobatch: int  # MAC: rows the ring buffers hold
+    slots: int  # NSLOT = MAC // MB
+    num_minibatches: int  # NMB: worst-case processing indices
+
+    @staticmethod
+    def make(capacity: int, config: KernelConfig) -> "RingGeometry":
+        mb = config.minibatch_size
+        full = triton.cdiv(capacity, mb) * mb
+        mac = full if config.macrobatch_size is None else min(config.macrobatch_size, full)
+        slots = mac // mb
+        return RingGeometry(capacity, mb, mac, slots, triton.cdiv(capacity, mac) * slots)
+
+    def live_minibatches(self, num_rows: int) -> list[int]:
+        """Processing indices that hold rows (host mirror of the kernel's ``_mb_rows``)."""
+        nmac = triton.cdiv(num_rows, self.macrobatch)
+        out = []
+        for p in range(self.num_minibatches):
+            m = nmac - 1 - p // self.slots
+            if m >= 0 and m * self.macrobatch + (p % self.slots) * self.minibatch < num_rows:
+                out.append(p)
+        return out
+
+
+@dataclass
+class ForwardState:
+    """What one rank's forward leaves behind (the backward will read it)."""
+
+    schedule: Schedule
+    ring: RingGeometry
+    x_routed: torch.Tensor  # [MAC, H]
+    hidden: torch.Tensor  # [MAC, I]
+    y_routed: torch.Tensor  # [MAC, H]
+    shared_hidden: torch.Tensor  # [T, S]
+    y_shared: torch.Tensor  # [T, H]
+    counters: torch.Tensor  # [4 * NMB + 1] int32
+    err: torch.Tensor  # [1] int32
+
+
+def _num_programs(device: torch.device, num_comm: int) -> int:
+    if device.type == "cuda":
+        n = torch.cuda.get_device_properties(device).multi_processor_count
+        if num_comm >= n:
+            raise ValueError(f"num_comm_programs_fwd={num_comm} leaves no compute program on a GPU with {n} SMs")
+        return n
+    return num_comm + 3  # interpreter: a few compute programs exercise the round-robin
+
+
+def launch_rank_forward(
+    rank: int,
+    peers: LocalPeers,
+    ids_all_RTK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+    config: KernelConfig,
+    max_spin: int = DEFAULT_MAX_SPIN,
+    phases: int = mk.PH_ALL,
+) -> ForwardState:
+    """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine)."""
+    R, T, K = ids_all_RTK.shape
+    L, two_i, H = w13_L2IH.shape
+    I = two_i // 2
+    S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
+    dev = w13_L2IH.device
+    dtype = w13_L2IH.dtype
+    bm = config.block_m
+    sched = build_schedule(ids_all_RTK, rank, L, bm)
+    ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
+    st = ForwardState(
+        schedule=sched,
+        ring=ring,
+        x_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
+        hidden=torch.empty(ring.macrobatch, I, dtype=dtype, device=dev),
+        y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
+        shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
+        y_shared=torch.empty(T, H, dtype=dtype, device=dev),
+        counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
+        err=torch.zeros(1, dtype=torch.int32, device=dev),
+    )
+    has_shared = S > 0
+    sw13 = shared_w13_2SH if has_shared else w13_L2IH
+    sw2 = shared_w2_HS if has_shared else w2_LHI
+    num_comm = config.num_comm_programs_fwd
+    grid = (_num_programs(dev, num_comm),)
+    interp = interpreting()
+    meta = dict(
+        MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
+        BK=config.block_k, ROWS=COPY_ROWS, BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
+        DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
+    )
+    if not interp:
+        meta.update(num_warps=config.num_warps, num_stages=config.num_stages)
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+
+    def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int) -> None:
+        mk.dispatch_mlp_swiglu_combine_kernel[grid](
+            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
+            peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
+            st.x_routed, st.hidden, st.y_routed, st.shared_hidden, st.y_shared,
+            w13_L2IH, w2_LHI, sw13, sw2, st.counters, st.err,
+            T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
+            phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
+            **meta,
+        )
+
+    if not interp:
+        # One launch, every role concurrent. Comm programs stay at most
+        # pull_ahead minibatches ahead of their pushes; it must stay below the
+        # slot count or a pull would wait on a push that comes after it.
+        launch(phases, 0, ring.num_minibatches, min(ring.slots - 1, 2))
+    else:
+        # Programs run one after another: one role over one minibatch per
+        # launch keeps every producer ahead of its consumers. Reading
+        # num_rows on the host is free on CPU.
+        if phases & mk.PH_SHARED_GU:
+            launch(mk.PH_SHARED_GU, 0, 0, 0)
+        for p in ring.live_minibatches(int(sched.num_rows.item())):
+            for ph in (mk.PH_PULL, mk.PH_GATEUP, mk.PH_DOWN, mk.PH_PUSH):
+                if phases & ph:
+                    launch(ph, p, p + 1, 0)
+        if phases & mk.PH_SHARED_DOWN:
+            launch(mk.PH_SHARED_DOWN, 0, 0, 0)
+    return st
+
+
+def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool) -> None:
+    T, H = out_TH.shape
+    K = w_TK.shape[1]
+    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    mk.combine_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, T, H, num_experts,
+        K=K, HAS_SHARED=has_shared, BT=bt, BH=bh)
+
+
+@dataclass
+class MultirankForward:
+    outputs: list[torch.Tensor]  # [R] x [T, H]
+    states: list[ForwardState]
+    peers: LocalPeers
+
+    def check_errors(self) -> None:
+        for st in self.states:
+            check_errors(st.err)
+
+
+def megakernel_forward_multirank(
+    x_RTH: list[torch.Tensor],
+    topk_ids_RTK: list[torch.Tensor],
+    topk_weights_RTK: list[torch.Tensor],
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    config: KernelConfig | None = None,
+    peers: LocalPeers | None = None,
+    max_spin: int = DEFAULT_MAX_SPIN,
+) -> MultirankForward:
+    """Forward of R virtual ranks on one device through the megakernel (no autograd).
+
+    Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
+    x's dtype. Call ``.check_errors()`` on the result to surface device-side
+    errors (it reads a flag, a sync on CUDA).
+    """
+    config = config or KernelConfig()
+    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                            shared_w2_HS)
+    dev = w13_E2IH.device
+    _check_device(dev)
+    R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
+    dtype = w13_E2IH.dtype
+    if peers is None:
+        peers = LocalPeers(R, dev)
+    elif peers.num_ranks != R or peers.device != dev:
+        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {R} on {dev}")
+    xb = peers.alloc("x", (T, H), dtype)
+    cb = peers.alloc("combine", (T * K, H), dtype)
+    for r in range(R):
+        xb[r].copy_(x_RTH[r])
+    ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
+    states = [
+        launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
+                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin)
+        for d in range(R)
+    ]
+    outs = []
+    for r in range(R):
+        out = torch.empty(T, H, dtype=dtype, device=dev)
+        launch_epilogue(states[r].y_shared, cb[r], topk_weights_RTK[r].float().contiguous(), ids_all[r], out,
+                        dims.e, shared_w13_2SH is not None)
+        outs.append(out)
+    return MultirankForward(outs, states, peers)

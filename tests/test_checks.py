@@ -1,0 +1,427 @@
+"""Bad input gets a clear error before any work (DESIGN.md "Invariants").
+
+Every malformed input of ``moe_forward_multirank`` raises the documented
+error type (TypeError for types and dtypes, ValueError for shapes, contiguity
+and values) with a message naming the problem; likewise ``KernelConfig``,
+``ModelShape`` and ``get_shape``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kittenmoe.config import TEST_SHAPES, KernelConfig, ModelShape, get_shape
+from kittenmoe.testing import make_weights, routing_uniform
+from kittenmoe.torch_backend import moe_forward_multirank
+
+SHAPE = TEST_SHAPES["tiny"]  # E=8, H=32, I=16, K=2
+R, T = 2, 5
+E, H, I, K = SHAPE.e, SHAPE.h, SHAPE.i, SHAPE.k
+
+
+def make_inputs(r: int = R, t: int = T, k: int = K, seed: int = 0) -> dict:
+    """Valid keyword arguments of moe_forward_multirank (with a shared expert)."""
+    g = torch.Generator().manual_seed(seed)
+    w = make_weights(SHAPE, generator=g)
+    xs, ids, tw = [], [], []
+    for _ in range(r):
+        xs.append(torch.randn(t, H, generator=g))
+        i_, w_ = routing_uniform(t, E, k, generator=g)
+        ids.append(i_)
+        tw.append(w_)
+    return dict(x_RTH=xs, topk_ids_RTK=ids, topk_weights_RTK=tw, w13_E2IH=w.w13_E2IH, w2_EHI=w.w2_EHI,
+                shared_w13_2SH=w.shared_w13_2SH, shared_w2_HS=w.shared_w2_HS)
+
+
+def test_valid_inputs_run():
+    # the baseline every bad case below perturbs is accepted
+    kw = make_inputs()
+    out = moe_forward_multirank(**kw)
+    assert len(out) == R and all(o.shape == (T, H) and torch.isfinite(o).all() for o in out)
+
+
+def _set(key, rank, fn):
+    """Mutation: replace kw[key][rank] with fn(old)."""
+    def mut(kw):
+        kw[key][rank] = fn(kw[key][rank])
+    return mut
+
+
+def _put(key, fn):
+    """Mutation: replace kw[key] with fn(old)."""
+    def mut(kw):
+        kw[key] = fn(kw[key])
+    return mut
+
+
+def _ids_and_weights(rank, fn_ids, fn_w=None):
+    def mut(kw):
+        kw["topk_ids_RTK"][rank] = fn_ids(kw["topk_ids_RTK"][rank])
+        if fn_w is not None:
+            kw["topk_weights_RTK"][rank] = fn_w(kw["topk_weights_RTK"][rank])
+    return mut
+
+
+def _poke_id(rank, value, dtype=torch.int64):
+    """Set one expert id of ``rank`` to ``value`` (ids converted to ``dtype``)."""
+    def fn(ids):
+        ids = ids.to(dtype).clone()
+        ids[T // 2, K - 1] = value
+        return ids
+    return _set("topk_ids_RTK", rank, fn)
+
+
+def _noncontig(v):
+    """Same values, transposed storage: not contiguous."""
+    return v.t().contiguous().t() if v.dim() == 2 else v.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+BAD_INPUTS = [
+    # ---- wrong number of dimensions
+    # x[0] [1, T, H] instead of [T, H]
+    pytest.param(_set("x_RTH", 0, lambda v: v[None]), ValueError, r"x\[0\] must have 2 dimensions", id="x-3d"),
+    # x[1] flattened to 1-D
+    pytest.param(_set("x_RTH", 1, lambda v: v.reshape(-1)), ValueError, r"x\[1\] must have 2 dimensions",
+                 id="x-1d"),
+    # topk_ids[1] flattened to [T*K]
+    pytest.param(_set("topk_ids_RTK", 1, lambda v: v.reshape(-1)), ValueError,
+                 r"topk_ids\[1\] must have 2 dimensions", id="ids-1d"),
+    # topk_ids[0] with an extra leading dim
+    pytest.param(_set("topk_ids_RTK", 0, lambda v: v[None]), ValueError, r"topk_ids\[0\] must have 2 dimensions",
+                 id="ids-3d"),
+    # topk_weights[0] with an extra trailing dim
+    pytest.param(_set("topk_weights_RTK", 0, lambda v: v[..., None]), ValueError,
+                 r"topk_weights\[0\] must have 2 dimensions", id="weights-3d"),
+    # w13 missing the expert dim
+    pytest.param(_put("w13_E2IH", lambda v: v[0]), ValueError, r"w13 must have 3 dimensions", id="w13-2d"),
+    # w2 missing the expert dim
+    pytest.param(_put("w2_EHI", lambda v: v[0]), ValueError, r"w2 must have 3 dimensions", id="w2-2d"),
+    # w2 with an extra dim
+    pytest.param(_put("w2_EHI", lambda v: v[None]), ValueError, r"w2 must have 3 dimensions", id="w2-4d"),
+    # shared_w13 with an expert dim it should not have
+    pytest.param(_put("shared_w13_2SH", lambda v: v[None]), ValueError, r"shared_w13 must have 2 dimensions",
+                 id="shared-w13-3d"),
+    # shared_w2 flattened
+    pytest.param(_put("shared_w2_HS", lambda v: v.reshape(-1)), ValueError, r"shared_w2 must have 2 dimensions",
+                 id="shared-w2-1d"),
+    # ---- shapes of the weights
+    # w13 dim 1 odd: cannot split into gate and up halves
+    pytest.param(_put("w13_E2IH", lambda v: v[:, :-1].contiguous()), ValueError, r"dim 1 = 31 is odd",
+                 id="w13-odd-dim1"),
+    # w2 inner dim I-1 instead of I
+    pytest.param(_put("w2_EHI", lambda v: v[:, :, :-1].contiguous()), ValueError, r"w2 must be \[E, H, I\]",
+                 id="w2-wrong-I"),
+    # w2 with fewer experts than w13
+    pytest.param(_put("w2_EHI", lambda v: v[:-2].contiguous()), ValueError, r"w2 must be \[E, H, I\]",
+                 id="w2-wrong-E"),
+    # w2 laid out [E, I, H] (transposed) instead of [E, H, I]
+    pytest.param(_put("w2_EHI", lambda v: v.transpose(1, 2).contiguous()), ValueError, r"w2 must be \[E, H, I\]",
+                 id="w2-transposed"),
+    # shared_w13 with the wrong hidden size
+    pytest.param(_put("shared_w13_2SH", lambda v: v[:, :-1].contiguous()), ValueError,
+                 r"shared_w13 must be \[2\*S, H=32\]", id="shared-w13-wrong-H"),
+    # shared_w13 with an odd row count
+    pytest.param(_put("shared_w13_2SH", lambda v: v[:-1].contiguous()), ValueError, r"shared_w13 must be \[2\*S",
+                 id="shared-w13-odd"),
+    # shared_w2 width not matching shared_w13
+    pytest.param(_put("shared_w2_HS", lambda v: v[:, :-1].contiguous()), ValueError, r"shared_w2 must be \[H, S\]",
+                 id="shared-w2-wrong-S"),
+    # ---- dtypes
+    # x float64 while the expert weights are float32
+    pytest.param(_set("x_RTH", 1, lambda v: v.double()), TypeError,
+                 r"x\[1\] has dtype torch.float64 but the expert weights are torch.float32", id="x-vs-weights"),
+    # x bfloat16 while the expert weights are float32
+    pytest.param(_set("x_RTH", 0, lambda v: v.bfloat16()), TypeError, r"x\[0\] has dtype torch.bfloat16",
+                 id="x-bf16-vs-weights"),
+    # w2 float64, w13 float32
+    pytest.param(_put("w2_EHI", lambda v: v.double()), TypeError, r"w13 .*and w2 .*must share a dtype",
+                 id="w13-vs-w2"),
+    # shared_w13 bf16, routed float32
+    pytest.param(_put("shared_w13_2SH", lambda v: v.bfloat16()), TypeError,
+                 r"shared expert weights must have the routed weights' dtype", id="shared-w13-vs-routed"),
+    # shared_w2 float64, routed float32
+    pytest.param(_put("shared_w2_HS", lambda v: v.double()), TypeError,
+                 r"shared expert weights must have the routed weights' dtype", id="shared-w2-vs-routed"),
+    # float expert ids
+    pytest.param(_set("topk_ids_RTK", 0, lambda v: v.float()), TypeError, r"topk_ids\[0\] has dtype torch.float32",
+                 id="ids-float"),
+    # int16 expert ids (only int32/int64 supported)
+    pytest.param(_set("topk_ids_RTK", 1, lambda v: v.to(torch.int16)), TypeError,
+                 r"topk_ids\[1\] has dtype torch.int16", id="ids-int16"),
+    # integer router weights
+    pytest.param(_set("topk_weights_RTK", 0, lambda v: v.to(torch.int32)), TypeError,
+                 r"topk_weights\[0\] has dtype torch.int32", id="weights-int"),
+    # integer expert weights
+    pytest.param(_put("w13_E2IH", lambda v: v.to(torch.int32)), TypeError, r"w13 has dtype torch.int32",
+                 id="w13-int"),
+    # ---- contiguity
+    # x[0] transposed storage
+    pytest.param(_set("x_RTH", 0, _noncontig), ValueError, r"x\[0\] must be contiguous", id="x-noncontig"),
+    # x[1] a strided slice of a wider tensor
+    pytest.param(_set("x_RTH", 1, lambda v: torch.cat([v, v], 1)[:, ::2]), ValueError,
+                 r"x\[1\] must be contiguous", id="x-strided"),
+    # topk_weights[1] transposed storage
+    pytest.param(_set("topk_weights_RTK", 1, _noncontig), ValueError, r"topk_weights\[1\] must be contiguous",
+                 id="weights-noncontig"),
+    # topk_ids[0] transposed storage
+    pytest.param(_set("topk_ids_RTK", 0, _noncontig), ValueError, r"topk_ids\[0\] must be contiguous",
+                 id="ids-noncontig"),
+    # w13 transposed storage
+    pytest.param(_put("w13_E2IH", _noncontig), ValueError, r"w13 must be contiguous", id="w13-noncontig"),
+    # w2 transposed storage
+    pytest.param(_put("w2_EHI", _noncontig), ValueError, r"w2 must be contiguous", id="w2-noncontig"),
+    # shared_w2 transposed storage
+    pytest.param(_put("shared_w2_HS", _noncontig), ValueError, r"shared_w2 must be contiguous",
+                 id="shared-w2-noncontig"),
+    # ---- token / hidden / top-k consistency
+    # rank 1 has T-1 tokens (x, ids and weights all consistent with each other)
+    pytest.param(lambda kw: [_set(k_, 1, lambda v: v[:-1].contiguous())(kw)
+                             for k_ in ("x_RTH", "topk_ids_RTK", "topk_weights_RTK")],
+                 ValueError, r"x\[1\] has 4 tokens but x\[0\] has 5; every rank needs the same T", id="T-differs"),
+    # ids with T-1 rows while x has T
+    pytest.param(_set("topk_ids_RTK", 0, lambda v: v[:-1].contiguous()), ValueError,
+                 r"topk_ids\[0\] .* must both be \[T, K\]", id="ids-T-vs-x"),
+    # weights with K-1 columns while ids have K
+    pytest.param(_set("topk_weights_RTK", 1, lambda v: v[:, :-1].contiguous()), ValueError,
+                 r"topk_weights\[1\] .* must both be \[T, K\]", id="weights-K-vs-ids"),
+    # rank 1 uses a different K (ids and weights agree with each other)
+    pytest.param(_ids_and_weights(1, lambda v: v[:, :1].contiguous(), lambda v: v[:, :1].contiguous()),
+                 ValueError, r"must both be \[T, K\] = \(5, 2\)", id="K-differs"),
+    # x hidden size H+1 vs weights' H
+    pytest.param(_set("x_RTH", 1, lambda v: torch.cat([v, v[:, :1]], 1)), ValueError,
+                 r"x\[1\] has hidden size 33, the weights expect H=32", id="H-mismatch"),
+    # K = E+1 ids per token
+    pytest.param(lambda kw: [_ids_and_weights(r, lambda v: torch.zeros(T, E + 1, dtype=torch.int64),
+                                              lambda v: torch.full((T, E + 1), 1.0 / (E + 1)))(kw)
+                             for r in range(R)],
+                 ValueError, r"top-k K=9 exceeds the number of experts E=8", id="K>E"),
+    # T=0 on every rank
+    pytest.param(lambda kw: [_ids_and_weights(r, lambda v: v[:0], lambda v: v[:0])(kw) or
+                             _set("x_RTH", r, lambda v: v[:0])(kw) for r in range(R)],
+                 ValueError, r"no tokens \(T=0\)", id="T=0"),
+    # K=0 on every rank
+    pytest.param(lambda kw: [_ids_and_weights(r, lambda v: v[:, :0].contiguous(), lambda v: v[:, :0].contiguous())(kw)
+                             for r in range(R)],
+                 ValueError, r"K=0", id="K=0"),
+    # ---- shared expert pairing
+    # shared_w13 given, shared_w2 missing
+    pytest.param(_put("shared_w2_HS", lambda v: None), ValueError, r"shared_w13 and shared_w2 must be given together",
+                 id="shared-w13-only"),
+    # shared_w2 given, shared_w13 missing
+    pytest.param(_put("shared_w13_2SH", lambda v: None), ValueError,
+                 r"shared_w13 and shared_w2 must be given together", id="shared-w2-only"),
+    # ---- the per-rank lists
+    # x an empty list
+    pytest.param(_put("x_RTH", lambda v: []), TypeError, r"x must be a non-empty list", id="x-empty"),
+    # topk_ids an empty list
+    pytest.param(_put("topk_ids_RTK", lambda v: []), TypeError, r"topk_ids must be a non-empty list",
+                 id="ids-empty"),
+    # topk_weights an empty list
+    pytest.param(_put("topk_weights_RTK", lambda v: []), TypeError, r"topk_weights must be a non-empty list",
+                 id="weights-empty"),
+    # x a stacked tensor instead of a list per rank
+    pytest.param(_put("x_RTH", torch.stack), TypeError, r"x must be a non-empty list", id="x-tensor-not-list"),
+    # one fewer topk_ids than x
+    pytest.param(_put("topk_ids_RTK", lambda v: v[:1]), ValueError,
+                 r"one tensor per rank expected: got 2 x, 1 topk_ids", id="ids-list-short"),
+    # one more topk_weights than x
+    pytest.param(_put("topk_weights_RTK", lambda v: v + v[:1]), ValueError,
+                 r"one tensor per rank expected: got 2 x, 2 topk_ids, 3 topk_weights", id="weights-list-long"),
+    # a rank's x not a tensor
+    pytest.param(_set("x_RTH", 1, lambda v: v.tolist()), TypeError, r"x\[1\] must be a torch.Tensor",
+                 id="x-elem-list"),
+    # w13 not a tensor
+    pytest.param(_put("w13_E2IH", lambda v: v.numpy()), TypeError, r"w13 must be a torch.Tensor", id="w13-numpy"),
+    # ---- expert ids: E not divisible by R, out of range
+    # R=3 ranks cannot split E=8 experts
+    pytest.param(lambda kw: kw.update(make_inputs(r=3)), ValueError,
+                 r"E=8 experts cannot be split evenly over R=3 ranks", id="E%R"),
+    # id == E on rank 1
+    pytest.param(_poke_id(1, E), ValueError, r"1 routes name an expert id outside \[0, E=8\)", id="id=E"),
+    # id far past E on rank 0
+    pytest.param(_poke_id(0, 1000), ValueError, r"outside \[0, E=8\)", id="id>>E"),
+    # id -1 on rank 0
+    pytest.param(_poke_id(0, -1), ValueError, r"outside \[0, E=8\)", id="id=-1"),
+    # very negative int32 id on rank 1
+    pytest.param(_poke_id(1, -2**31, torch.int32), ValueError, r"outside \[0, E=8\)", id="id-int32-min"),
+]
+
+
+@pytest.mark.parametrize("mutate, exc, match", BAD_INPUTS)
+def test_bad_input_raises(mutate, exc, match):
+    kw = make_inputs()
+    mutate(kw)
+    with pytest.raises(exc, match=match):
+        moe_forward_multirank(**kw)
+
+
+def test_invalid_ids_counted_across_ranks():
+    # the message reports how many routes are invalid, summed over every rank
+    kw = make_inputs()
+    kw["topk_ids_RTK"][0] = kw["topk_ids_RTK"][0].clone()
+    kw["topk_ids_RTK"][1] = kw["topk_ids_RTK"][1].clone()
+    kw["topk_ids_RTK"][0][0, 0] = -3
+    kw["topk_ids_RTK"][1][2, 1] = E
+    kw["topk_ids_RTK"][1][4, 0] = E + 5
+    with pytest.raises(ValueError, match=r"^3 routes name an expert id outside \[0, E=8\)"):
+        moe_forward_multirank(**kw)
+
+
+@pytest.mark.parametrize("block_m", [0, -4])  # non-positive row tile of the torch backend
+def test_bad_block_m(block_m):
+    with pytest.raises(ValueError, match=r"block_m must be >= 1"):
+        moe_forward_multirank(**make_inputs(), block_m=block_m)
+
+
+def test_inputs_not_modified_by_failed_call():
+    # a rejected call leaves the caller's tensors untouched
+    kw = make_inputs()
+    kw["topk_ids_RTK"][1] = kw["topk_ids_RTK"][1].clone()
+    kw["topk_ids_RTK"][1][0, 0] = E
+    before = [t.clone() for t in kw["x_RTH"] + kw["topk_ids_RTK"] + kw["topk_weights_RTK"]]
+    with pytest.raises(ValueError):
+        moe_forward_multirank(**kw)
+    after = kw["x_RTH"] + kw["topk_ids_RTK"] + kw["topk_weights_RTK"]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# ---------------------------------------------------------------- KernelConfig
+
+def test_kernel_config_default_valid():
+    # the defaults and a few legal variations construct
+    KernelConfig()
+    KernelConfig(block_m=16, block_n=16, block_k=16, minibatch_size=16, macrobatch_size=64, num_warps=1)
+    KernelConfig(block_m=256, minibatch_size=256, macrobatch_size=256, num_comm_programs_fwd=1,
+                 num_comm_programs_bwd=1, num_stages=1)
+    assert KernelConfig().with_(macrobatch_size=1024).macrobatch_size == 1024
+
+
+BAD_CONFIGS = [
+    # ---- non-int knobs
+    # float block_m
+    pytest.param(dict(block_m=128.0), TypeError, r"KernelConfig.block_m must be an int, got float", id="block_m-float"),
+    # bool passed for an int knob
+    pytest.param(dict(num_comm_programs_fwd=True), TypeError, r"num_comm_programs_fwd must be an int, got bool",
+                 id="comm-bool"),
+    # string minibatch
+    pytest.param(dict(minibatch_size="512"), TypeError, r"minibatch_size must be an int, got str", id="minibatch-str"),
+    # float macrobatch (None is the only non-int allowed)
+    pytest.param(dict(macrobatch_size=1024.0), TypeError, r"macrobatch_size must be an int, got float",
+                 id="macrobatch-float"),
+    # float num_warps
+    pytest.param(dict(num_warps=4.0), TypeError, r"num_warps must be an int", id="warps-float"),
+    # None for a knob that has no None meaning
+    pytest.param(dict(num_stages=None), TypeError, r"num_stages must be an int, got NoneType", id="stages-none"),
+    # ---- block sizes
+    # block_m not a power of two
+    pytest.param(dict(block_m=96, minibatch_size=96 * 4), ValueError, r"block_m must be a power of two >= 16",
+                 id="block_m-not-pow2"),
+    # block_n not a power of two
+    pytest.param(dict(block_n=48), ValueError, r"block_n must be a power of two", id="block_n-not-pow2"),
+    # block_k power of two but below tl.dot's 16
+    pytest.param(dict(block_k=8), ValueError, r"block_k must be a power of two >= 16", id="block_k-8"),
+    # block_m zero
+    pytest.param(dict(block_m=0), ValueError, r"block_m must be a power of two", id="block_m-0"),
+    # block_n negative
+    pytest.param(dict(block_n=-64), ValueError, r"block_n must be a power of two", id="block_n-negative"),
+    # block_m past the shared-memory cap
+    pytest.param(dict(block_m=512, minibatch_size=512), ValueError, r"block sizes above 256", id="block_m-512"),
+    # ---- minibatch / macrobatch
+    # minibatch not a multiple of block_m
+    pytest.param(dict(minibatch_size=200), ValueError, r"minibatch_size=200 must be a positive multiple of block_m=128",
+                 id="minibatch-not-multiple"),
+    # minibatch smaller than block_m
+    pytest.param(dict(minibatch_size=64), ValueError, r"minibatch_size=64 must be a positive multiple",
+                 id="minibatch<block_m"),
+    # minibatch zero
+    pytest.param(dict(minibatch_size=0), ValueError, r"minibatch_size=0 must be a positive multiple",
+                 id="minibatch-0"),
+    # macrobatch not a multiple of minibatch
+    pytest.param(dict(macrobatch_size=768), ValueError,
+                 r"macrobatch_size=768 must be a positive multiple of minibatch_size=512",
+                 id="macrobatch-not-multiple"),
+    # macrobatch smaller than minibatch
+    pytest.param(dict(macrobatch_size=256), ValueError, r"macrobatch_size=256 must be a positive multiple",
+                 id="macrobatch<minibatch"),
+    # macrobatch zero
+    pytest.param(dict(macrobatch_size=0), ValueError, r"macrobatch_size=0 must be a positive multiple",
+                 id="macrobatch-0"),
+    # ---- programs, stages, warps
+    # no forward communication program
+    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd must be >= 1", id="comm-fwd-0"),
+    # negative backward communication programs
+    pytest.param(dict(num_comm_programs_bwd=-1), ValueError, r"num_comm_programs_bwd must be >= 1",
+                 id="comm-bwd-negative"),
+    # zero pipeline stages
+    pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),
+    # num_warps not a power of two
+    pytest.param(dict(num_warps=3), ValueError, r"num_warps must be one of 1, 2, 4, 8, 16, got 3", id="warps-3"),
+    # num_warps too many
+    pytest.param(dict(num_warps=32), ValueError, r"num_warps must be one of", id="warps-32"),
+    # num_warps zero
+    pytest.param(dict(num_warps=0), ValueError, r"num_warps must be one of", id="warps-0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", BAD_CONFIGS)
+def test_kernel_config_rejects(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        KernelConfig(**kwargs)
+
+
+def test_kernel_config_with_validates():
+    # with_() re-validates: a bad change is rejected, the original is untouched
+    cfg = KernelConfig()
+    with pytest.raises(ValueError, match=r"minibatch_size=100"):
+        cfg.with_(minibatch_size=100)
+    assert cfg.minibatch_size == 512
+
+
+# ---------------------------------------------------------------- ModelShape, get_shape
+
+BAD_SHAPES = [
+    # K > E
+    pytest.param(dict(e=4, h=8, i=8, k=5), r"top-k K=5 exceeds the number of experts E=4", id="K>E"),
+    # unknown score function
+    pytest.param(dict(e=4, h=8, i=8, k=2, score_func="relu"), r"score_func must be 'softmax' or 'sigmoid'",
+                 id="score-func"),
+    # zero experts
+    pytest.param(dict(e=0, h=8, i=8, k=1), r"ModelShape.e must be a positive int, got 0", id="e-0"),
+    # negative hidden
+    pytest.param(dict(e=4, h=-8, i=8, k=1), r"ModelShape.h must be a positive int, got -8", id="h-negative"),
+    # zero expert width
+    pytest.param(dict(e=4, h=8, i=0, k=1), r"ModelShape.i must be a positive int, got 0", id="i-0"),
+    # zero top-k
+    pytest.param(dict(e=4, h=8, i=8, k=0), r"ModelShape.k must be a positive int, got 0", id="k-0"),
+    # float dimension
+    pytest.param(dict(e=4, h=8.0, i=8, k=1), r"ModelShape.h must be a positive int, got 8.0", id="h-float"),
+    # negative shared width
+    pytest.param(dict(e=4, h=8, i=8, k=1, shared_i=-1), r"shared_i must be >= 0", id="shared_i-negative"),
+    # non-positive SwiGLU clamp
+    pytest.param(dict(e=4, h=8, i=8, k=1, swiglu_limit=0.0), r"swiglu_limit must be > 0 or None",
+                 id="swiglu-limit-0"),
+]
+
+
+@pytest.mark.parametrize("kwargs, match", BAD_SHAPES)
+def test_model_shape_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelShape("bad", **kwargs)
+
+
+def test_model_shape_valid_and_split():
+    # a valid shape constructs; experts_per_rank rejects uneven splits and EP <= 0
+    s = ModelShape("ok", e=8, h=8, i=8, k=8, shared_i=0)
+    assert s.shared_width == 0 and s.experts_per_rank(4) == 2
+    with pytest.raises(ValueError, match=r"E=8 experts cannot be split evenly over EP=3"):
+        s.experts_per_rank(3)
+    with pytest.raises(ValueError, match=r"EP=0"):
+        s.experts_per_rank(0)
+
+
+def test_get_shape():
+    # known names resolve; unknown names list the known ones
+    assert get_shape("tiny") is TEST_SHAPES["tiny"]
+    with pytest.raises(ValueError, match=r"unknown model shape 'nope'; known: .*tiny"):
+        get_shape("nope")

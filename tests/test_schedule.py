@@ -1,0 +1,330 @@
+"""build_schedule against a naive pure-Python construction (DESIGN.md "The pipeline, per rank", step 2).
+
+The naive table: for each local expert, for each per-source ordinal, for each
+source rank (round-robin), one row holding (source rank, t*K + j); each expert
+segment padded to a multiple of block_m with -1 rows; -1 beyond num_rows up to
+the worst-case capacity R*T*K + L*(block_m - 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kittenmoe.schedule import Schedule, build_schedule
+
+BLOCK_MS = (1, 2, 4, 16)
+
+
+# ---------------------------------------------------------------- naive model
+
+def naive_schedule(ids: list, rank: int, L: int, bm: int) -> dict:
+    """Pure-Python schedule of destination ``rank`` from nested-list ids [R][T][K]."""
+    R, T = len(ids), len(ids[0])
+    K = len(ids[0][0]) if T else 0
+    E = R * L
+    # routes[src][e]: this rank's local expert e's routes from src, in (t, j) order.
+    routes = [[[] for _ in range(L)] for _ in range(R)]
+    num_invalid = 0
+    for src in range(R):
+        for t in range(T):
+            for j in range(K):
+                g = ids[src][t][j]
+                if not 0 <= g < E:
+                    num_invalid += 1
+                    continue
+                if g // L == rank:
+                    routes[src][g - rank * L].append(t * K + j)
+    peer_rank, peer_tok, offsets, counts = [], [], [0], []
+    for e in range(L):
+        cnt = sum(len(routes[src][e]) for src in range(R))
+        counts.append(cnt)
+        longest = max(len(routes[src][e]) for src in range(R))
+        for o in range(longest):
+            for src in range(R):
+                if o < len(routes[src][e]):
+                    peer_rank.append(src)
+                    peer_tok.append(routes[src][e][o])
+        while len(peer_rank) % bm:
+            peer_rank.append(-1)
+            peer_tok.append(-1)
+        offsets.append(len(peer_rank))
+    num_rows = len(peer_rank)
+    cap = R * T * K + L * (bm - 1)
+    peer_rank += [-1] * (cap - num_rows)
+    peer_tok += [-1] * (cap - num_rows)
+    tile_expert = []
+    for tile in range(cap // bm):
+        start = tile * bm
+        owner = -1
+        if start < num_rows:
+            owner = next(e for e in range(L) if offsets[e] <= start < offsets[e + 1])
+        tile_expert.append(owner)
+    return dict(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
+                num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, capacity=cap)
+
+
+# ---------------------------------------------------------------- the checks
+
+INT32_FIELDS = ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
+                "num_invalid")
+
+
+def check_schedule(ids_RTK: torch.Tensor, rank: int, L: int, bm: int) -> Schedule:
+    """Build the schedule and check every property against the naive model; returns it."""
+    ids = ids_RTK.tolist()
+    R, T, K = ids_RTK.shape
+    E = R * L
+    s = build_schedule(ids_RTK, rank, L, bm)
+    ref = naive_schedule(ids, rank, L, bm)
+    ctx = f"R={R} T={T} K={K} L={L} block_m={bm} rank={rank} ids={ids}"
+
+    # dtypes and sizes
+    for f in INT32_FIELDS:
+        assert getattr(s, f).dtype == torch.int32, f"{f} dtype {getattr(s, f).dtype}; {ctx}"
+    cap = R * T * K + L * (bm - 1)
+    assert s.capacity == cap == ref["capacity"], ctx
+    assert tuple(s.peer_rank.shape) == tuple(s.peer_token_idx.shape) == (cap,), ctx
+    assert tuple(s.expert_offsets.shape) == (L + 1,), ctx
+    assert tuple(s.expert_counts.shape) == (L,), ctx
+    assert tuple(s.num_rows.shape) == (1,) and tuple(s.num_invalid.shape) == (1,), ctx
+    assert s.num_tiles == cap // bm and tuple(s.tile_expert.shape) == (cap // bm,), ctx
+    assert (s.rank, s.num_ranks, s.experts_per_rank, s.tokens, s.topk, s.block_m) == (rank, R, L, T, K, bm)
+
+    # table equality with the naive construction, over the whole capacity
+    assert s.peer_rank.tolist() == ref["peer_rank"], ctx
+    assert s.peer_token_idx.tolist() == ref["peer_token_idx"], ctx
+    assert s.expert_offsets.tolist() == ref["expert_offsets"], ctx
+    assert s.expert_counts.tolist() == ref["expert_counts"], ctx
+    assert s.num_rows.tolist() == [ref["num_rows"]], ctx
+    assert s.tile_expert.tolist() == ref["tile_expert"], ctx
+    assert s.num_invalid.tolist() == [ref["num_invalid"]], ctx
+
+    # structural invariants, stated independently of the naive table
+    pr, pt = s.peer_rank.tolist(), s.peer_token_idx.tolist()
+    off, cnt = s.expert_offsets.tolist(), s.expert_counts.tolist()
+    n = s.num_rows.item()
+    assert off[0] == 0 and off[-1] == n, ctx
+    assert n % bm == 0 and n <= cap, ctx
+    for e in range(L):
+        assert off[e] % bm == 0, ctx
+        assert off[e + 1] - off[e] == -(-cnt[e] // bm) * bm, ctx
+        seg = list(zip(pr[off[e]:off[e + 1]], pt[off[e]:off[e + 1]]))
+        real = [r for r in seg if r != (-1, -1)]
+        # real rows first, then padding rows; padding is -1 in both columns
+        assert seg[:cnt[e]] == real and len(real) == cnt[e], ctx
+        for src, tok in real:
+            assert ids[src][tok // K][tok % K] == rank * L + e, ctx
+    for row in range(cap):
+        assert (pr[row] == -1) == (pt[row] == -1), f"row {row} half padding; {ctx}"
+    assert all(v == -1 for v in pr[n:]) and all(v == -1 for v in pt[n:]), ctx
+
+    # every owned route appears exactly once; no foreign or invalid route appears
+    owned = {(src, t * K + j) for src in range(R) for t in range(T) for j in range(K)
+             if 0 <= ids[src][t][j] < E and ids[src][t][j] // L == rank}
+    rows = [(a, b) for a, b in zip(pr, pt) if a != -1]
+    assert len(rows) == len(set(rows)), f"duplicate route; {ctx}"
+    assert set(rows) == owned, ctx
+
+    # tile_expert: each tile's expert owns all its rows, -1 past num_rows
+    te = s.tile_expert.tolist()
+    for tile, e in enumerate(te):
+        if tile * bm < n:
+            assert off[e] <= tile * bm < off[e + 1], ctx
+        else:
+            assert e == -1, ctx
+
+    # invalid count
+    assert s.num_invalid.item() == sum(not 0 <= g < E for plane in ids for tok in plane for g in tok), ctx
+    return s
+
+
+# ---------------------------------------------------------------- hypothesis
+
+@st.composite
+def routing_case(draw):
+    R = draw(st.integers(1, 4))
+    L = draw(st.integers(1, 4))
+    E = R * L
+    T = draw(st.integers(1, 9))
+    K = draw(st.integers(1, min(E, 4)))
+    bm = draw(st.sampled_from(BLOCK_MS))
+    rank = draw(st.integers(0, R - 1))
+    mode = draw(st.sampled_from(["distinct", "repeats", "invalid"]))
+    if mode == "distinct":  # a real router: K distinct experts per token
+        tok = st.lists(st.integers(0, E - 1), min_size=K, max_size=K, unique=True)
+    elif mode == "repeats":  # any valid ids, repeats within a token allowed
+        tok = st.lists(st.integers(0, E - 1), min_size=K, max_size=K)
+    else:  # some ids outside [0, E)
+        tok = st.lists(st.integers(-3, E + 2), min_size=K, max_size=K)
+    ids = draw(st.lists(st.lists(tok, min_size=T, max_size=T), min_size=R, max_size=R))
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    return torch.tensor(ids, dtype=dtype).reshape(R, T, K), rank, L, bm
+
+
+@settings(max_examples=400, deadline=None)
+@given(routing_case())
+def test_schedule_matches_naive(case):
+    ids, rank, L, bm = case
+    check_schedule(ids, rank, L, bm)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing_case())
+def test_every_route_lands_on_exactly_one_rank(case):
+    """Across all destination ranks together, each valid route is scheduled exactly once."""
+    ids, _, L, bm = case
+    R, T, K = ids.shape
+    seen = []
+    for d in range(R):
+        s = build_schedule(ids, d, L, bm)
+        seen += [(a, b) for a, b in zip(s.peer_rank.tolist(), s.peer_token_idx.tolist()) if a != -1]
+    flat = ids.reshape(R, T * K).tolist()
+    valid = [(src, p) for src in range(R) for p in range(T * K) if 0 <= flat[src][p] < R * L]
+    assert sorted(seen) == sorted(valid)
+
+
+# ---------------------------------------------------------------- explicit extremes
+
+def _ids(R, T, K, fill):
+    """ids[r, t, j] = fill(r, t, j) as an int64 tensor [R, T, K]."""
+    return torch.tensor([[[fill(r, t, j) for j in range(K)] for t in range(T)] for r in range(R)],
+                        dtype=torch.int64)
+
+
+EXTREMES = [
+    # every route of every rank to one expert (repeats within a token): one segment holds all R*T*K rows
+    pytest.param(_ids(3, 5, 2, lambda r, t, j: 4), 1, 3, 4, id="all-to-one-expert"),
+    # the same with distinct ids per token: all first choices to expert 0, second choices spread
+    pytest.param(_ids(2, 6, 2, lambda r, t, j: 0 if j == 0 else 1 + (t % 3)), 0, 4, 4, id="hot-first-choice"),
+    # this rank's local experts 0 and 2 receive nothing: empty segments before and between filled ones
+    pytest.param(_ids(2, 4, 1, lambda r, t, j: 7 if t % 2 else 5), 1, 4, 16, id="empty-experts"),
+    # all experts of this rank are empty, but other ranks get routes: num_rows 0, every tile -1
+    pytest.param(_ids(2, 4, 2, lambda r, t, j: j), 1, 2, 4, id="routes-all-foreign"),
+    # single token per rank
+    pytest.param(_ids(3, 1, 2, lambda r, t, j: (r + j) % 6), 0, 2, 2, id="T=1"),
+    # T=7, not a multiple of block_m or anything else
+    pytest.param(_ids(2, 7, 3, lambda r, t, j: (3 * t + j + r) % 8), 1, 4, 4, id="T=7"),
+    # K=1: one route per token
+    pytest.param(_ids(4, 5, 1, lambda r, t, j: (t + r) % 4), 2, 1, 2, id="K=1"),
+    # K equals E_local (and E for R=1): every token routes to every local expert
+    pytest.param(_ids(1, 5, 4, lambda r, t, j: j), 0, 4, 4, id="K=E_local-R1"),
+    # K = E_local with R=2, ids permuted per token so each token hits all of rank 1's experts
+    pytest.param(_ids(2, 3, 3, lambda r, t, j: 3 + (j + t) % 3), 1, 3, 2, id="K=E_local-R2"),
+    # block_m larger than any segment: every non-empty segment is mostly padding
+    pytest.param(_ids(2, 3, 2, lambda r, t, j: (t + j) % 4), 0, 2, 16, id="block_m>rows"),
+    # block_m=1: no padding at all, tiles are rows
+    pytest.param(_ids(3, 4, 2, lambda r, t, j: (r * 5 + t + j) % 6), 2, 2, 1, id="block_m=1"),
+    # ids out of range, negative and >= E, mixed with valid ones: counted, never written
+    pytest.param(_ids(2, 4, 2, lambda r, t, j: [-1, 4, 0, 3, 100, -7, 2, 1][(t * 2 + j) % 8]), 1, 2, 4,
+                 id="invalid-mixed"),
+    # every id invalid: empty table, num_invalid = R*T*K
+    pytest.param(_ids(2, 3, 2, lambda r, t, j: -1 if (t + j) % 2 else 8), 0, 4, 2, id="invalid-all"),
+    # invalid id equal to exactly E (one past the last rank's last expert), checked on the last rank
+    pytest.param(_ids(2, 2, 1, lambda r, t, j: 4), 1, 2, 2, id="invalid-E-on-last-rank"),
+    # large negative / large positive int32 extremes do not overflow into a valid slot
+    pytest.param(torch.tensor([[[-2**31, 2**31 - 1], [1, 0]]], dtype=torch.int32), 0, 2, 2,
+                 id="invalid-int32-extremes"),
+]
+
+
+@pytest.mark.parametrize("ids, rank, L, bm", EXTREMES)
+def test_schedule_extremes(ids, rank, L, bm):
+    s = check_schedule(ids, rank, L, bm)
+    check_schedule(ids.to(torch.int32), rank, L, bm)
+    # never writes an invalid route: all rows reference in-range ids of this rank
+    R, T, K = ids.shape
+    flat = ids.reshape(R, T * K)
+    for a, b in zip(s.peer_rank.tolist(), s.peer_token_idx.tolist()):
+        if a != -1:
+            assert rank * L <= flat[a, b].item() < (rank + 1) * L
+
+
+def test_all_to_one_expert_counts():
+    # every route in the system to global expert 4 (rank 1, local 1): one full segment, the rest empty
+    ids = _ids(3, 5, 2, lambda r, t, j: 4)
+    s = build_schedule(ids, 1, 3, 4)
+    assert s.expert_counts.tolist() == [0, 30, 0]
+    assert s.expert_offsets.tolist() == [0, 0, 32, 32]
+    assert s.num_rows.item() == 32
+    # round-robin: rows cycle over source ranks 0, 1, 2
+    assert s.peer_rank[:30].tolist() == [0, 1, 2] * 10
+    for d in (0, 2):
+        other = build_schedule(ids, d, 3, 4)
+        assert other.num_rows.item() == 0 and (other.peer_rank == -1).all() and (other.tile_expert == -1).all()
+
+
+def test_routes_all_foreign():
+    # no route names this rank's experts: empty table, zero counts, every tile -1, nothing invalid
+    ids = _ids(2, 4, 2, lambda r, t, j: j)
+    s = build_schedule(ids, 1, 2, 4)
+    assert s.num_rows.item() == 0 and s.num_invalid.item() == 0
+    assert s.expert_counts.tolist() == [0, 0] and s.expert_offsets.tolist() == [0, 0, 0]
+    assert (s.peer_rank == -1).all() and (s.peer_token_idx == -1).all() and (s.tile_expert == -1).all()
+
+
+def test_invalid_ids_counted_on_every_rank():
+    # num_invalid counts invalid routes of all ranks, the same on every destination rank
+    ids = _ids(2, 3, 2, lambda r, t, j: [-1, 0, 4, 3, 2, 9][(t * 2 + j)] if r == 0 else 1)
+    for d in range(2):
+        s = build_schedule(ids, d, 2, 2)
+        assert s.num_invalid.item() == 3
+
+
+# ---------------------------------------------------------------- determinism
+
+@pytest.mark.parametrize("bm", BLOCK_MS)
+def test_schedule_deterministic(bm):
+    # two calls on the same input give bitwise identical tables
+    g = torch.Generator().manual_seed(bm)
+    ids = torch.randint(-1, 13, (3, 9, 4), generator=g)
+    for rank in range(3):
+        a = build_schedule(ids, rank, 4, bm)
+        b = build_schedule(ids.clone(), rank, 4, bm)
+        for f in INT32_FIELDS:
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_schedule_int32_int64_agree():
+    # the ids' integer width does not change the table
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 8, (2, 7, 3), generator=g)
+    for rank in range(2):
+        a = build_schedule(ids, rank, 4, 4)
+        b = build_schedule(ids.to(torch.int32), rank, 4, 4)
+        for f in INT32_FIELDS:
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+# ---------------------------------------------------------------- bad arguments
+
+GOOD_IDS = torch.zeros(2, 3, 2, dtype=torch.int64)
+
+BAD_ARGS = [
+    # rank past the last rank
+    pytest.param(GOOD_IDS, 2, 2, 4, ValueError, r"rank=2 outside \[0, R=2\)", id="rank>=R"),
+    # negative rank
+    pytest.param(GOOD_IDS, -1, 2, 4, ValueError, r"rank=-1 outside", id="rank<0"),
+    # ids [T, K] instead of [R, T, K]
+    pytest.param(GOOD_IDS[0], 0, 2, 4, ValueError, r"\[R, T, K\]", id="ids-2d"),
+    # ids with a 4th dimension
+    pytest.param(GOOD_IDS[None], 0, 2, 4, ValueError, r"\[R, T, K\]", id="ids-4d"),
+    # float ids
+    pytest.param(GOOD_IDS.float(), 0, 2, 4, TypeError, r"int32 or int64", id="ids-float"),
+    # narrower integer ids
+    pytest.param(GOOD_IDS.to(torch.int16), 0, 2, 4, TypeError, r"int32 or int64", id="ids-int16"),
+    # not a tensor at all
+    pytest.param(GOOD_IDS.tolist(), 0, 2, 4, TypeError, r"torch.Tensor", id="ids-list"),
+    # block_m 0
+    pytest.param(GOOD_IDS, 0, 2, 0, ValueError, r"block_m must be >= 1", id="block_m=0"),
+    # no local experts
+    pytest.param(GOOD_IDS, 0, 0, 4, ValueError, r"experts_per_rank must be >= 1", id="L=0"),
+]
+
+
+@pytest.mark.parametrize("ids, rank, L, bm, exc, match", BAD_ARGS)
+def test_build_schedule_bad_args(ids, rank, L, bm, exc, match):
+    with pytest.raises(exc, match=match):
+        build_schedule(ids, rank, L, bm)
