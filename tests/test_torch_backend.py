@@ -115,8 +115,8 @@ def _reference(case: Case, xs, ids, ws, mw, grads):
                 compute_dtype=torch.float64)
 
 
-def _compare(case: Case, tol: str, dtype=torch.float32, unit_scale_grads: bool = False):
-    xs, ids, ws, mw, grads = _make_inputs(case, dtype=dtype)
+def _compare(case: Case, tol: str, dtype=torch.float32, seed: int = 0):
+    xs, ids, ws, mw, grads = _make_inputs(case, seed=seed, dtype=dtype)
     outs, dgrads = _backend(case, xs, ids, ws, mw, grads)
     ref_outs, ref_grads = _reference(case, xs, ids, ws, mw, grads)
     assert sorted(dgrads) == sorted(ref_grads)
@@ -126,15 +126,14 @@ def _compare(case: Case, tol: str, dtype=torch.float32, unit_scale_grads: bool =
     for name, g in dgrads.items():
         assert g.dtype == (torch.float32 if name.startswith("d_topk_weights") else dtype), name
         g, rg = g.double(), ref_grads[name].double()
-        if unit_scale_grads:
-            # The table's rtol/atol are absolute bounds meant for O(1) tensors, but a gradient is a sum
-            # over many rows (a weight gradient over every row its expert got, with terms up to ~3 that
-            # cancel), and bf16 rounding error grows with the terms, not with the result. So compare on
-            # the reference's RMS scale, per expert for the [E, ...] routed weight gradients; rel-L1 and
-            # cosine are scale-free and unaffected.
-            dims = tuple(range(1, rg.dim())) if name in ("d_w13", "d_w2") else tuple(range(rg.dim()))
-            scale = rg.pow(2).mean(dim=dims, keepdim=True).sqrt().clamp_min(1e-30)
-            g, rg = g / scale, rg / scale
+        # The table's rtol/atol are absolute bounds meant for O(1) tensors, but a gradient is a sum over
+        # many rows (the shared expert's over all R*T tokens, a routed expert's over every row it got,
+        # with terms up to ~3 that cancel), and rounding error grows with the terms, not with the
+        # result. So gradients are compared on the reference's RMS scale, per expert for the [E, ...]
+        # routed weight gradients; rel-L1 and cosine are scale-free and unaffected by this.
+        dims = tuple(range(1, rg.dim())) if name in ("d_w13", "d_w2") else tuple(range(rg.dim()))
+        scale = rg.pow(2).mean(dim=dims, keepdim=True).sqrt().clamp_min(1e-30)
+        g, rg = g / scale, rg / scale
         assert_close(g, rg, tol, name)
     return xs, ids, ws, mw, dgrads, ref_grads
 
@@ -246,16 +245,16 @@ BF16_CASES = {
     "R4-T7-limit": pytest.param(
         Case(TINY_SIG, r=4, t=7, block_m=4, swiglu_limit=1.5),
         marks=pytest.mark.xfail(strict=True, reason=(
-            "torch_backend applies the SwiGLU clamp to gate/up pre-activations already rounded to bf16 "
-            "(bmm output dtype), so gates near L flip sides of the clamp and d_x / d_w13 / d_shared_w13 "
-            "miss the bf16 cosine bar (1-cos ~4e-4..4e-3 vs 1e-4); computing gate|up in fp32 and the "
-            "SwiGLU on the fp32 values (as a GEMM epilogue would) gives 1-cos ~1e-5"))),
+            "torch_backend rounds the gate|up GEMM output to bf16 (bmm output dtype) before the SwiGLU "
+            "clamp, so gates near L land on the wrong side of it and d_x / d_w13 / d_shared_w13 miss the "
+            "bf16 bar (seed 0: d_x[3] rel-L1 2.5e-2 > 1e-2; 1-cos up to 4e-3 > 1e-4); gate|up kept in fp32 "
+            "with the SwiGLU on the fp32 values (a GEMM epilogue on fp32 accumulators) passes"))),
 }
 
 
 @pytest.mark.parametrize("case", list(BF16_CASES.values()), ids=list(BF16_CASES))
 def test_matches_reference_bf16(case):
-    _compare(case, "bf16", dtype=torch.bfloat16, unit_scale_grads=True)
+    _compare(case, "bf16", dtype=torch.bfloat16)
 
 
 def test_bf16_outputs_small_shape():
@@ -327,4 +326,4 @@ def test_tiny_model_trains():
         losses.append(loss.item())
     final = loss_fn().item()
     assert all(torch.isfinite(torch.tensor(losses)))
-    assert final < losses[0] / 5, f"loss did not fall enough: {losses[0]:.4f} -> {final:.4f}"
+    assert final < losses[0] / 20, f"loss did not fall enough: {losses[0]:.4f} -> {final:.4f}"

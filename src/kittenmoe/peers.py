@@ -28,7 +28,10 @@ class LocalPeers:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"LocalPeers: num_ranks must be a positive int, got {num_ranks!r}")
         self.num_ranks = num_ranks
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self._buffers: dict[str, list[torch.Tensor]] = {}
         self._ptrs: dict[str, torch.Tensor] = {}
 
