@@ -159,7 +159,7 @@ def launch_rank_forward(
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
     meta = dict(
-        MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
+        LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=COPY_ROWS, BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",

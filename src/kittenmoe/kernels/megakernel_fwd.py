@@ -10,7 +10,10 @@ the rest compute programs (DESIGN.md "The pipeline, per rank"):
 - compute, over one global tile sequence (a topological order, so a
   round-robin walk cannot deadlock): shared-expert gate|up tiles, then per
   minibatch its gate|up+SwiGLU tiles (wait ``x_ready``) and its down tiles
-  (wait ``hid_ready``), then the shared-expert down tiles.
+  (wait ``hid_ready``), then the shared-expert down tiles. Round j holds
+  gu(j) then dn(j - LAG) so down work overlaps the next gate|up work; inside
+  a minibatch tiles go n-tile-major, so the row tiles of one expert load the
+  same weight tile at about the same time and share it through L2.
 
 Ring: buffers hold ``MAC`` rows = ``NSLOT`` minibatch slots. Processing index
 p maps to macrobatch ``nmac - 1 - p // NSLOT`` (reverse order, so macrobatch 0
@@ -182,7 +185,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     T, H, I, S, K, NMB, NSLOT,
     swiglu_limit,
     phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
-    MAC: tl.constexpr, MB: tl.constexpr,
+    LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr,
@@ -253,55 +256,61 @@ def dispatch_mlp_swiglu_combine_kernel(
         if HAS_SHARED:
             n_sh_gu = n_sh_row_tiles * tl.cdiv(S, BN)
             n_sh_dn = n_sh_row_tiles * n_dn_tiles_h
+        # Rounds: round j runs gu(j) then dn(j - LAG). With LAG = 1 the down
+        # tiles of a minibatch overlap the next one's gate|up tiles; LAG must
+        # be 0 with one slot (a pull of j waits on the push of j - 1).
         per_mb = per_mb_gu + per_mb_dn
-        mb_lo = n_sh_gu + p_lo * per_mb
-        mb_hi = n_sh_gu + p_hi * per_mb
-        total = mb_hi + n_sh_dn
+        r_lo = n_sh_gu + p_lo * per_mb
+        r_hi = n_sh_gu + (p_hi + LAG) * per_mb
+        total = r_hi + n_sh_dn
         for tile in range(cid, total, ncomp):
             if tile < n_sh_gu:
-                if (phase & 1) != 0:  # PH_SHARED_GU
-                    rt = tile // tl.cdiv(S, BN)
-                    nt = tile % tl.cdiv(S, BN)
+                if (phase & 1) != 0:  # PH_SHARED_GU; n-major so row tiles share weight tiles in L2
+                    nt = tile // n_sh_row_tiles
+                    rt = tile % n_sh_row_tiles
                     _gateup_tile(x_local_ptr, rt * BM, T - rt * BM, sw13_ptr, sh_hid_ptr, nt * BN, H, S,
                                  swiglu_limit, HAS_LIMIT, BM, BN, BK, DOT_FP32, PRECISION)
                     _signal(shared_ready)
-            elif tile < mb_lo:
-                pass  # minibatches before p_lo belong to another launch
-            elif tile < mb_hi:
-                p = (tile - n_sh_gu) // per_mb
-                i = (tile - n_sh_gu) % per_mb
-                row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
-                brow0 = (p % NSLOT) * MB
-                if live:
+            elif tile < r_hi:
+                if tile >= r_lo:
+                    rnd = (tile - n_sh_gu) // per_mb
+                    i = (tile - n_sh_gu) % per_mb
                     if i < per_mb_gu:
-                        if (phase & 4) != 0:  # PH_GATEUP
-                            rt = i // n_gu_tiles_i
-                            nt = i % n_gu_tiles_i
-                            _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
-                            e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM, mask=row0 + rt * BM < num_rows,
-                                        other=-1)
-                            if e >= 0:
-                                _gateup_tile(xr_ptr, brow0 + rt * BM, BM, w13_ptr + e.to(tl.int64) * (2 * I * H),
-                                             hid_ptr, nt * BN, H, I, swiglu_limit, HAS_LIMIT, BM, BN, BK,
-                                             DOT_FP32, PRECISION)
-                            _signal(hid_ready + p)
+                        p = rnd
+                        if ((phase & 4) != 0) & (p < p_hi):  # PH_GATEUP
+                            row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+                            if live:
+                                nt = i // (MB // BM)
+                                rt = i % (MB // BM)
+                                _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
+                                e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
+                                            mask=row0 + rt * BM < num_rows, other=-1)
+                                if e >= 0:
+                                    _gateup_tile(xr_ptr, (p % NSLOT) * MB + rt * BM, BM,
+                                                 w13_ptr + e.to(tl.int64) * (2 * I * H), hid_ptr, nt * BN, H, I,
+                                                 swiglu_limit, HAS_LIMIT, BM, BN, BK, DOT_FP32, PRECISION)
+                                _signal(hid_ready + p)
                     else:
-                        if (phase & 8) != 0:  # PH_DOWN
-                            j = i - per_mb_gu
-                            rt = j // n_dn_tiles_h
-                            nt = j % n_dn_tiles_h
-                            _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
-                            e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM, mask=row0 + rt * BM < num_rows,
-                                        other=-1)
-                            if e >= 0:
-                                _down_tile(hid_ptr, brow0 + rt * BM, BM, w2_ptr + e.to(tl.int64) * (H * I), yr_ptr,
-                                           nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
-                            _signal(y_ready + p)
+                        p = rnd - LAG
+                        if ((phase & 8) != 0) & (p >= p_lo) & (p < p_hi):  # PH_DOWN
+                            row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+                            if live:
+                                j = i - per_mb_gu
+                                nt = j // (MB // BM)
+                                rt = j % (MB // BM)
+                                _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
+                                e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
+                                            mask=row0 + rt * BM < num_rows, other=-1)
+                                if e >= 0:
+                                    _down_tile(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
+                                               w2_ptr + e.to(tl.int64) * (H * I), yr_ptr, nt * BN2, H, I,
+                                               BM, BN2, BK, DOT_FP32, PRECISION)
+                                _signal(y_ready + p)
             else:
                 if (phase & 32) != 0:  # PH_SHARED_DOWN
-                    j = tile - mb_hi
-                    rt = j // n_dn_tiles_h
-                    nt = j % n_dn_tiles_h
+                    j = tile - r_hi
+                    nt = j // n_sh_row_tiles
+                    rt = j % n_sh_row_tiles
                     _wait_geq(shared_ready, n_sh_gu, err_ptr, max_spin)
                     _down_tile(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, y_shared_ptr, nt * BN2, H, S,
                                BM, BN2, BK, DOT_FP32, PRECISION)
