@@ -47,8 +47,11 @@ def expert_rows(
     # Tiles past num_rows are all padding (zero rows); any expert gives 0 there.
     te = sched.tile_expert.long().clamp(min=0)
     x_tiles = x_routed_NH[: nt * bm].view(nt, bm, h)
-    gu = torch.bmm(x_tiles, w13_L2IH[te].transpose(1, 2))
-    hid = swiglu(gu[..., :i], gu[..., i:], swiglu_limit)
+    # gate|up stays fp32 through SwiGLU (as a GEMM epilogue on fp32
+    # accumulators does): rounding it to bf16 first would move values across
+    # the clamp. hidden is rounded to the input dtype before the down GEMM.
+    gu = torch.bmm(x_tiles.float(), w13_L2IH[te].float().transpose(1, 2))
+    hid = swiglu(gu[..., :i], gu[..., i:], swiglu_limit).to(x_routed_NH.dtype)
     y = torch.bmm(hid, w2_LHI[te].transpose(1, 2)).reshape(nt * bm, h)
     if nt * bm < c:  # rows after the last full tile are never used
         y = torch.cat([y, y.new_zeros(c - nt * bm, h)])
@@ -67,8 +70,9 @@ def epilogue(
     t, k, h = combine_TKH.shape
     if shared_w13_2SH is not None:
         s = shared_w2_HS.shape[1]
-        gu = x_TH @ shared_w13_2SH.t()
-        acc = (swiglu(gu[:, :s], gu[:, s:], swiglu_limit) @ shared_w2_HS.t()).float()
+        gu = x_TH.float() @ shared_w13_2SH.float().t()
+        hid = swiglu(gu[:, :s], gu[:, s:], swiglu_limit).to(x_TH.dtype)
+        acc = (hid @ shared_w2_HS.t()).float()
     else:
         acc = x_TH.new_zeros(t, h, dtype=torch.float32)
     w = topk_weights_TK.float()
