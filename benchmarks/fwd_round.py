@@ -50,6 +50,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of one forward")
     args = ap.parse_args()
     cfgs = [parse_config(c) for c in args.config.split(";")]
     cfg = cfgs[0]
@@ -101,6 +102,13 @@ def main() -> int:
                                                              return_mode="median")
             print(f"  {c}: {sweep[str(c.__dict__)]:.3f} ms", flush=True)
         best = min(sweep, key=sweep.get)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    run_mk()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
         ms_mk = sweep[best]
         ms_base = triton.testing.do_bench(run_base, warmup=100, rep=args.reps * 10, return_mode="median")
         routed = 6 * T * shape.k * shape.h * shape.i

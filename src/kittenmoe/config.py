@@ -108,6 +108,11 @@ class KernelConfig:
         never wraps. A multiple of ``minibatch_size``.
     block_m: GEMM row tile, also the padding of each expert's segment.
     block_n, block_k, num_stages, num_warps: Triton tile choices.
+    push_in_epilogue: the down GEMM's epilogue writes each finished row
+        straight into its origin's combine buffer (no y_routed round trip
+        through HBM; communication programs only pull). False: compute
+        programs write y_routed and communication programs push it, as in
+        MoK's role split.
     """
 
     num_comm_programs_fwd: int = 8
@@ -119,11 +124,16 @@ class KernelConfig:
     block_k: int = 64
     num_stages: int = 3
     num_warps: int = 8
+    push_in_epilogue: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
+                continue
+            if field.name == "push_in_epilogue":
+                if not isinstance(v, bool):
+                    raise TypeError(f"KernelConfig.push_in_epilogue must be a bool, got {v!r}")
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(v).__name__} {v!r}")

@@ -10,6 +10,7 @@ of range) land in an error flag read by ``check_errors``.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -27,10 +28,11 @@ from kittenmoe.schedule import Schedule, build_schedule
 # legitimate wait (a whole seed-shape forward is a few ms).
 DEFAULT_MAX_SPIN = 1 << 22
 
-# Rows each communication step moves, and columns per load: 16 x 256 bf16 is
-# an 8 KiB chunk per program per step.
-COPY_ROWS = 16
-COPY_BLOCK_H = 256
+# Rows each communication step moves, and columns per load: 32 x 512 bf16 is
+# a 32 KiB chunk in flight per program per step (more bytes in flight per SM
+# is what raises a copy program's bandwidth).
+COPY_ROWS = int(os.environ.get("KITTENMOE_COPY_ROWS", 32))
+COPY_BLOCK_H = int(os.environ.get("KITTENMOE_COPY_BLOCK_H", 512))
 
 
 def interpreting() -> bool:
@@ -102,7 +104,7 @@ class ForwardState:
     ring: RingGeometry
     x_routed: torch.Tensor  # [MAC, H]
     hidden: torch.Tensor  # [MAC, I]
-    y_routed: torch.Tensor  # [MAC, H]
+    y_routed: torch.Tensor  # [MAC, H] ([1, H] placeholder when the down epilogue pushes)
     shared_hidden: torch.Tensor  # [T, S]
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
@@ -146,7 +148,8 @@ def launch_rank_forward(
         ring=ring,
         x_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
         hidden=torch.empty(ring.macrobatch, I, dtype=dtype, device=dev),
-        y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
+        # With the push in the down epilogue nothing is staged in y_routed.
+        y_routed=torch.empty(1 if config.push_in_epilogue else ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
         y_shared=torch.empty(T, H, dtype=dtype, device=dev),
         counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
@@ -160,8 +163,8 @@ def launch_rank_forward(
     interp = interpreting()
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
-        BK=config.block_k, ROWS=COPY_ROWS, BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
+        BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
     )
     if not interp:
@@ -183,7 +186,7 @@ def launch_rank_forward(
         # One launch, every role concurrent. Comm programs stay at most
         # pull_ahead minibatches ahead of their pushes; it must stay below the
         # slot count or a pull would wait on a push that comes after it.
-        launch(phases, 0, ring.num_minibatches, min(ring.slots - 1, 2))
+        launch(phases, 0, ring.num_minibatches, 0 if config.push_in_epilogue else min(ring.slots - 1, 2))
     else:
         # Programs run one after another: one role over one minibatch per
         # launch keeps every producer ahead of its consumers. Reading

@@ -131,10 +131,10 @@ def _gateup_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I, swiglu_limit,
 
 
 @triton.jit
-def _down_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I,
-               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """out[a_row0 + m, n0 + n] = (A W^T)[m, n]; a_ptr: [*, I] hidden, w_ptr: [H, I], out_ptr: [*, H]."""
+def _down_acc(a_ptr, a_row0, a_rows, w_ptr, n0, H, I,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 (A W^T)[a_row0 + m, n0 + n] for one BM x BN tile; a_ptr: [*, I] hidden, w_ptr: [H, I]."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -151,7 +151,14 @@ def _down_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I,
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None] * H + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+    return acc
+
+
+@triton.jit
+def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
+    """row_base[m][n0 + n] = acc[m, n] for rows with row_ok; row_base is a [BM] pointer vector."""
+    rn = n0 + tl.arange(0, BN)
+    tl.store(row_base[:, None] + rn[None, :], acc.to(row_base.dtype.element_ty),
              mask=row_ok[:, None] & (rn < H)[None, :])
 
 
@@ -188,7 +195,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -218,7 +225,10 @@ def dispatch_mlp_swiglu_combine_kernel(
                     if p >= NSLOT:
                         _, prev_live = _mb_rows(p - NSLOT, num_rows, NSLOT, MAC, MB)
                         if prev_live:
-                            _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
+                            if PUSH_IN_EPILOGUE:
+                                _wait_geq(y_ready + p - NSLOT, per_mb_dn, err_ptr, max_spin)
+                            else:
+                                _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
                     brow0 = (p % NSLOT) * MB
                     for ch in range(pid, MB // ROWS, num_comm):
                         r = row0 + ch * ROWS + tl.arange(0, ROWS)
@@ -231,7 +241,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         _copy_rows(src, dst, ok, H, BLOCK_H)
                     _signal(x_ready + p)
             pp = it - pull_ahead
-            if ((phase & 16) != 0) & (pp >= p_lo):  # PH_PUSH
+            if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
                 row0, live = _mb_rows(pp, num_rows, NSLOT, MAC, MB)
                 if live:
                     _wait_geq(y_ready + pp, per_mb_dn, err_ptr, max_spin)
@@ -302,9 +312,23 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    _down_tile(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
-                                               w2_ptr + e.to(tl.int64) * (H * I), yr_ptr, nt * BN2, H, I,
-                                               BM, BN2, BK, DOT_FP32, PRECISION)
+                                    acc = _down_acc(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
+                                                    w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I,
+                                                    BM, BN2, BK, DOT_FP32, PRECISION)
+                                    if PUSH_IN_EPILOGUE:
+                                        # Push combine straight from the accumulators: each row goes
+                                        # to its origin's combine buffer at t*K + j.
+                                        r = row0 + rt * BM + tl.arange(0, BM)
+                                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                                        ok = pr >= 0
+                                        base = tl.load(combine_ptrs_ptr + pr, mask=ok, other=0)
+                                        dst = base.to(tl.pointer_type(DT)) + pt.to(tl.int64) * H
+                                        _store_rows(dst, ok, acc, nt * BN2, H, BN2)
+                                    else:
+                                        rows = (p % NSLOT) * MB + rt * BM + tl.arange(0, BM)
+                                        _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2,
+                                                    H, BN2)
                                 _signal(y_ready + p)
             else:
                 if (phase & 32) != 0:  # PH_SHARED_DOWN
@@ -312,8 +336,10 @@ def dispatch_mlp_swiglu_combine_kernel(
                     nt = j // n_sh_row_tiles
                     rt = j % n_sh_row_tiles
                     _wait_geq(shared_ready, n_sh_gu, err_ptr, max_spin)
-                    _down_tile(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, y_shared_ptr, nt * BN2, H, S,
-                               BM, BN2, BK, DOT_FP32, PRECISION)
+                    acc = _down_acc(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, nt * BN2, H, S,
+                                    BM, BN2, BK, DOT_FP32, PRECISION)
+                    rows = rt * BM + tl.arange(0, BM)
+                    _store_rows(y_shared_ptr + rows.to(tl.int64) * H, rows < T, acc, nt * BN2, H, BN2)
 
 
 @triton.jit
