@@ -36,7 +36,8 @@ SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096,
 def parse_config(s: str | None) -> KernelConfig:
     if not s:
         return KernelConfig()
-    kw = {k: (None if v == "None" else int(v)) for k, v in (p.split("=") for p in s.split(","))}
+    lit = {"None": None, "True": True, "False": False}
+    kw = {k: (lit[v] if v in lit else int(v)) for k, v in (p.split("=") for p in s.split(","))}
     return KernelConfig(**kw)
 
 
