@@ -84,6 +84,11 @@ def main() -> int:
         res = megakernel_forward_multirank(*args_k, config=cfg, peers=peers)
         res.check_errors()
         out = res.outputs[0]
+        ck = res.states[0].compiled
+        if ck is not None:
+            ptx = ck.asm.get("ptx", "")
+            print(f"  kernel: {ck.n_regs} registers, {ck.n_spills} spills, shared {ck.metadata.shared} B, "
+                  f"wgmma in PTX: {'wgmma.mma_async' in ptx}, cp.async: {'cp.async' in ptx}", flush=True)
         compile_s = time.time() - t0
         err = det = base_err = float("nan")
         if not args.skip_check:

@@ -115,16 +115,16 @@ class KernelConfig:
         MoK's role split.
     """
 
-    num_comm_programs_fwd: int = 8
-    num_comm_programs_bwd: int = 8
-    minibatch_size: int = 512
+    num_comm_programs_fwd: int = 16
+    num_comm_programs_bwd: int = 16
+    minibatch_size: int = 2048
     macrobatch_size: int | None = None
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
     num_stages: int = 3
     num_warps: int = 8
-    push_in_epilogue: bool = True
+    push_in_epilogue: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -109,6 +109,7 @@ class ForwardState:
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
     err: torch.Tensor  # [1] int32
+    compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
 
 def _num_programs(device: torch.device, num_comm: int) -> int:
@@ -171,8 +172,8 @@ def launch_rank_forward(
         meta.update(num_warps=config.num_warps, num_stages=config.num_stages)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
 
-    def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int) -> None:
-        mk.dispatch_mlp_swiglu_combine_kernel[grid](
+    def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
+        return mk.dispatch_mlp_swiglu_combine_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
             st.x_routed, st.hidden, st.y_routed, st.shared_hidden, st.y_shared,
@@ -186,7 +187,8 @@ def launch_rank_forward(
         # One launch, every role concurrent. Comm programs stay at most
         # pull_ahead minibatches ahead of their pushes; it must stay below the
         # slot count or a pull would wait on a push that comes after it.
-        launch(phases, 0, ring.num_minibatches, 0 if config.push_in_epilogue else min(ring.slots - 1, 2))
+        st.compiled = launch(phases, 0, ring.num_minibatches,
+                             0 if config.push_in_epilogue else min(ring.slots - 1, 2))
     else:
         # Programs run one after another: one role over one minibatch per
         # launch keeps every producer ahead of its consumers. Reading
