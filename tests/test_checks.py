@@ -294,7 +294,7 @@ def test_kernel_config_default_valid():
     KernelConfig(block_m=16, block_n=16, block_k=16, minibatch_size=16, macrobatch_size=64, num_warps=1)
     KernelConfig(block_m=256, minibatch_size=256, macrobatch_size=256, num_comm_programs_fwd=1,
                  num_comm_programs_bwd=1, num_stages=1)
-    assert KernelConfig().with_(macrobatch_size=1024).macrobatch_size == 1024
+    assert KernelConfig().with_(macrobatch_size=4096).macrobatch_size == 4096
 
 
 BAD_CONFIGS = [
