@@ -338,7 +338,7 @@ BAD_CONFIGS = [
     pytest.param(dict(minibatch_size=0), ValueError, r"minibatch_size=0 must be a positive multiple",
                  id="minibatch-0"),
     # macrobatch not a multiple of minibatch
-    pytest.param(dict(macrobatch_size=768), ValueError,
+    pytest.param(dict(minibatch_size=512, macrobatch_size=768), ValueError,
                  r"macrobatch_size=768 must be a positive multiple of minibatch_size=512",
                  id="macrobatch-not-multiple"),
     # macrobatch smaller than minibatch
@@ -375,7 +375,7 @@ def test_kernel_config_with_validates():
     cfg = KernelConfig()
     with pytest.raises(ValueError, match=r"minibatch_size=100"):
         cfg.with_(minibatch_size=100)
-    assert cfg.minibatch_size == 512
+    assert cfg.minibatch_size == KernelConfig().minibatch_size
 
 
 # ---------------------------------------------------------------- ModelShape, get_shape
