@@ -31,8 +31,8 @@ DEFAULT_MAX_SPIN = 1 << 22
 # Rows each communication step moves, and columns per load: 32 x 512 bf16 is
 # a 32 KiB chunk in flight per program per step (more bytes in flight per SM
 # is what raises a copy program's bandwidth).
-COPY_ROWS = int(os.environ.get("KITTENMOE_COPY_ROWS", 32))
-COPY_BLOCK_H = int(os.environ.get("KITTENMOE_COPY_BLOCK_H", 512))
+COPY_ROWS = 32
+COPY_BLOCK_H = 512
 
 
 def interpreting() -> bool:
