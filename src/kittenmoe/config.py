@@ -113,6 +113,10 @@ class KernelConfig:
         through HBM; communication programs only pull). False: compute
         programs write y_routed and communication programs push it, as in
         MoK's role split.
+    tma: load GEMM operands through TMA descriptors where possible (a
+        Hopper-or-newer GPU, bf16/fp16, I, S multiples of block_n, H a
+        multiple of 2*block_n, widths multiples of block_k); otherwise, and
+        always under the interpreter, pointer loads.
     """
 
     num_comm_programs_fwd: int = 16
@@ -125,15 +129,16 @@ class KernelConfig:
     num_stages: int = 3
     num_warps: int = 8
     push_in_epilogue: bool = False
+    tma: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
                 continue
-            if field.name == "push_in_epilogue":
+            if field.name in ("push_in_epilogue", "tma"):
                 if not isinstance(v, bool):
-                    raise TypeError(f"KernelConfig.push_in_epilogue must be a bool, got {v!r}")
+                    raise TypeError(f"KernelConfig.{field.name} must be a bool, got {v!r}")
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(v).__name__} {v!r}")

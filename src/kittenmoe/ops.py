@@ -112,6 +112,17 @@ class ForwardState:
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
 
+def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
+    """TMA descriptors need a Hopper-or-newer GPU, 2-byte operands and tile-divisible widths (a gate tile
+    must not run into the up rows of the stacked [2I, H] weight)."""
+    if not config.tma or dev.type != "cuda" or interpreting():
+        return False
+    if torch.cuda.get_device_capability(dev)[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
+    return I % bn == 0 and S % bn == 0 and H % bn2 == 0 and H % bk == 0 and I % bk == 0 and S % bk == 0
+
+
 def _num_programs(device: torch.device, num_comm: int) -> int:
     if device.type == "cuda":
         n = torch.cuda.get_device_properties(device).multi_processor_count
@@ -159,6 +170,23 @@ def launch_rank_forward(
     has_shared = S > 0
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
+    use_tma = _tma_ok(config, dev, dtype, H, I, S)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+        bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
+        descs = (
+            TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
+            TD.from_tensor(st.x_routed, [bm, bk]),
+            TD.from_tensor(st.hidden, [bm, bk]),
+            TD.from_tensor(st.shared_hidden, [bm, bk]),
+            TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
+            TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
+            TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
+            TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
+        )
+    else:
+        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_L2IH, w2_LHI, sw13, sw2)
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
@@ -166,6 +194,7 @@ def launch_rank_forward(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
+        USE_TMA=use_tma,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
     )
     if not interp:
@@ -177,7 +206,7 @@ def launch_rank_forward(
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
             st.x_routed, st.hidden, st.y_routed, st.shared_hidden, st.y_shared,
-            w13_L2IH, w2_LHI, sw13, sw2, st.counters, st.err,
+            w13_L2IH, w2_LHI, sw13, sw2, *descs, st.counters, st.err,
             T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
             phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
             **meta,

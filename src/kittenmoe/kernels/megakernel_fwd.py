@@ -94,13 +94,13 @@ def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr):
 
 
 @triton.jit
-def _gateup_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I, swiglu_limit,
-                 HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """out[a_row0 + m, n0 + n] = swiglu(A W_gate^T, A W_up^T) for one BM x BN tile.
+def _gateup_acc(a_ptr, a_row0, a_rows, w_ptr, n0, H, I,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 (A W_gate^T, A W_up^T) for one BM x BN tile through pointer loads.
 
-    a_ptr: [*, H] rows; w_ptr: one expert's [2I, H] (gate rows then up rows);
-    out_ptr: [*, I]. Rows >= a_rows are not loaded or stored.
+    a_ptr: [*, H] rows; w_ptr: one expert's [2I, H] (gate rows then up rows).
+    Rows >= a_rows read as 0.
     """
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -122,12 +122,38 @@ def _gateup_tile(a_ptr, a_row0, a_rows, w_ptr, out_ptr, n0, H, I, swiglu_limit,
             wu = wu.to(tl.float32)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gateup_acc_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """As ``_gateup_acc`` through TMA descriptors: a_desc blocks [BM, BK], w_desc blocks [BN, BK]
+    of the [L*2I, H] weight view; out-of-bounds rows of A arrive as 0."""
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        a = a_desc.load([a_row0, k0])
+        wg = w_desc.load([wg_row0, k0])
+        wu = w_desc.load([wu_row0, k0])
+        acc_g = tl.dot(a, wg.T, acc_g)
+        acc_u = tl.dot(a, wu.T, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _swiglu_store(acc_g, acc_u, out_ptr, out_row0, n_rows, n0, I, swiglu_limit,
+                  HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """out[out_row0 + m, n0 + n] = silu(g) * u (clamped when HAS_LIMIT) for rows m < n_rows; out: [*, I]."""
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, swiglu_limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
     hid = acc_g * tl.sigmoid(acc_g) * acc_u
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rows = (out_row0 + rm).to(tl.int64)
     tl.store(out_ptr + rows[:, None] * I + rn[None, :], hid.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (rn < I)[None, :])
+             mask=(rm < n_rows)[:, None] & (rn < I)[None, :])
 
 
 @triton.jit
@@ -151,6 +177,18 @@ def _down_acc(a_ptr, a_row0, a_rows, w_ptr, n0, H, I,
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _down_acc_tma(a_desc, a_row0, w_desc, w_row0, I,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """As ``_down_acc`` through TMA descriptors: a_desc blocks [BM, BK] of hidden, w_desc blocks [BN, BK]."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        a = a_desc.load([a_row0, k0])
+        w = w_desc.load([w_row0, k0])
+        acc = tl.dot(a, w.T, acc)
     return acc
 
 
@@ -185,6 +223,15 @@ def dispatch_mlp_swiglu_combine_kernel(
     w2_ptr,  # [L, H, I]
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
+    # TMA descriptors of the same tensors (USE_TMA; otherwise placeholders)
+    xl_desc,  # x_local, blocks [BM, BK]
+    xr_desc,  # x_routed, blocks [BM, BK]
+    hid_desc,  # hidden, blocks [BM, BK]
+    shid_desc,  # shared hidden, blocks [BM, BK]
+    w13_desc,  # w13 viewed [L*2I, H], blocks [BN, BK]
+    w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK]
+    sw13_desc,  # shared w13 [2S, H], blocks [BN, BK]
+    sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -195,7 +242,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -278,8 +325,14 @@ def dispatch_mlp_swiglu_combine_kernel(
                 if (phase & 1) != 0:  # PH_SHARED_GU; n-major so row tiles share weight tiles in L2
                     nt = tile // n_sh_row_tiles
                     rt = tile % n_sh_row_tiles
-                    _gateup_tile(x_local_ptr, rt * BM, T - rt * BM, sw13_ptr, sh_hid_ptr, nt * BN, H, S,
-                                 swiglu_limit, HAS_LIMIT, BM, BN, BK, DOT_FP32, PRECISION)
+                    if USE_TMA:
+                        acc_g, acc_u = _gateup_acc_tma(xl_desc, rt * BM, sw13_desc, nt * BN, S + nt * BN, H,
+                                                       BM, BN, BK)
+                    else:
+                        acc_g, acc_u = _gateup_acc(x_local_ptr, rt * BM, T - rt * BM, sw13_ptr, nt * BN, H, S,
+                                                   BM, BN, BK, DOT_FP32, PRECISION)
+                    _swiglu_store(acc_g, acc_u, sh_hid_ptr, rt * BM, T - rt * BM, nt * BN, S, swiglu_limit,
+                                  HAS_LIMIT, BM, BN)
                     _signal(shared_ready)
             elif tile < r_hi:
                 if tile >= r_lo:
@@ -296,9 +349,16 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    _gateup_tile(xr_ptr, (p % NSLOT) * MB + rt * BM, BM,
-                                                 w13_ptr + e.to(tl.int64) * (2 * I * H), hid_ptr, nt * BN, H, I,
-                                                 swiglu_limit, HAS_LIMIT, BM, BN, BK, DOT_FP32, PRECISION)
+                                    brow = (p % NSLOT) * MB + rt * BM
+                                    if USE_TMA:
+                                        acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc, e * (2 * I) + nt * BN,
+                                                                       e * (2 * I) + I + nt * BN, H, BM, BN, BK)
+                                    else:
+                                        acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
+                                                                   w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN,
+                                                                   H, I, BM, BN, BK, DOT_FP32, PRECISION)
+                                    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
+                                                  HAS_LIMIT, BM, BN)
                                 _signal(hid_ready + p)
                     else:
                         p = rnd - LAG
@@ -312,9 +372,13 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    acc = _down_acc(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
-                                                    w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I,
-                                                    BM, BN2, BK, DOT_FP32, PRECISION)
+                                    if USE_TMA:
+                                        acc = _down_acc_tma(hid_desc, (p % NSLOT) * MB + rt * BM, w2_desc,
+                                                            e * H + nt * BN2, I, BM, BN2, BK)
+                                    else:
+                                        acc = _down_acc(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
+                                                        w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I,
+                                                        BM, BN2, BK, DOT_FP32, PRECISION)
                                     if PUSH_IN_EPILOGUE:
                                         # Push combine straight from the accumulators: each row goes
                                         # to its origin's combine buffer at t*K + j.
@@ -336,8 +400,11 @@ def dispatch_mlp_swiglu_combine_kernel(
                     nt = j // n_sh_row_tiles
                     rt = j % n_sh_row_tiles
                     _wait_geq(shared_ready, n_sh_gu, err_ptr, max_spin)
-                    acc = _down_acc(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, nt * BN2, H, S,
-                                    BM, BN2, BK, DOT_FP32, PRECISION)
+                    if USE_TMA:
+                        acc = _down_acc_tma(shid_desc, rt * BM, sw2_desc, nt * BN2, S, BM, BN2, BK)
+                    else:
+                        acc = _down_acc(sh_hid_ptr, rt * BM, T - rt * BM, sw2_ptr, nt * BN2, H, S,
+                                        BM, BN2, BK, DOT_FP32, PRECISION)
                     rows = rt * BM + tl.arange(0, BM)
                     _store_rows(y_shared_ptr + rows.to(tl.int64) * H, rows < T, acc, nt * BN2, H, BN2)
 
