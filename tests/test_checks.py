@@ -425,3 +425,14 @@ def test_get_shape():
     assert get_shape("tiny") is TEST_SHAPES["tiny"]
     with pytest.raises(ValueError, match=r"unknown model shape 'nope'; known: .*tiny"):
         get_shape("nope")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(e=True),  # a bool is not a dimension
+    dict(shared_i=1.5),  # shared width must be an int
+    dict(shared_i=True),  # ... and not a bool
+])
+def test_model_shape_rejects_non_int_dims(kwargs):
+    base = dict(name="b", e=8, h=8, i=8, k=1)
+    with pytest.raises(ValueError, match="ModelShape"):
+        ModelShape(**{**base, **kwargs})

@@ -37,11 +37,12 @@ class ModelShape:
     def __post_init__(self) -> None:
         for field in ("e", "h", "i", "k"):
             v = getattr(self, field)
-            if not isinstance(v, int) or v <= 0:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ModelShape.{field} must be a positive int, got {v!r}")
         if self.k > self.e:
             raise ValueError(f"ModelShape: top-k K={self.k} exceeds the number of experts E={self.e}")
-        if self.shared_i is not None and self.shared_i < 0:
+        if self.shared_i is not None and (not isinstance(self.shared_i, int) or isinstance(self.shared_i, bool)
+                                          or self.shared_i < 0):
             raise ValueError(f"ModelShape.shared_i must be >= 0 (0 = no shared expert), got {self.shared_i}")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"ModelShape.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
