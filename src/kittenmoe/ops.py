@@ -175,11 +175,13 @@ def launch_rank_forward(
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
         bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
+        xr_desc = TD.from_tensor(st.x_routed, [bm, bk])
+        # Without a shared expert its descriptors are never loaded: stand-ins.
         descs = (
             TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
-            TD.from_tensor(st.x_routed, [bm, bk]),
+            xr_desc,
             TD.from_tensor(st.hidden, [bm, bk]),
-            TD.from_tensor(st.shared_hidden, [bm, bk]),
+            TD.from_tensor(st.shared_hidden, [bm, bk]) if has_shared else xr_desc,
             TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),

@@ -57,7 +57,9 @@ def _wait_geq(cnt_ptr, target, err_ptr, max_spin):
     v = tl.atomic_add(cnt_ptr, 0, sem="acquire")
     e = tl.atomic_add(err_ptr, 0, sem="relaxed")
     n = 0
-    while (v < target) & (n < max_spin) & (e == 0):
+    # Give up early only once some wait has timed out (bit 1); a bad-expert-id
+    # flag (bit 2) must not abandon the valid routes.
+    while (v < target) & (n < max_spin) & ((e & 1) == 0):
         v = tl.atomic_add(cnt_ptr, 0, sem="acquire")
         e = tl.atomic_add(err_ptr, 0, sem="relaxed")
         n += 1
