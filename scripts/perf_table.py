@@ -55,7 +55,8 @@ def render(rows: list[dict]) -> str:
     lines.append("")
     lines.append("Conditions: one GPU, bf16, uniform routing (top-k of randn logits), one shared expert of width I, "
                  "median of CUDA-event timings after warm-up (`triton.testing.do_bench`), schedule construction and "
-                 "epilogue included, baseline timed in the same run. Routed TFLOP/s = 6*T*K*H*I / latency. "
+                 "epilogue included, baseline timed in the same run; the kittenmoe figure is the best of the "
+                 "KernelConfigs swept in that run (recorded in the row's `config`). Routed TFLOP/s = 6*T*K*H*I / latency. "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
     return "\n".join(lines)
 

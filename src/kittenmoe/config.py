@@ -127,7 +127,7 @@ class KernelConfig:
     block_m: int = 128
     block_n: int = 128
     block_k: int = 64
-    num_stages: int = 3
+    num_stages: int = 4
     num_warps: int = 8
     push_in_epilogue: bool = False
     tma: bool = True
