@@ -302,3 +302,183 @@ def megakernel_forward_multirank(
                         dims.e, shared_w13_2SH is not None)
         outs.append(out)
     return MultirankForward(outs, states, peers)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@dataclass
+class MultirankBackward:
+    d_x: list[torch.Tensor]  # [R] x [T, H], x's dtype
+    d_topk_weights: list[torch.Tensor]  # [R] x [T, K] fp32
+    d_w13: torch.Tensor  # [E, 2I, H]
+    d_w2: torch.Tensor  # [E, H, I]
+    d_shared_w13: torch.Tensor | None  # [2S, H], summed over ranks
+    d_shared_w2: torch.Tensor | None  # [H, S]
+    errs: list[torch.Tensor]
+    peers: LocalPeers
+
+    def check_errors(self) -> None:
+        for e in self.errs:
+            check_errors(e)
+
+
+def launch_rank_backward(
+    rank: int,
+    peers: LocalPeers,
+    ids_all_RTK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+    config: KernelConfig,
+    max_spin: int = DEFAULT_MAX_SPIN,
+) -> dict:
+    """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers."""
+    from kittenmoe.kernels import megakernel_bwd as mb
+
+    R, T, K = ids_all_RTK.shape
+    L, two_i, H = w13_L2IH.shape
+    I = two_i // 2
+    S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
+    dev, dtype, bm = w13_L2IH.device, w13_L2IH.dtype, config.block_m
+    sched = build_schedule(ids_all_RTK, rank, L, bm)
+    MB = config.minibatch_size
+    NR = triton.cdiv(routed_capacity(R, T, K, L, bm), MB) * MB  # every routed row resident: no ring yet
+    NMB = NR // MB
+    # Phase A holds three fp32 accumulators (down dgrad, gate, up): half-width
+    # tiles keep them at 96 registers a thread with 8 warps, and 3 stages of
+    # its five operand tiles (57 KB each) fit the 227 KB of shared memory.
+    bn = max(16, config.block_n // 2)
+    NI = triton.cdiv(I, bn)
+    e = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
+    has_shared = S > 0
+    Sx = max(S, 1)
+    out = dict(
+        dw13=e(L, 2 * I, H), dw2=e(L, H, I),
+        dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
+        err=torch.zeros(1, dtype=torch.int32, device=dev),
+    )
+    bufs = dict(
+        xr=e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
+        hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
+    )
+    cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
+    sw13 = shared_w13_2SH if has_shared else w13_L2IH
+    sw2 = shared_w2_HS if has_shared else w2_LHI
+    dsw13 = out["dsw13"] if has_shared else out["dw13"]
+    dsw2 = out["dsw2"] if has_shared else out["dw2"]
+    num_comm = config.num_comm_programs_bwd
+    grid = (_num_programs(dev, num_comm),)
+    interp = interpreting()
+    meta = dict(
+        LAG=1, MB=MB, BM=bm, BN=bn, BN2=2 * bn, BK=config.block_k,
+        ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
+        DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
+    )
+    if not interp:
+        meta.update(num_warps=config.num_warps, num_stages=min(config.num_stages, 3))
+    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
+
+    def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
+        return mb.combine_mlp_swiglu_dispatch_bwd_kernel[grid](
+            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
+            peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
+            peers.buffer("x", rank), peers.buffer("d_out", rank),
+            bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
+            bufs["sdgu"], bufs["sh"], bufs["sdx"],
+            w13_L2IH, w2_LHI, sw13, sw2, out["dw13"], out["dw2"], dsw13, dsw2, cnt, out["err"],
+            T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, **meta)
+
+    if not interp:
+        # No ring in the backward: pulls never wait, so pull everything first
+        # (compute starts on the first minibatch) and push while the weight
+        # gradients run.
+        out["compiled"] = launch(mb.PB_ALL, 0, NMB, NMB)
+    else:
+        launch(mb.PB_SHARED_A, 0, 0, 0)
+        n_live = triton.cdiv(int(sched.num_rows.item()), MB)
+        for p in range(n_live):
+            for ph in (mb.PB_PULL, mb.PB_A, mb.PB_B, mb.PB_PUSH):
+                launch(ph, p, p + 1, 0)
+        for ph in (mb.PB_SHARED_B, mb.PB_WGRAD, mb.PB_SHARED_WGRAD):
+            launch(ph, 0, 0, 0)
+    out["sdx"] = bufs["sdx"]
+    return out
+
+
+def megakernel_backward_multirank(
+    d_out_RTH: list[torch.Tensor],
+    x_RTH: list[torch.Tensor],
+    topk_ids_RTK: list[torch.Tensor],
+    topk_weights_RTK: list[torch.Tensor],
+    w13_E2IH: torch.Tensor,
+    w2_EHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    config: KernelConfig | None = None,
+    peers: LocalPeers | None = None,
+    max_spin: int = DEFAULT_MAX_SPIN,
+) -> MultirankBackward:
+    """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
+
+    Recomputes (replays) the schedule, the dispatch and the gate|up GEMM; the
+    forward's buffers are not read. Gradients of the shared expert are summed
+    over ranks in rank order (the replicated weight's total gradient).
+    """
+    from kittenmoe.kernels import megakernel_bwd as mb
+
+    config = config or KernelConfig()
+    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                            shared_w2_HS)
+    dev = w13_E2IH.device
+    _check_device(dev)
+    R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
+    dtype = w13_E2IH.dtype
+    if len(d_out_RTH) != R or any(tuple(g.shape) != (T, H) for g in d_out_RTH):
+        raise ValueError(f"d_out must be {R} tensors of shape {(T, H)}")
+    if peers is None:
+        peers = LocalPeers(R, dev)
+    elif peers.num_ranks != R or peers.device != dev:
+        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {R} on {dev}")
+    xb = peers.alloc("x", (T, H), dtype)
+    db = peers.alloc("d_out", (T, H), dtype)
+    wb = peers.alloc("w", (T * K,), torch.float32)
+    peers.alloc("dx_comb", (T * K, H), dtype)
+    peers.alloc("dw_comb", (T * K,), torch.float32)
+    for r in range(R):
+        xb[r].copy_(x_RTH[r])
+        db[r].copy_(d_out_RTH[r])
+        wb[r].copy_(topk_weights_RTK[r].reshape(-1))
+    ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])
+    outs = [
+        launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
+                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin)
+        for d in range(R)
+    ]
+    has_shared = shared_w13_2SH is not None
+    d_x, d_w = [], []
+    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    for r in range(R):
+        dx = torch.empty(T, H, dtype=dtype, device=dev)
+        dw = torch.empty(T, K, dtype=torch.float32, device=dev)
+        mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+            outs[r]["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r), ids_all[r], dx, dw, T, H,
+            dims.e, K=K, HAS_SHARED=has_shared, BT=bt, BH=bh)
+        d_x.append(dx)
+        d_w.append(dw)
+    d_sw13 = d_sw2 = None
+    if has_shared:
+        d_sw13 = outs[0]["dsw13"].float()
+        d_sw2 = outs[0]["dsw2"].float()
+        for o in outs[1:]:
+            d_sw13 = d_sw13 + o["dsw13"].float()
+            d_sw2 = d_sw2 + o["dsw2"].float()
+        d_sw13, d_sw2 = d_sw13.to(dtype), d_sw2.to(dtype)
+    return MultirankBackward(
+        d_x=d_x, d_topk_weights=d_w,
+        d_w13=torch.cat([o["dw13"] for o in outs]), d_w2=torch.cat([o["dw2"] for o in outs]),
+        d_shared_w13=d_sw13, d_shared_w2=d_sw2, errs=[o["err"] for o in outs], peers=peers)

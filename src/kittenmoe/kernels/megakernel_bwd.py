@@ -1,0 +1,440 @@
+"""Backward megakernel ``combine_mlp_swiglu_dispatch_bwd`` and its epilogue (Triton only).
+
+Mirrors the forward (DESIGN.md, backward paragraph). One persistent launch per
+rank; programs [0, C) communicate, the rest compute.
+
+Per routed row n (expert e, origin token t, slot j, router weight w):
+    g, u = x_n W13[e]^T (replayed: recomputed from the pulled x row)
+    h = silu(gc) * uc            gc = min(g, L), uc = clamp(u, -L, L)
+    dh_u = dO[t] W2[e]           unscaled down dgrad
+    d_w[t, j] = <dh_u, h>        router-weight gradient; y is never stored
+    dh = w * dh_u -> dg, du      SwiGLU backward with the clamp's masks
+    d_x_n = [dg, du] W13[e]      gate|up dgrad, pushed to the origin at t*K + j
+    dW13[e] = sum_n [dg, du]^T x_n, dW2[e] = sum_n (w dO[t])^T h_n (fixed row order)
+
+- comm: pull x row, d_out row and router weight of every routed row from its
+  origin (peer pointer tables) a minibatch at a time, bump ``pull_ready[p]``;
+  later wait ``b_ready[p]`` and push d_x rows (and the reduced d_w) back.
+- compute, one topological tile sequence walked round-robin: shared-expert
+  phase A; rounds of [A(p), B(p - LAG)] per minibatch (A: down dgrad + gate|up
+  replay + SwiGLU backward, B: gate|up dgrad); shared phase B; routed weight
+  gradients per expert (wait for phase A of the minibatches covering that
+  expert); shared weight gradients.
+
+Weight-gradient tiles loop over an expert's rows in row order: each output
+element is summed by one program in a fixed order, so gradients are bitwise
+reproducible; no atomics touch data. The d_w row-sum over I is split across
+phase-A tiles into ``dw_part[row, n_tile]`` and reduced in n-tile order by the
+push.
+
+v1 holds every routed row (no ring in the backward); it always replays the
+gate|up GEMM rather than reading forward activations.
+"""
+
+import triton
+import triton.language as tl
+
+from kittenmoe.kernels.megakernel_fwd import _signal, _wait_geq
+
+# phase bits
+PB_SHARED_A = 1
+PB_PULL = 2
+PB_A = 4
+PB_B = 8
+PB_PUSH = 16
+PB_SHARED_B = 32
+PB_WGRAD = 64
+PB_SHARED_WGRAD = 128
+PB_ALL = 255
+
+
+@triton.jit
+def _bwd_a_acc(do_ptr, x_ptr, a_row0, a_rows, w2_ptr, w13_ptr, n0, H, I,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """dh_u = dO W2[:, n-tile], g|u = x W13[n-tile]^T for one BM x BN tile, one K loop over H.
+
+    do_ptr, x_ptr: [*, H] rows; w2_ptr: one expert's [H, I]; w13_ptr: its [2I, H].
+    """
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    row_ok = rm < a_rows
+    rows = (a_row0 + rm).to(tl.int64)
+    n_ok = rn < I
+    acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + rk
+        k_ok = kk < H
+        am = row_ok[:, None] & k_ok[None, :]
+        do = tl.load(do_ptr + rows[:, None] * H + kk[None, :], mask=am, other=0.0)
+        xa = tl.load(x_ptr + rows[:, None] * H + kk[None, :], mask=am, other=0.0)
+        wm = k_ok[:, None] & n_ok[None, :]
+        w2t = tl.load(w2_ptr + kk[:, None].to(tl.int64) * I + rn[None, :], mask=wm, other=0.0)
+        wg = tl.load(w13_ptr + rn[None, :].to(tl.int64) * H + kk[:, None], mask=wm, other=0.0)
+        wu = tl.load(w13_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None], mask=wm, other=0.0)
+        if DOT_FP32:
+            do = do.to(tl.float32)
+            xa = xa.to(tl.float32)
+            w2t = w2t.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_dh = tl.dot(do, w2t, acc_dh, input_precision=PRECISION)
+        acc_g = tl.dot(xa, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(xa, wu, acc_u, input_precision=PRECISION)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
+def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, n_rows, n0, nt, I, NI,
+                    swiglu_limit, HAS_LIMIT: tl.constexpr, HAS_DW: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    """SwiGLU backward of one tile: d_gu[rows, n] = dg, d_gu[rows, I + n] = du; hw = w * h;
+    dw_part[rows, nt] = sum_n dh_u * h. dgu: [*, 2I], hw: [*, I], dw_part: [*, NI] fp32; w_row: [BM] fp32."""
+    g = acc_g
+    u = acc_u
+    if HAS_LIMIT:
+        gc = tl.minimum(g, swiglu_limit)
+        uc = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
+    else:
+        gc = g
+        uc = u
+    s = tl.sigmoid(gc)
+    h = gc * s * uc
+    dh = acc_dh * w_row[:, None]
+    dgc = dh * uc * s * (1.0 + gc * (1.0 - s))
+    duc = dh * gc * s
+    if HAS_LIMIT:
+        dgc = tl.where(g <= swiglu_limit, dgc, 0.0)
+        duc = tl.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rows = (row0 + rm).to(tl.int64)
+    m = (rm < n_rows)[:, None] & (rn < I)[None, :]
+    dt = dgu_ptr.dtype.element_ty
+    tl.store(dgu_ptr + rows[:, None] * (2 * I) + rn[None, :], dgc.to(dt), mask=m)
+    tl.store(dgu_ptr + rows[:, None] * (2 * I) + (rn + I)[None, :], duc.to(dt), mask=m)
+    tl.store(hw_ptr + rows[:, None] * I + rn[None, :], (h * w_row[:, None]).to(dt), mask=m)
+    if HAS_DW:
+        part = tl.sum(tl.where(m, acc_dh * h, 0.0), axis=1)
+        tl.store(dwp_ptr + rows * NI + nt, part, mask=rm < n_rows)
+
+
+@triton.jit
+def _mm_acc(a_ptr, a_stride, a_row0, a_rows, b_ptr, b_stride, n0, N, K,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 A[a_row0 : a_row0 + BM, :K] @ B[:K, n0 : n0 + BN]; A and B row-major with the given row strides."""
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    row_ok = rm < a_rows
+    rows = (a_row0 + rm).to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(a_ptr + rows[:, None] * a_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + kk[:, None].to(tl.int64) * b_stride + rn[None, :],
+                    mask=k_ok[:, None] & (rn < N)[None, :], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, rank_ptr, USE_RANK_MASK: tl.constexpr,
+                out_ptr, out_stride, n0, N, m0, M,
+                BN: tl.constexpr, BM2: tl.constexpr, BKR: tl.constexpr,
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], rows in order.
+
+    P: [*, N] (stride p_stride), Q: [*, M] (stride q_stride). With USE_RANK_MASK, rows whose
+    rank_ptr[r] < 0 (schedule padding) are skipped. out: [N, M] row-major (stride out_stride).
+    """
+    ra = n0 + tl.arange(0, BN)
+    rb = m0 + tl.arange(0, BM2)
+    acc = tl.zeros((BN, BM2), dtype=tl.float32)
+    for r0 in range(row0, row_end, BKR):
+        rr = r0 + tl.arange(0, BKR)
+        ok = rr < row_end
+        if USE_RANK_MASK:
+            ok = ok & (tl.load(rank_ptr + rr, mask=ok, other=-1) >= 0)
+        rr64 = rr.to(tl.int64)
+        p = tl.load(p_ptr + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :],
+                    other=0.0)
+        q = tl.load(q_ptr + rr64[:, None] * q_stride + rb[None, :], mask=ok[:, None] & (rb < M)[None, :],
+                    other=0.0)
+        if DOT_FP32:
+            p = p.to(tl.float32)
+            q = q.to(tl.float32)
+        acc = tl.dot(tl.trans(p), q, acc, input_precision=PRECISION)
+    tl.store(out_ptr + ra[:, None].to(tl.int64) * out_stride + rb[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(ra < N)[:, None] & (rb < M)[None, :])
+
+
+@triton.jit
+def combine_mlp_swiglu_dispatch_bwd_kernel(
+    # schedule of this rank
+    peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
+    peer_tok_ptr,  # [C] int32, t*K + j on the source rank
+    tile_expert_ptr,  # [C // BM] int32
+    expert_offsets_ptr,  # [L + 1] int32, padded segment starts
+    num_rows_ptr,  # [1] int32
+    # peers
+    x_ptrs_ptr,  # [R] int64 -> x [T, H] of every rank
+    dout_ptrs_ptr,  # [R] int64 -> d_out [T, H]
+    w_ptrs_ptr,  # [R] int64 -> router weights [T*K] fp32
+    dxc_ptrs_ptr,  # [R] int64 -> d_x combine [T*K, H]
+    dwc_ptrs_ptr,  # [R] int64 -> d_w combine [T*K] fp32
+    # local buffers
+    x_local_ptr,  # [T, H] this rank's x
+    dout_local_ptr,  # [T, H] this rank's d_out
+    xr_ptr,  # [NR, H] pulled x rows
+    dor_ptr,  # [NR, H] pulled d_out rows (unscaled)
+    wr_ptr,  # [NR] fp32 pulled router weights
+    dgu_ptr,  # [NR, 2I] d(gate|up)
+    hw_ptr,  # [NR, I] w * hidden
+    dwp_ptr,  # [NR, NI] fp32 partial d_w per I tile
+    dxr_ptr,  # [NR, H] d_x rows to push
+    sdgu_ptr,  # [T, 2S] shared d(gate|up)
+    sh_ptr,  # [T, S] shared hidden
+    sdx_ptr,  # [T, H] shared d_x
+    # weights of this rank and their gradients
+    w13_ptr,  # [L, 2I, H]
+    w2_ptr,  # [L, H, I]
+    sw13_ptr,  # [2S, H]
+    sw2_ptr,  # [H, S]
+    dw13_ptr,  # [L, 2I, H]
+    dw2_ptr,  # [L, H, I]
+    dsw13_ptr,  # [2S, H]
+    dsw2_ptr,  # [H, S]
+    cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
+    err_ptr,  # [1] int32
+    T, H, I, S, K, L, NMB,
+    swiglu_limit,
+    phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
+    LAG: tl.constexpr, MB: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    num_rows = tl.load(num_rows_ptr)
+    DT = xr_ptr.dtype.element_ty
+    pull_ready = cnt_ptr
+    a_ready = cnt_ptr + NMB
+    b_ready = cnt_ptr + 2 * NMB
+    sa_ready = cnt_ptr + 3 * NMB
+    NI = tl.cdiv(I, BN)
+    n_b_h = tl.cdiv(H, BN2)
+    per_a = (MB // BM) * NI
+    per_b = (MB // BM) * n_b_h
+
+    if pid < num_comm:
+        for it in range(p_lo, p_hi + pull_ahead):
+            p = it
+            if ((phase & 2) != 0) & (p < p_hi):  # PB_PULL
+                row0 = p * MB
+                if row0 < num_rows:
+                    for ch in range(pid, MB // ROWS, num_comm):
+                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                        ok = pr >= 0
+                        tok = (pt // K).to(tl.int64) * H
+                        dst = r.to(tl.int64) * H
+                        xb = tl.load(x_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
+                        db = tl.load(dout_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
+                        for h0 in range(0, H, BLOCK_H):
+                            cols = h0 + tl.arange(0, BLOCK_H)
+                            m = ok[:, None] & (cols < H)[None, :]
+                            tl.store(xr_ptr + dst[:, None] + cols[None, :],
+                                     tl.load(xb[:, None] + cols[None, :], mask=m), mask=m)
+                            tl.store(dor_ptr + dst[:, None] + cols[None, :],
+                                     tl.load(db[:, None] + cols[None, :], mask=m), mask=m)
+                        wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
+                        tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
+                    _signal(pull_ready + p)
+            pp = it - pull_ahead
+            if ((phase & 16) != 0) & (pp >= p_lo):  # PB_PUSH
+                row0 = pp * MB
+                if row0 < num_rows:
+                    _wait_geq(b_ready + pp, per_b, err_ptr, max_spin)
+                    for ch in range(pid, MB // ROWS, num_comm):
+                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                        ok = pr >= 0
+                        src = r.to(tl.int64) * H
+                        db = tl.load(dxc_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + \
+                            pt.to(tl.int64) * H
+                        for h0 in range(0, H, BLOCK_H):
+                            cols = h0 + tl.arange(0, BLOCK_H)
+                            m = ok[:, None] & (cols < H)[None, :]
+                            tl.store(db[:, None] + cols[None, :], tl.load(dxr_ptr + src[:, None] + cols[None, :],
+                                                                         mask=m), mask=m)
+                        # d_w: the I-tile partial sums, reduced in tile order
+                        dw = tl.zeros((ROWS,), dtype=tl.float32)
+                        for q in range(0, NI):
+                            dw += tl.load(dwp_ptr + r.to(tl.int64) * NI + q, mask=ok, other=0.0)
+                        wb = tl.load(dwc_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
+                        tl.store(wb + pt, dw, mask=ok)
+    else:
+        cid = pid - num_comm
+        ncomp = nprog - num_comm
+        n_srt = tl.cdiv(T, BM)
+        n_sa = 0
+        n_sb = 0
+        n_sc = 0
+        if HAS_SHARED:
+            n_sa = n_srt * tl.cdiv(S, BN)
+            n_sb = n_srt * n_b_h
+            n_sc = tl.cdiv(2 * S, BN) * tl.cdiv(H, BN2) + tl.cdiv(H, BN) * tl.cdiv(S, BN2)
+        per_mb = per_a + per_b
+        r_lo = n_sa + p_lo * per_mb
+        r_hi = n_sa + (p_hi + LAG) * per_mb
+        n_wg13 = tl.cdiv(2 * I, BN) * tl.cdiv(H, BN2)
+        n_wg2 = tl.cdiv(H, BN) * tl.cdiv(I, BN2)
+        wg_hi = r_hi + n_sb + L * (n_wg13 + n_wg2)
+        total = wg_hi + n_sc
+        for tile in range(cid, total, ncomp):
+            if tile < n_sa:
+                if (phase & 1) != 0:  # PB_SHARED_A: dense over this rank's T tokens, w = 1
+                    nt = tile // n_srt
+                    rt = tile % n_srt
+                    acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM, sw2_ptr,
+                                                      sw13_ptr, nt * BN, H, S, BM, BN, BK, DOT_FP32, PRECISION)
+                    ones = tl.full((BM,), 1.0, dtype=tl.float32)
+                    _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM, T - rt * BM,
+                                    nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
+                    _signal(sa_ready)
+            elif tile < r_hi:
+                if tile >= r_lo:
+                    rnd = (tile - n_sa) // per_mb
+                    i = (tile - n_sa) % per_mb
+                    if i < per_a:
+                        p = rnd
+                        if ((phase & 4) != 0) & (p < p_hi) & (p * MB < num_rows):  # PB_A
+                            nt = i // (MB // BM)
+                            rt = i % (MB // BM)
+                            row0 = p * MB + rt * BM
+                            _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
+                            e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
+                            if e >= 0:
+                                acc_dh, acc_g, acc_u = _bwd_a_acc(
+                                    dor_ptr, xr_ptr, row0, BM, w2_ptr + e.to(tl.int64) * (H * I),
+                                    w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BM, BN, BK,
+                                    DOT_FP32, PRECISION)
+                                w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
+                                _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM,
+                                                nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
+                            _signal(a_ready + p)
+                    else:
+                        p = rnd - LAG
+                        if ((phase & 8) != 0) & (p >= p_lo) & (p < p_hi) & (p * MB < num_rows):  # PB_B
+                            j = i - per_a
+                            nt = j // (MB // BM)
+                            rt = j % (MB // BM)
+                            row0 = p * MB + rt * BM
+                            _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
+                            e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
+                            if e >= 0:
+                                acc = _mm_acc(dgu_ptr, 2 * I, row0, BM, w13_ptr + e.to(tl.int64) * (2 * I * H), H,
+                                              nt * BN2, H, 2 * I, BM, BN2, BK, DOT_FP32, PRECISION)
+                                rows = row0 + tl.arange(0, BM)
+                                rn = nt * BN2 + tl.arange(0, BN2)
+                                tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
+                                         mask=(rn < H)[None, :])
+                            _signal(b_ready + p)
+            elif tile < r_hi + n_sb:
+                if (phase & 32) != 0:  # PB_SHARED_B
+                    j = tile - r_hi
+                    nt = j // n_srt
+                    rt = j % n_srt
+                    _wait_geq(sa_ready, n_sa, err_ptr, max_spin)
+                    acc = _mm_acc(sdgu_ptr, 2 * S, rt * BM, T - rt * BM, sw13_ptr, H, nt * BN2, H, 2 * S,
+                                  BM, BN2, BK, DOT_FP32, PRECISION)
+                    rows = rt * BM + tl.arange(0, BM)
+                    rn = nt * BN2 + tl.arange(0, BN2)
+                    tl.store(sdx_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
+                             mask=(rows < T)[:, None] & (rn < H)[None, :])
+            elif tile < wg_hi:
+                if (phase & 64) != 0:  # PB_WGRAD
+                    j = tile - r_hi - n_sb
+                    e = j // (n_wg13 + n_wg2)
+                    q = j % (n_wg13 + n_wg2)
+                    seg0 = tl.load(expert_offsets_ptr + e)
+                    seg1 = tl.load(expert_offsets_ptr + e + 1)
+                    # every minibatch holding a row of this expert has finished phase A
+                    for p in range(seg0 // MB, (seg1 + MB - 1) // MB):
+                        _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
+                    if q < n_wg13:  # dW13[e] = d_gu^T x  ([2I, H])
+                        n0 = (q // tl.cdiv(H, BN2)) * BN
+                        m0 = (q % tl.cdiv(H, BN2)) * BN2
+                        _wgrad_tile(dgu_ptr, 2 * I, xr_ptr, H, seg0, seg1, peer_rank_ptr, True,
+                                    dw13_ptr + e.to(tl.int64) * (2 * I * H), H, n0, 2 * I, m0, H,
+                                    BN, BN2, BK, DOT_FP32, PRECISION)
+                    else:  # dW2[e] = dO^T (w h)  ([H, I])
+                        q2 = q - n_wg13
+                        n0 = (q2 // tl.cdiv(I, BN2)) * BN
+                        m0 = (q2 % tl.cdiv(I, BN2)) * BN2
+                        _wgrad_tile(dor_ptr, H, hw_ptr, I, seg0, seg1, peer_rank_ptr, True,
+                                    dw2_ptr + e.to(tl.int64) * (H * I), I, n0, H, m0, I,
+                                    BN, BN2, BK, DOT_FP32, PRECISION)
+            else:
+                if (phase & 128) != 0:  # PB_SHARED_WGRAD
+                    q = tile - wg_hi
+                    _wait_geq(sa_ready, n_sa, err_ptr, max_spin)
+                    n_13 = tl.cdiv(2 * S, BN) * tl.cdiv(H, BN2)
+                    if q < n_13:
+                        n0 = (q // tl.cdiv(H, BN2)) * BN
+                        m0 = (q % tl.cdiv(H, BN2)) * BN2
+                        _wgrad_tile(sdgu_ptr, 2 * S, x_local_ptr, H, 0, T, peer_rank_ptr, False,
+                                    dsw13_ptr, H, n0, 2 * S, m0, H, BN, BN2, BK, DOT_FP32, PRECISION)
+                    else:
+                        q2 = q - n_13
+                        n0 = (q2 // tl.cdiv(S, BN2)) * BN
+                        m0 = (q2 % tl.cdiv(S, BN2)) * BN2
+                        _wgrad_tile(dout_local_ptr, H, sh_ptr, S, 0, T, peer_rank_ptr, False,
+                                    dsw2_ptr, S, n0, H, m0, S, BN, BN2, BK, DOT_FP32, PRECISION)
+
+
+@triton.jit
+def bwd_epilogue_kernel(
+    sdx_ptr,  # [T, H] shared-expert d_x (ignored without a shared expert)
+    dxc_ptr,  # [T*K, H] d_x rows pushed back by the expert owners
+    dwc_ptr,  # [T*K] fp32 router-weight gradients pushed back
+    ids_ptr,  # [T, K] global expert ids
+    dx_ptr,  # [T, H] out
+    dw_ptr,  # [T, K] fp32 out
+    T, H, E,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+):
+    """d_x = shared d_x + sum_j d_x_routed[t*K + j] in fp32, j in order; d_w[t, j] = pushed value
+    (0 for routes whose id is outside [0, E): they were never computed)."""
+    rt = tl.program_id(0) * BT + tl.arange(0, BT)
+    rh = tl.program_id(1) * BH + tl.arange(0, BH)
+    tm = rt < T
+    m = tm[:, None] & (rh < H)[None, :]
+    rt64 = rt.to(tl.int64)
+    if HAS_SHARED:
+        acc = tl.load(sdx_ptr + rt64[:, None] * H + rh[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BT, BH), dtype=tl.float32)
+    for j in tl.static_range(K):
+        ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
+        ok = (ej >= 0) & (ej < E)
+        c = tl.load(dxc_ptr + (rt64 * K + j)[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
+        acc = acc + c.to(tl.float32)
+        if tl.program_id(1) == 0:
+            dw = tl.load(dwc_ptr + rt64 * K + j, mask=tm & ok, other=0.0)
+            tl.store(dw_ptr + rt64 * K + j, dw, mask=tm)
+    tl.store(dx_ptr + rt64[:, None] * H + rh[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m)
