@@ -1,0 +1,139 @@
+"""One device round for the backward megakernel: check gradients, time forward+backward; a table last.
+
+    PYTHONPATH=src python3 benchmarks/bwd_round.py [--shapes kimi-k2.7,...] [--out DIR]
+
+Gradients of x, router weights, w13, w2 and the shared expert against the fp32
+reference (relative L1 and cosine), bitwise repeatability over two runs, and
+forward+backward latency of the megakernels vs the grouped_mm baseline under
+autograd, same routing, same run. Peak memory of each beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+
+from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
+from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.peers import LocalPeers
+from kittenmoe.reference import moe_reference_multirank
+from kittenmoe.testing import cosine, make_weights, rel_l1, routing_uniform
+
+SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+
+
+def case(shape, R, T, dev, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+    xs = [torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
+    rts = [routing_uniform(T, shape.e, shape.k, generator=g, device=dev) for _ in range(R)]
+    gos = [torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16) for _ in range(R)]
+    return w, xs, [r[0] for r in rts], [r[1] for r in rts], gos
+
+
+def check(name, shape, R, T, cfg, dev):
+    w, xs, ids, ws, gos = case(shape, R, T, dev)
+    args = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+    res = megakernel_backward_multirank(gos, *args, config=cfg)
+    res.check_errors()
+    got = res.d_x + res.d_topk_weights + [res.d_w13, res.d_w2, res.d_shared_w13, res.d_shared_w2]
+    res2 = megakernel_backward_multirank(gos, *args, config=cfg)
+    got2 = res2.d_x + res2.d_topk_weights + [res2.d_w13, res2.d_w2, res2.d_shared_w13, res2.d_shared_w2]
+    det = all(torch.equal(a, b) for a, b in zip(got, got2))
+    leaves = [x.float().requires_grad_() for x in xs] + [v.float().requires_grad_() for v in ws] + \
+             [t.float().requires_grad_() for t in w.tensors()]
+    ref = moe_reference_multirank(leaves[:R], ids, leaves[R:2 * R], *leaves[2 * R:], shape.swiglu_limit,
+                                  compute_dtype=torch.float32)
+    grads = torch.autograd.grad(ref, leaves, [g_.float() for g_ in gos])
+    names = [f"d_x{r}" for r in range(R)] + [f"d_w{r}" for r in range(R)] + ["d_w13", "d_w2", "d_sw13", "d_sw2"]
+    errs = {n: (rel_l1(a, b), cosine(a, b)) for n, a, b in zip(names, got, grads)}
+    worst = max(e[0] for e in errs.values())
+    cmin = min(e[1] for e in errs.values())
+    print(f"  {name}: worst rel L1 {worst:.2e}, min cosine {cmin:.6f}, bitwise repeat {det}", flush=True)
+    for n, (e, c) in errs.items():
+        print(f"    {n:<8} rel L1 {e:.2e} cos {c:.6f}", flush=True)
+    return dict(worst_rel_l1=worst, min_cosine=cmin, deterministic=det, per_tensor=errs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="kimi-k2.7,qwen3.5-397b-a17b")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
+    cfg = KernelConfig()
+    print(env, cfg, flush=True)
+    small = TEST_SHAPES["small"]
+    small_cfg = KernelConfig(block_m=64, minibatch_size=256)
+    check("small R=2 T=300", small, 2, 300, small_cfg, dev)
+    rows = []
+    for name in args.shapes.split(","):
+        base = SEED_SHAPES[name]
+        shape = base.with_(e=base.e // 8)
+        T = SLICES[name]
+        row = dict(kind="forward+backward", shape=name, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h,
+                   i=shape.i, k=shape.k, dtype="bf16", ranks=1, config=str(cfg.__dict__), **env,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command="PYTHONPATH=src python3 " + " ".join(sys.argv))
+        row.update(check(name, shape, 1, T, cfg, dev))
+        w, xs, ids, ws, gos = case(shape, 1, T, dev)
+        peers = LocalPeers(1, dev)
+        a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+
+        def mk():
+            megakernel_forward_multirank(*a, config=cfg, peers=peers)
+            megakernel_backward_multirank(gos, *a, config=cfg, peers=peers)
+
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+        row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")
+        row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+        lw = [t.detach().requires_grad_() for t in [xs[0], ws[0]] + w.tensors()]
+
+        def bl():
+            out = grouped_mm_forward(lw[0], ids[0], lw[1], *lw[2:], shape.swiglu_limit)
+            torch.autograd.grad(out, lw, gos[0])
+
+        try:
+            torch.cuda.reset_peak_memory_stats()
+            row["ms_grouped_mm"] = triton.testing.do_bench(bl, warmup=50, rep=args.reps * 20, return_mode="median")
+            row["peak_mb_grouped_mm"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+            row["speedup"] = row["ms_grouped_mm"] / row["ms_kittenmoe"]
+        except Exception as exc:  # reported in the row and on the terminal, not hidden
+            traceback.print_exc()
+            row["baseline_error"] = repr(exc)
+        routed = 18 * T * shape.k * shape.h * shape.i
+        row["routed_tflops"] = routed / row["ms_kittenmoe"] / 1e9
+        if "ms_grouped_mm" in row:
+            row["baseline_routed_tflops"] = routed / row["ms_grouped_mm"] / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del peers, w, xs, gos
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    with open(os.path.join(args.out, f"fwdbwd-{stamp}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\n{'shape':<20}{'kmoe ms':>9}{'base ms':>9}{'x':>6}{'routed TF':>10}{'relL1':>9}{'cos':>10}{'det':>6}"
+          f"{'MB k':>8}{'MB base':>9}")
+    for r in rows:
+        print(f"{r['shape']:<20}{r['ms_kittenmoe']:>9.3f}{r.get('ms_grouped_mm', float('nan')):>9.3f}"
+              f"{r.get('speedup', float('nan')):>6.2f}{r['routed_tflops']:>10.0f}{r['worst_rel_l1']:>9.1e}"
+              f"{r['min_cosine']:>10.6f}{str(r['deterministic']):>6}{r['peak_mb_kittenmoe']:>8.0f}"
+              f"{r.get('peak_mb_grouped_mm', float('nan')):>9.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
