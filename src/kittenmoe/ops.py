@@ -365,6 +365,8 @@ def launch_rank_backward(
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
     )
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
+    # Routes with expert ids outside [0, E) were never computed: flag them as the forward does (device op).
+    out["err"].copy_((sched.num_invalid > 0).to(torch.int32) * mk.ERR_BAD_EXPERT_ID)
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     dsw13 = out["dsw13"] if has_shared else out["dw13"]
