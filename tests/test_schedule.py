@@ -328,3 +328,46 @@ BAD_ARGS = [
 def test_build_schedule_bad_args(ids, rank, L, bm, exc, match):
     with pytest.raises(exc, match=match):
         build_schedule(ids, rank, L, bm)
+
+
+# ---------------------------------------------------------------- Triton schedule kernels
+
+TRITON_CASES = {
+    # R=1, uniform distinct ids, block_m 16 (the GPU-like case)
+    "R1-uniform": (1, 4, 9, 3, 16, "distinct"),
+    # several ranks, ids with repeats and out-of-range values (-1 and E): counted, never placed
+    "R3-invalid": (3, 2, 7, 2, 4, "invalid"),
+    # every route to one expert: one long segment, the other experts empty
+    "R2-one-expert": (2, 3, 8, 1, 2, "one"),
+    # block_m 1: no padding at all
+    "R4-bm1": (4, 2, 5, 2, 1, "distinct"),
+    # T=1, K = L (every local expert gets the token)
+    "R2-T1-K=L": (2, 3, 1, 3, 4, "distinct"),
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_CASES))
+def test_triton_schedule_matches_torch_bitwise(name):
+    R, L, T, K, bm, kind = TRITON_CASES[name]
+    E = R * L
+    g = torch.Generator().manual_seed(7)
+    if kind == "invalid":
+        ids = torch.randint(-1, E + 1, (R, T, K), generator=g)
+    elif kind == "one":
+        ids = torch.full((R, T, K), E - 1)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)]).reshape(R, T, K)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = ids.to(dev)
+    for rank in range(R):
+        a = build_schedule(ids, rank, L, bm, impl="torch")
+        b = build_schedule(ids, rank, L, bm, impl="triton")
+        for f in ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
+                  "num_invalid"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
+
+
+def test_build_schedule_rejects_unknown_impl():
+    with pytest.raises(ValueError, match="impl"):
+        build_schedule(torch.zeros(1, 2, 1, dtype=torch.int64), 0, 2, 4, impl="numpy")

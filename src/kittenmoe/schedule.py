@@ -61,9 +61,21 @@ def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
         raise ValueError(f"topk_ids_RTK must be [R, T, K], got shape {tuple(topk_ids_RTK.shape)}")
 
 
-def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int) -> Schedule:
-    """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids)."""
+def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int,
+                   impl: str | None = None) -> Schedule:
+    """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids).
+
+    ``impl``: "torch" (torch ops, the model) or "triton" (two Triton launches,
+    kernels/schedule.py; same tables bit for bit). Default: "triton" on CUDA,
+    "torch" elsewhere. "triton" on CPU tensors needs TRITON_INTERPRET=1.
+    """
     check_routing_ids(topk_ids_RTK)
+    if impl is None:
+        impl = "triton" if topk_ids_RTK.device.type == "cuda" else "torch"
+    if impl == "triton":
+        return _build_schedule_triton(topk_ids_RTK, rank, experts_per_rank, block_m)
+    if impl != "torch":
+        raise ValueError(f"build_schedule: impl must be 'torch' or 'triton', got {impl!r}")
     R, T, K = topk_ids_RTK.shape
     L = experts_per_rank
     if not 0 <= rank < R:
@@ -139,3 +151,39 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
         topk=K,
         block_m=block_m,
     )
+
+
+def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int) -> Schedule:
+    import triton
+
+    from kittenmoe.kernels import schedule as ks
+
+    R, T, K = topk_ids_RTK.shape
+    L = experts_per_rank
+    if not 0 <= rank < R:
+        raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
+    if L < 1:
+        raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
+    if block_m < 1:
+        raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+    dev = topk_ids_RTK.device
+    P = T * K
+    C = routed_capacity(R, T, K, L, block_m)
+    i32 = torch.int32
+    ids = topk_ids_RTK.reshape(R, P).to(i32).contiguous()
+    cnt = torch.empty(L, R, dtype=i32, device=dev)
+    num_invalid = torch.empty(1, dtype=i32, device=dev)
+    rb, lb = triton.next_power_of_2(R), triton.next_power_of_2(L)
+    block = 256 if R <= 16 else 64  # the placement tile is [BLOCK, RB]
+    ks.schedule_count_kernel[(L,)](ids, cnt, num_invalid, P, R, rank, L, R * L, RB=rb, BLOCK=1024)
+    peer_rank = torch.empty(C, dtype=i32, device=dev)
+    peer_tok = torch.empty(C, dtype=i32, device=dev)
+    offsets = torch.empty(L + 1, dtype=i32, device=dev)
+    counts = torch.empty(L, dtype=i32, device=dev)
+    num_rows = torch.empty(1, dtype=i32, device=dev)
+    tile_expert = torch.empty(C // block_m, dtype=i32, device=dev)
+    ks.schedule_place_kernel[(L,)](ids, cnt, peer_rank, peer_tok, offsets, counts, num_rows, tile_expert,
+                                   P, R, rank, L, C, BM=block_m, RB=rb, LB=lb, BLOCK=block)
+    return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
+                    num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, rank=rank, num_ranks=R,
+                    experts_per_rank=L, tokens=T, topk=K, block_m=block_m)
