@@ -66,12 +66,13 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
     """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids).
 
     ``impl``: "torch" (torch ops, the model) or "triton" (two Triton launches,
-    kernels/schedule.py; same tables bit for bit). Default: "triton" on CUDA,
-    "torch" elsewhere. "triton" on CPU tensors needs TRITON_INTERPRET=1.
+    kernels/schedule.py; same tables bit for bit, checked under the
+    interpreter). Default "torch" until the Triton version has been timed on
+    a GPU. "triton" on CPU tensors needs TRITON_INTERPRET=1.
     """
     check_routing_ids(topk_ids_RTK)
     if impl is None:
-        impl = "triton" if topk_ids_RTK.device.type == "cuda" else "torch"
+        impl = "torch"
     if impl == "triton":
         return _build_schedule_triton(topk_ids_RTK, rank, experts_per_rank, block_m)
     if impl != "torch":
