@@ -244,6 +244,20 @@ def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts:
         K=K, HAS_SHARED=has_shared, BT=bt, BH=bh)
 
 
+def _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+             peers: LocalPeers | None):
+    """Validate the inputs and the device; return the dimensions and the peers to use."""
+    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                            shared_w2_HS)
+    dev = w13_E2IH.device
+    _check_device(dev)
+    if peers is None:
+        peers = LocalPeers(dims.r, dev)
+    elif peers.num_ranks != dims.r or peers.device != dev:
+        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {dims.r} on {dev}")
+    return dims, peers
+
+
 @dataclass
 class MultirankForward:
     outputs: list[torch.Tensor]  # [R] x [T, H]
@@ -275,16 +289,10 @@ def megakernel_forward_multirank(
     errors (it reads a flag, a sync on CUDA).
     """
     config = config or KernelConfig()
-    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                            shared_w2_HS)
-    dev = w13_E2IH.device
-    _check_device(dev)
+    dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                           shared_w2_HS, peers)
+    dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
-    dtype = w13_E2IH.dtype
-    if peers is None:
-        peers = LocalPeers(R, dev)
-    elif peers.num_ranks != R or peers.device != dev:
-        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {R} on {dev}")
     xb = peers.alloc("x", (T, H), dtype)
     cb = peers.alloc("combine", (T * K, H), dtype)
     for r in range(R):
@@ -434,18 +442,12 @@ def megakernel_backward_multirank(
     from kittenmoe.kernels import megakernel_bwd as mb
 
     config = config or KernelConfig()
-    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                            shared_w2_HS)
-    dev = w13_E2IH.device
-    _check_device(dev)
+    dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                           shared_w2_HS, peers)
+    dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
-    dtype = w13_E2IH.dtype
     if len(d_out_RTH) != R or any(tuple(g.shape) != (T, H) for g in d_out_RTH):
         raise ValueError(f"d_out must be {R} tensors of shape {(T, H)}")
-    if peers is None:
-        peers = LocalPeers(R, dev)
-    elif peers.num_ranks != R or peers.device != dev:
-        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {R} on {dev}")
     xb = peers.alloc("x", (T, H), dtype)
     db = peers.alloc("d_out", (T, H), dtype)
     wb = peers.alloc("w", (T * K,), torch.float32)

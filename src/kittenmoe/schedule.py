@@ -61,6 +61,15 @@ def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
         raise ValueError(f"topk_ids_RTK must be [R, T, K], got shape {tuple(topk_ids_RTK.shape)}")
 
 
+def _check_args(R: int, rank: int, L: int, block_m: int) -> None:
+    if not 0 <= rank < R:
+        raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
+    if L < 1:
+        raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
+    if block_m < 1:
+        raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+
+
 def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int,
                    impl: str | None = None) -> Schedule:
     """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids).
@@ -79,12 +88,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
         raise ValueError(f"build_schedule: impl must be 'torch' or 'triton', got {impl!r}")
     R, T, K = topk_ids_RTK.shape
     L = experts_per_rank
-    if not 0 <= rank < R:
-        raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
-    if L < 1:
-        raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
-    if block_m < 1:
-        raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+    _check_args(R, rank, L, block_m)
     dev = topk_ids_RTK.device
     P = T * K  # routes per source rank
     C = routed_capacity(R, T, K, L, block_m)
@@ -161,12 +165,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
 
     R, T, K = topk_ids_RTK.shape
     L = experts_per_rank
-    if not 0 <= rank < R:
-        raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
-    if L < 1:
-        raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
-    if block_m < 1:
-        raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+    _check_args(R, rank, L, block_m)
     dev = topk_ids_RTK.device
     P = T * K
     C = routed_capacity(R, T, K, L, block_m)
