@@ -28,6 +28,10 @@ def load_rows() -> list[dict]:
         for r in data if isinstance(data, list) else [data]:
             if r.get("rel_l1") is None or r.get("rel_l1") != r.get("rel_l1"):  # unchecked (NaN) rows stay out
                 continue
+            if r.get("device") == "cpu-interpreter":  # test rows, not GPU figures
+                continue
+            if r.get("routing", "uniform") != "uniform" or r.get("ranks", 1) != 1:  # the table's conditions
+                continue
             r["_file"] = os.path.basename(path)
             rows.append(r)
     latest: dict[tuple, dict] = {}
