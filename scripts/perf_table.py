@@ -26,6 +26,8 @@ def load_rows() -> list[dict]:
         with open(path) as f:
             data = json.load(f)
         for r in data if isinstance(data, list) else [data]:
+            if "rel_l1" not in r and "worst_rel_l1" in r:  # forward+backward rows: the worst gradient's error
+                r["rel_l1"] = r["worst_rel_l1"]
             if r.get("rel_l1") is None or r.get("rel_l1") != r.get("rel_l1"):  # unchecked (NaN) rows stay out
                 continue
             if r.get("device") == "cpu-interpreter":  # test rows, not GPU figures
@@ -53,14 +55,15 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['experts_local']} | {r['ms_kittenmoe']:.3f} "
-            f"| {r['ms_grouped_mm']:.3f} | {r['speedup']:.2f}x | {r['routed_tflops']:.0f} "
-            f"| {r['baseline_routed_tflops']:.0f} | {r['rel_l1']:.1e} | {r['gpu']} | {r['torch']} / {r['triton']} "
+            f"| {r.get('ms_grouped_mm', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x "
+            f"| {r['routed_tflops']:.0f} | {r.get('baseline_routed_tflops', float('nan')):.0f} | {r['rel_l1']:.1e} | {r['gpu']} | {r['torch']} / {r['triton']} "
             f"| {r['date'][:10]} |")
     lines.append("")
     lines.append("Conditions: one GPU, bf16, uniform routing (top-k of randn logits), one shared expert of width I, "
                  "median of CUDA-event timings after warm-up (`triton.testing.do_bench`), schedule construction and "
                  "epilogue included, baseline timed in the same run; the kittenmoe figure is the best of the "
-                 "KernelConfigs swept in that run (recorded in the row's `config`). Routed TFLOP/s = 6*T*K*H*I / latency. "
+                 "KernelConfigs swept in that run (recorded in the row's `config`). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
+                 "gradient's). "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
     return "\n".join(lines)
 
