@@ -11,14 +11,36 @@ from kittenmoe.schedule import Schedule, build_schedule
 
 __version__ = "0.1.0"
 
+# The layer stack imports the Triton kernels; load it on first use so that `import kittenmoe` stays light
+# and TRITON_INTERPRET may still be set after it (but before the first layer is built).
+_LAZY = {
+    "MoELayer": "kittenmoe.layer",
+    "moe": "kittenmoe.functional",
+    "set_error_check": "kittenmoe.autograd",
+    "check_errors": "kittenmoe.autograd",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kittenmoe' has no attribute {name!r}")
+
+
 __all__ = [
     "KernelConfig",
     "LocalPeers",
+    "MoELayer",
     "ModelShape",
     "Schedule",
     "SEED_SHAPES",
     "SHAPES",
     "TEST_SHAPES",
     "build_schedule",
+    "check_errors",
     "get_shape",
+    "moe",
+    "set_error_check",
 ]

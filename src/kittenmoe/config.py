@@ -173,3 +173,98 @@ def routed_capacity(r: int, t: int, k: int, experts_per_rank: int, block_m: int)
     """Worst-case routed rows on one rank: every route of every rank lands here,
     plus the padding of each local expert's segment to ``block_m``."""
     return r * t * k + experts_per_rank * (block_m - 1)
+
+
+# ----------------------------------------------------------------------------- heuristic
+
+# Shared memory a Hopper SM gives one thread block (H100/H200: 227 KB).
+SHARED_MEMORY_LIMIT = 227 * 1024
+
+
+def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
+    """Shared-memory estimate of the gate|up GEMM tile, the largest in the forward megakernel.
+
+    Each pipeline stage holds one ``block_m x block_k`` activation tile and the
+    matching gate and up weight tiles (``2 x block_n x block_k``):
+    ``num_stages * (BM*BK + 2*BN*BK) * elem_bytes``. An estimate, not
+    Triton's exact figure (epilogue layout conversions add some), used to
+    skip tile choices that cannot fit before compiling them.
+    """
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    return config.num_stages * (bm * bk + 2 * bn * bk) * elem_bytes
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, device=None,
+                   dtype=None) -> KernelConfig:
+    """The heuristic ``KernelConfig`` for a problem when no tuned config is cached.
+
+    ``t`` tokens per rank, hidden ``h``, expert width ``i``, ``e`` routed
+    experts in total over ``ranks`` EP ranks (``e // ranks`` local experts),
+    top-``k``; ``device`` (default: CUDA if available) and ``dtype`` (default
+    bf16) of the operands. A balanced router sends about ``n = t * k`` rows to
+    each rank, ``n_e = t * k * ranks / e`` to each expert.
+
+    On CUDA (measured on the H200 for the seed shapes sliced to one EP8 rank,
+    where ``KernelConfig()``'s values won the sweeps in docs/perf-notes.md;
+    elsewhere a guess the tuner replaces):
+
+    - ``block_m`` 128, or 64 when experts average under 96 rows (the padding of
+      each expert's segment to ``block_m`` would dominate);
+    - ``minibatch_size`` 2048 (the seed slices' optimum at ``n`` = 12-40 K
+      rows); smaller problems use ``n / 4`` rounded down to a power of two
+      (at least ``block_m``) so the comm/compute pipeline still has ~4 steps;
+    - ``num_comm_programs_fwd/bwd`` 16 (8 starved the GEMMs' pull, 20 did not
+      help), or an eighth of the SMs on GPUs with fewer than 100 SMs;
+    - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
+      most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
+      memory (``gate_up_smem_bytes``);
+    - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
+      (x_routed, y_routed, hidden) exceed min(8 GiB, 1/8 of the GPU's memory);
+      then the largest multiple of the minibatch that fits.
+
+    On CPU (the Triton interpreter, for tests) small tiles and few programs
+    keep the sequential interpreter fast: ``block_m`` 16, ``block_n`` and
+    ``block_k`` 32, one communication program, and a minibatch of the
+    worst-case capacity rounded up to a power of two (at most 1024), so few
+    launches run.
+    """
+    import torch
+
+    for name, v in (("t", t), ("h", h), ("i", i), ("e", e), ("k", k), ("ranks", ranks)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"default_config: {name} must be a positive int, got {v!r}")
+    if e % ranks:
+        raise ValueError(f"default_config: E={e} experts cannot be split evenly over R={ranks} ranks")
+    if k > e:
+        raise ValueError(f"default_config: top-k K={k} exceeds the number of experts E={e}")
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dtype is None else dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    local = e // ranks
+    n = t * k
+    if dev.type != "cuda":
+        bm = 16
+        mb = min(1024, max(bm, 1 << (routed_capacity(ranks, t, k, local, bm) - 1).bit_length()))
+        return KernelConfig(num_comm_programs_fwd=1, num_comm_programs_bwd=1, minibatch_size=mb, block_m=bm,
+                            block_n=32, block_k=32, num_stages=1, num_warps=4)
+    props = torch.cuda.get_device_properties(dev)
+    sms = props.multi_processor_count
+    comm = 16 if sms >= 100 else max(1, sms // 8)
+    bm = 128 if n * ranks / e >= 96 else 64
+    mb = 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4))
+    bn, bk = 128, (64 if elem <= 2 else 32)
+    cfg = KernelConfig(num_comm_programs_fwd=comm, num_comm_programs_bwd=comm, minibatch_size=mb, block_m=bm,
+                       block_n=bn, block_k=bk, num_stages=1)
+    stages = next((s for s in (4, 3, 2) if gate_up_smem_bytes(cfg.with_(num_stages=s), elem) <= SHARED_MEMORY_LIMIT), 1)
+    cfg = cfg.with_(num_stages=stages)
+    cap = routed_capacity(ranks, t, k, local, bm)
+    full = -(-cap // mb) * mb
+    budget = min(8 << 30, props.total_memory // 8)
+    row_bytes = (2 * h + i) * elem
+    if full * row_bytes > budget:
+        cfg = cfg.with_(macrobatch_size=max(mb, budget // row_bytes // mb * mb))
+    return cfg

@@ -1,0 +1,342 @@
+"""``torch.library`` custom ops over the launchers, with fake (meta) impls and autograd. One rank (R=1).
+
+Layering (DESIGN.md "Where code lives"): launcher (``kittenmoe.ops``) -> the custom ops here -> autograd
+(``torch.library.register_autograd``) -> ``kittenmoe.functional.moe`` -> ``kittenmoe.layer.MoELayer``.
+
+Ops (namespace ``kittenmoe``):
+
+- ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
+  swiglu_limit?, <KernelConfig fields>) -> out_TH``: the forward megakernel.
+- ``moe_backward(d_out_TH, <the same inputs>) -> (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI,
+  d_shared_w13_2SH, d_shared_w2_HS)``: the backward megakernel (it replays the dispatch and gate|up GEMM, so
+  autograd saves only the inputs). Without a shared expert the last two are empty ``[0]`` placeholders
+  (a custom op cannot return an optional tensor); autograd turns them into ``None``.
+- ``moe_forward_torch`` / ``moe_backward_torch``: the ``torch`` backend (``kittenmoe.torch_backend``) as an
+  opaque op pair, used only under ``torch.compile``: the torch backend reads one device value (the count of
+  out-of-range expert ids) to raise its error, and that ``.item()`` would break a ``fullgraph`` trace.
+  Its backward recomputes that function with autograd re-enabled inside the op (``_autograd_inside_op``,
+  which uses the dispatcher's private thread-local key-set guards) and differentiates it, so compiled and
+  eager gradients are the same numbers.
+
+The KernelConfig travels as one schema argument per dataclass field (generated from
+``dataclasses.fields(KernelConfig)``, so a new knob needs no change here).
+
+Device errors (spin-wait timeouts, expert ids out of range) land in the launches' error flags. How they
+are read is set by :func:`set_error_check`:
+
+- ``"sync"`` (default): every megakernel op reads its flags right after launching and raises
+  ``kittenmoe.ops.MegakernelError`` at once. On CUDA that is one device sync per op; during CUDA-graph
+  capture it is impossible, so capture under ``"sync"`` raises a clear error.
+- ``"deferred"``: on CUDA the flags are OR-ed, on device, into a per-device accumulator; nothing syncs, so
+  CUDA-graph capture works. :func:`check_errors` reads (and clears) it: call it at a point of your choosing
+  (e.g. every logging step).
+
+On CPU (the Triton interpreter) reading a flag costs nothing, so flags are always read at once there.
+
+Op calls reuse one ``LocalPeers`` workspace per device and (T, H, K, dtype), stream-ordered on the current
+stream, so pointer tables are built once, outside any CUDA-graph capture (up to
+``MAX_WORKSPACES_PER_DEVICE`` shapes, least recently used out first; one used in a capture stays).
+Capturing a call whose shapes never ran eagerly on that device raises a clear error (warm up first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kittenmoe import ops, torch_backend
+from kittenmoe.config import KernelConfig
+from kittenmoe.peers import LocalPeers
+
+Tensor = torch.Tensor
+ErrorCheck = Literal["sync", "deferred"]
+
+# ----------------------------------------------------------------------------- schema
+
+_FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
+                       "float | None": "float?"}
+
+
+def _config_schema() -> str:
+    parts = []
+    for f in dataclasses.fields(KernelConfig):
+        typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+        if typ not in _FIELD_SCHEMA_TYPES:
+            raise TypeError(f"KernelConfig.{f.name} has type {typ!r}, which kittenmoe.autograd cannot pass "
+                            f"to a custom op; supported: {', '.join(_FIELD_SCHEMA_TYPES)}")
+        parts.append(f"{_FIELD_SCHEMA_TYPES[typ]} {f.name}")
+    return ", ".join(parts)
+
+
+CONFIG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KernelConfig))
+_N_CFG = len(CONFIG_FIELDS)
+
+
+def config_to_args(config: KernelConfig) -> tuple:
+    """KernelConfig -> the op's trailing arguments, in field order."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a kittenmoe.KernelConfig, got {type(config).__name__}")
+    return tuple(getattr(config, n) for n in CONFIG_FIELDS)
+
+
+def config_from_args(args) -> KernelConfig:
+    if len(args) != _N_CFG:
+        raise TypeError(f"expected {_N_CFG} KernelConfig arguments ({', '.join(CONFIG_FIELDS)}), got {len(args)}")
+    return KernelConfig(*args)
+
+
+_INPUTS = ("Tensor x_TH, Tensor topk_ids_TK, Tensor topk_weights_TK, Tensor w13_E2IH, Tensor w2_EHI, "
+           "Tensor? shared_w13_2SH, Tensor? shared_w2_HS, float? swiglu_limit")
+_GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_w2_EHI, " \
+         "Tensor d_shared_w13_2SH, Tensor d_shared_w2_HS)"
+
+torch.library.define("kittenmoe::moe_forward", f"({_INPUTS}, {_config_schema()}) -> Tensor")
+torch.library.define("kittenmoe::moe_backward", f"(Tensor d_out_TH, {_INPUTS}, {_config_schema()}) -> {_GRADS}")
+torch.library.define("kittenmoe::moe_forward_torch", f"({_INPUTS}, int block_m) -> Tensor")
+torch.library.define("kittenmoe::moe_backward_torch", f"(Tensor d_out_TH, {_INPUTS}, int block_m) -> {_GRADS}")
+
+# ----------------------------------------------------------------------------- device errors, workspace
+
+_error_check: ErrorCheck = "sync"
+
+
+# Workspaces kept per device, least recently used out first. A workspace used inside a CUDA-graph capture is
+# never evicted (the graph holds its addresses).
+MAX_WORKSPACES_PER_DEVICE = 8
+
+
+@dataclass
+class _DeviceState:
+    err_acc: Tensor  # [1] int32, deferred flags OR-ed together
+    workspaces: OrderedDict = field(default_factory=OrderedDict)  # (T, H, K, dtype) -> LocalPeers
+    pinned: set = field(default_factory=set)  # keys used inside a capture
+
+
+_states: dict[torch.device, _DeviceState] = {}
+
+
+def set_error_check(mode: ErrorCheck) -> None:
+    """``"sync"``: megakernel ops raise device errors at once (a sync per op on CUDA). ``"deferred"``: they
+    accumulate on device until :func:`check_errors` (needed for CUDA-graph capture)."""
+    global _error_check
+    if mode not in ("sync", "deferred"):
+        raise ValueError(f"error check mode must be 'sync' or 'deferred', got {mode!r}")
+    _error_check = mode
+
+
+def get_error_check() -> ErrorCheck:
+    return _error_check
+
+
+def check_errors(device: torch.device | str | None = None) -> None:
+    """Raise ``kittenmoe.ops.MegakernelError`` if a megakernel op flagged a deferred error on ``device``
+    (all devices when None) since the last check, and clear the flags. Reads a device value (a sync)."""
+    devs = list(_states) if device is None else [_canonical(torch.device(device))]
+    for d in devs:
+        st = _states.get(d)
+        if st is None:
+            continue
+        flags = st.err_acc.clone()
+        st.err_acc.zero_()
+        ops.check_errors(flags)
+
+
+def _canonical(dev: torch.device) -> torch.device:
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _capturing(dev: torch.device) -> bool:
+    return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _workspace(x_TH: Tensor, k: int) -> tuple[_DeviceState, LocalPeers]:
+    """The device's error state and the ``LocalPeers`` workspace for this call's shapes."""
+    dev = _canonical(x_TH.device)
+    key = (x_TH.shape[0], x_TH.shape[1], k, x_TH.dtype)
+    capturing = _capturing(dev)
+    if capturing and _error_check == "sync":
+        raise RuntimeError(
+            "kittenmoe: a megakernel op is being captured in a CUDA graph while device errors are checked "
+            "synchronously (a sync is impossible during capture); call "
+            "kittenmoe.set_error_check('deferred') before capturing and kittenmoe.check_errors() after replays")
+    st = _states.get(dev)
+    if capturing and (st is None or key not in st.workspaces):
+        raise RuntimeError(
+            f"kittenmoe: first megakernel call with T={key[0]}, H={key[1]}, K={k}, {key[3]} on {dev} happens "
+            f"inside CUDA-graph capture; run it once eagerly first (warm-up) so its workspace and pointer "
+            f"tables exist outside the graph")
+    if st is None:
+        st = _states[dev] = _DeviceState(torch.zeros(1, dtype=torch.int32, device=dev))
+    if capturing:
+        st.pinned.add(key)
+    peers = st.workspaces.get(key)
+    if peers is None:
+        peers = st.workspaces[key] = LocalPeers(1, dev)
+        for old in [kk for kk in st.workspaces if kk not in st.pinned][:-MAX_WORKSPACES_PER_DEVICE]:
+            del st.workspaces[old]
+    st.workspaces.move_to_end(key)
+    return st, peers
+
+
+def _report(st: _DeviceState, flags: list[Tensor]) -> None:
+    dev = st.err_acc.device
+    if dev.type != "cuda" or _error_check == "sync":
+        for f in flags:
+            ops.check_errors(f)
+        return
+    for f in flags:
+        st.err_acc.bitwise_or_(f)
+
+
+# ----------------------------------------------------------------------------- megakernel ops
+
+
+@torch.library.impl("kittenmoe::moe_forward", "default")
+def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                      swiglu_limit, *config_args):
+    config = config_from_args(config_args)
+    ops._check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
+    st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
+    res = ops.megakernel_forward_multirank(
+        [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+        swiglu_limit, config=config, peers=peers)
+    _report(st, [state.err for state in res.states])
+    return res.outputs[0]
+
+
+@torch.library.impl("kittenmoe::moe_backward", "default")
+def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                       shared_w2_HS, swiglu_limit, *config_args):
+    config = config_from_args(config_args)
+    ops._check_device(x_TH.device)
+    st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
+    res = ops.megakernel_backward_multirank(
+        d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
+        topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
+        shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers)
+    _report(st, list(res.errs))
+    return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
+                       res.d_shared_w2, w13_E2IH)
+
+
+def _pack_grads(d_x, d_w, d_w13, d_w2, d_sw13, d_sw2, w13_E2IH):
+    # Without a shared expert: two distinct empty placeholders (op outputs must not alias each other).
+    return (d_x, d_w.float(), d_w13, d_w2,
+            w13_E2IH.new_empty(0) if d_sw13 is None else d_sw13, w13_E2IH.new_empty(0) if d_sw2 is None else d_sw2)
+
+
+def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                  swiglu_limit, *rest):
+    return torch.empty_like(x_TH)
+
+
+def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                   shared_w2_HS, swiglu_limit, *rest):
+    return (
+        torch.empty_like(x_TH),
+        topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
+        torch.empty_like(w13_E2IH),
+        torch.empty_like(w2_EHI),
+        w13_E2IH.new_empty(0) if shared_w13_2SH is None else torch.empty_like(shared_w13_2SH),
+        w13_E2IH.new_empty(0) if shared_w2_HS is None else torch.empty_like(shared_w2_HS),
+    )
+
+
+torch.library.register_fake("kittenmoe::moe_forward", _fake_forward)
+torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
+
+# ----------------------------------------------------------------------------- torch-backend ops
+
+
+@torch.library.impl("kittenmoe::moe_forward_torch", "default")
+def _moe_forward_torch_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                            shared_w2_HS, swiglu_limit, block_m):
+    return torch_backend.moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                                     shared_w2_HS, swiglu_limit, block_m)
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Let autograd record inside a custom op's kernel. Kernels run below the autograd dispatch key (the
+    dispatcher excludes the autograd keys in thread-local state), so ops inside them build no graph; this
+    takes the autograd keys out of the exclude set for the block and enables grad mode."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+@torch.library.impl("kittenmoe::moe_backward_torch", "default")
+def _moe_backward_torch_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                             shared_w2_HS, swiglu_limit, block_m):
+    # Recompute the torch backend's forward with autograd on, then differentiate it: the gradients are
+    # those of eager autograd through torch_backend.moe_forward.
+    with _autograd_inside_op():
+        leaves = [t.detach().requires_grad_() if t is not None else None
+                  for t in (x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)]
+        out = torch_backend.moe_forward(leaves[0], topk_ids_TK, *leaves[1:], swiglu_limit, block_m)
+        grads = torch.autograd.grad(out, [t for t in leaves if t is not None], d_out_TH)
+    d_sw13, d_sw2 = grads[4:] if shared_w13_2SH is not None else (None, None)
+    return _pack_grads(grads[0], grads[1], grads[2], grads[3], d_sw13, d_sw2, w13_E2IH)
+
+
+torch.library.register_fake("kittenmoe::moe_forward_torch", _fake_forward)
+torch.library.register_fake("kittenmoe::moe_backward_torch", _fake_backward)
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
+    ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)
+    ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields or block_m
+
+
+def _make_backward(backward_op):
+    def backward(ctx, d_out_TH):
+        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
+        d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = backward_op(
+            d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+            shared_w2_HS, *ctx.rest)
+        if shared_w13_2SH is None:
+            d_sw13 = d_sw2 = None
+        # topk_ids and every non-tensor argument get no gradient.
+        return (d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2) + (None,) * len(ctx.rest)
+
+    return backward
+
+
+torch.library.register_autograd("kittenmoe::moe_forward", _make_backward(torch.ops.kittenmoe.moe_backward),
+                                setup_context=_setup_context)
+torch.library.register_autograd("kittenmoe::moe_forward_torch",
+                                _make_backward(torch.ops.kittenmoe.moe_backward_torch),
+                                setup_context=_setup_context)
+
+# ----------------------------------------------------------------------------- python entry points
+
+
+def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH=None,
+                   shared_w2_HS=None, swiglu_limit: float | None = None,
+                   config: KernelConfig | None = None) -> Tensor:
+    """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward``."""
+    config = KernelConfig() if config is None else config
+    return torch.ops.kittenmoe.moe_forward(
+        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+        None if swiglu_limit is None else float(swiglu_limit), *config_to_args(config))
+
+
+def moe_torch_op(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH=None, shared_w2_HS=None,
+                 swiglu_limit: float | None = None, block_m: int = torch_backend.DEFAULT_TORCH_BLOCK_M) -> Tensor:
+    """The differentiable torch backend as one opaque op (``torch.ops.kittenmoe.moe_forward_torch``)."""
+    return torch.ops.kittenmoe.moe_forward_torch(
+        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+        None if swiglu_limit is None else float(swiglu_limit), int(block_m))

@@ -1,0 +1,128 @@
+"""``MoELayer``: router, routed SwiGLU experts and a shared expert as one ``nn.Module`` (one rank).
+
+The module holds parameters and routing; the layer math is ``kittenmoe.functional.moe``.
+
+Parameters (shape-suffix names; shapes from a ``kittenmoe.config.ModelShape``):
+
+- ``router_w_EH`` [E, H]: logits = x @ router_w^T, computed in fp32;
+- ``w13_E2IH`` [E, 2I, H] (gate rows then up rows) and ``w2_EHI`` [E, H, I]: the routed experts;
+- ``shared_w13_2SH`` [2S, H] and ``shared_w2_HS`` [H, S]: the shared expert, ``None`` when
+  ``shape.shared_width == 0``;
+- buffer ``correction_bias_E`` [E] fp32 (``correction_bias=True``): DeepSeek-V3's auxiliary-loss-free
+  balancing bias, added to the scores for expert selection only. The layer never updates it; a training
+  loop that balances load does.
+
+Routing is ``kittenmoe.reference.route`` with the shape's ``score_func``, ``renormalize`` and
+``routed_scaling_factor``; the router weights reach the experts as fp32 ``topk_weights``, so the router
+trains through the layer's ``d_topk_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kittenmoe import ops
+from kittenmoe.config import KernelConfig, ModelShape
+from kittenmoe.functional import Backend, moe, resolve_backend
+from kittenmoe.reference import route
+
+
+def check_backend_runs(backend: str, device: torch.device | str) -> str:
+    """Resolve ``backend`` for ``device`` and raise (``ValueError`` for an unknown name, ``RuntimeError`` for
+    a backend that cannot run there) instead of letting a later forward fail or fall back."""
+    which = resolve_backend(backend, device)
+    if which == "megakernel":
+        try:
+            ops._check_device(torch.device(device))
+        except RuntimeError as e:
+            raise RuntimeError(f"MoE backend 'megakernel' cannot run on {device}: {e} With the layer API, "
+                               f"backend='torch' (or 'auto') runs there.") from e
+    return which
+
+
+class MoELayer(nn.Module):
+    """DeepSeek-V3-style MoE layer: top-k routed SwiGLU experts plus an optional shared expert.
+
+    ``forward(x)`` takes ``[..., H]`` in the layer's dtype and returns the same shape and dtype.
+
+    backend: ``"auto"`` (megakernel on CUDA, torch elsewhere), ``"torch"`` or ``"megakernel"`` (CUDA, or CPU
+        under ``TRITON_INTERPRET=1``); see ``kittenmoe.functional``. Checked against ``device`` here.
+    config: the megakernel's ``KernelConfig`` (``KernelConfig()`` when None); unused by the torch backend.
+    generator: seeds the initialisation (``reset_parameters``).
+    """
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        backend: Backend = "auto",
+        config: KernelConfig | None = None,
+        correction_bias: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(shape, ModelShape):
+            raise TypeError(f"MoELayer needs a kittenmoe.ModelShape, got {type(shape).__name__}")
+        if config is not None and not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+        device = torch.device("cpu") if device is None else torch.device(device)
+        check_backend_runs(backend, device)
+        self.shape = shape
+        self.backend = backend
+        self.config = config
+        e, h, i, s = shape.e, shape.h, shape.i, shape.shared_width
+        kw = dict(dtype=dtype, device=device)
+        self.router_w_EH = nn.Parameter(torch.empty(e, h, **kw))
+        self.w13_E2IH = nn.Parameter(torch.empty(e, 2 * i, h, **kw))
+        self.w2_EHI = nn.Parameter(torch.empty(e, h, i, **kw))
+        if s:
+            self.shared_w13_2SH = nn.Parameter(torch.empty(2 * s, h, **kw))
+            self.shared_w2_HS = nn.Parameter(torch.empty(h, s, **kw))
+        else:
+            self.register_parameter("shared_w13_2SH", None)
+            self.register_parameter("shared_w2_HS", None)
+        if correction_bias:
+            self.register_buffer("correction_bias_E", torch.zeros(e, dtype=torch.float32, device=device))
+        else:
+            self.register_buffer("correction_bias_E", None)
+        self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """std 1/sqrt(fan_in) normals (like a trained layer: outputs O(1)); drawn in fp32 on the CPU so a
+        seeded ``generator`` gives the same weights on every device."""
+        h, i, s = self.shape.h, self.shape.i, self.shape.shared_width
+        for p, fan_in in ((self.router_w_EH, h), (self.w13_E2IH, h), (self.w2_EHI, i),
+                          (self.shared_w13_2SH, h), (self.shared_w2_HS, s)):
+            if p is not None:
+                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
+        if self.correction_bias_E is not None:
+            self.correction_bias_E.zero_()
+
+    def route(self, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_ids [T, K] int64, topk_weights [T, K] fp32) for flattened tokens ``x_TH``."""
+        sh = self.shape
+        logits_TE = F.linear(x_TH.float(), self.router_w_EH.float())
+        return route(logits_TE, sh.k, sh.score_func, sh.renormalize, sh.routed_scaling_factor,
+                     self.correction_bias_E, compute_dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shape.h
+        if x.dim() < 1 or x.shape[-1] != h:
+            raise ValueError(f"MoELayer expects [..., H={h}] input, got shape {tuple(x.shape)}")
+        x_TH = x.reshape(-1, h).contiguous()
+        topk_ids_TK, topk_weights_TK = self.route(x_TH)
+        out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
+                     self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend, config=self.config)
+        return out_TH.reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        sh = self.shape
+        return (f"shape={sh.name!r}, E={sh.e}, H={sh.h}, I={sh.i}, K={sh.k}, shared_width={sh.shared_width}, "
+                f"score_func={sh.score_func!r}, backend={self.backend!r}")

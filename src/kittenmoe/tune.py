@@ -1,0 +1,519 @@
+"""``kittenmoe tune``: sweep the megakernel's knobs for one problem and cache the fastest config on disk.
+
+    kittenmoe tune --model kimi-k2.7 --ep 8 --tokens 2048
+
+The grid (``DEFAULT_GRID``; ``--grid`` replaces any part of it) is
+``num_comm_programs_fwd`` x ``minibatch_size`` x ``macrobatch_size`` x
+(``block_n``, ``num_stages``) on top of a base config (the heuristic
+``kittenmoe.config.default_config`` for the problem, plus ``--config``
+overrides). Configs that cannot fit or would repeat another are pruned before
+anything compiles:
+
+- invalid ``KernelConfig`` (e.g. a macrobatch that is not a multiple of the
+  minibatch);
+- a minibatch above the routed capacity (``routed_capacity(R, T, K, E_local,
+  block_m)`` rounded up to ``block_m``): all such minibatches mean "one
+  minibatch holds every row", so only the smallest of them is kept;
+- a macrobatch at or above the whole routed buffer is "no ring" (None) and is
+  dropped as a duplicate;
+- shared memory of the gate|up tile over 227 KB:
+  ``num_stages * (BM*BK + 2*BN*BK) * bytes`` (``config.gate_up_smem_bytes``);
+- on a GPU, ``num_comm_programs_fwd`` >= the SM count (no compute program left).
+
+Every remaining config, and the default (the heuristic) beside them, is run
+once (compile, device error flag, relative L1 against the fp32 reference:
+configs that fail are reported and never win) and timed like ``kittenmoe
+bench`` (``triton.testing.do_bench`` p50 on CUDA). A progress line with an ETA
+follows the sweep. The winner goes to the cache, and best vs default vs worst
+is printed; the whole sweep is written as one JSON record to ``--out``.
+
+Cache: one JSON file per key under ``$KITTENMOE_CACHE_DIR/tune/`` (default
+``~/.cache/kittenmoe/tune/``); the key is the problem's dims (T, H, I, E, K,
+shared width S), R ranks, the GPU name, the dtype and the kittenmoe version.
+``lookup_config`` returns the cached ``KernelConfig`` or None; a file written
+by another kittenmoe version (stale) or one that cannot be read (corrupt) is
+ignored with a ``warnings.warn``, never an exception. ``KITTENMOE_AUTOTUNE=0``
+makes every lookup return None, pinning the heuristic; ``kittenmoe tune`` still
+writes the cache then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes, routed_capacity
+
+ENV_CACHE_DIR = "KITTENMOE_CACHE_DIR"
+ENV_AUTOTUNE = "KITTENMOE_AUTOTUNE"
+CACHE_FORMAT = 1
+
+
+class TuneCacheWarning(RuntimeWarning):
+    """A tuned-config cache file was ignored (stale, corrupt or unreadable); the heuristic is used instead."""
+
+# The default sweep: 3 x 3 x 2 x 3 = 54 configs before pruning, 18 distinct
+# compiles (the comm-program count is a runtime argument). The values bracket
+# what the H200 runs of docs/perf-notes.md found best for the seed slices
+# (16 comm programs, minibatch 2048, block_n 128, 4 stages).
+DEFAULT_GRID: dict[str, tuple] = {
+    "num_comm_programs_fwd": (8, 16, 24),
+    "minibatch_size": (1024, 2048, 4096),
+    "macrobatch_size": (None, 16384),
+    "tiles": ((64, 4), (128, 3), (128, 4)),  # (block_n, num_stages)
+}
+# Under the interpreter (CPU tests) the GPU grid is pointless; a token one.
+CPU_GRID: dict[str, tuple] = {
+    "num_comm_programs_fwd": (1, 2),
+    "minibatch_size": (64, 256),
+    "macrobatch_size": (None,),
+    "tiles": ((32, 1),),
+}
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+def _dtype_key(dtype) -> str:
+    names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
+             "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16"}
+    try:
+        return names[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unsupported dtype {dtype!r}; expected bf16, fp32 or fp16") from None
+
+
+def cache_dir() -> Path:
+    """``$KITTENMOE_CACHE_DIR`` or ``~/.cache/kittenmoe``."""
+    d = os.environ.get(ENV_CACHE_DIR)
+    return Path(d).expanduser() if d else Path.home() / ".cache" / "kittenmoe"
+
+
+def autotune_enabled() -> bool:
+    """False when ``KITTENMOE_AUTOTUNE`` is 0 / false / no / off: lookups return None."""
+    return os.environ.get(ENV_AUTOTUNE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _package_version() -> str:
+    import kittenmoe
+
+    return kittenmoe.__version__
+
+
+def cache_key(t: int, h: int, i: int, e: int, k: int, ranks: int, device_name: str, dtype, s: int | None = None
+              ) -> dict:
+    """The cache key: dims (S defaults to I: one shared expert of the routed width), R, GPU, dtype, version."""
+    dims = dict(t=t, h=h, i=i, e=e, k=k, s=i if s is None else s, ranks=ranks)
+    for name, v in dims.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "s" else 1):
+            raise ValueError(f"cache key: {name} must be a positive int, got {v!r}")
+    return dict(**dims, device=str(device_name), dtype=_dtype_key(dtype), version=_package_version())
+
+
+def cache_path(key: dict) -> Path:
+    """One file per key, the version left out of the name so that a stale file is found (and reported)."""
+    dev = re.sub(r"[^A-Za-z0-9_.-]+", "_", key["device"]).strip("_") or "device"
+    name = f"{dev}-{key['dtype']}-T{key['t']}-H{key['h']}-I{key['i']}-E{key['e']}-K{key['k']}-S{key['s']}" \
+           f"-R{key['ranks']}.json"
+    return cache_dir() / "tune" / name
+
+
+def store_config(key: dict, config: KernelConfig, extra: dict | None = None) -> Path:
+    """Write ``config`` as the winner for ``key`` (atomically: a reader never sees half a file)."""
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entry = dict(format=CACHE_FORMAT, kittenmoe_version=key["version"], key=key, config=dataclasses.asdict(config),
+                 **(extra or {}))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(entry, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+    _memo.clear()
+    return path
+
+
+_memo: dict[tuple, KernelConfig | None] = {}
+
+
+def _read_entry(path: Path, key: dict) -> KernelConfig | None:
+    def ignore(why: str) -> None:
+        warnings.warn(f"kittenmoe: ignoring the tuned-config cache file {path}: {why}; using the heuristic "
+                      f"config (re-run `kittenmoe tune` to refresh it)", TuneCacheWarning, stacklevel=4)
+
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        ignore(f"it cannot be read as JSON ({type(exc).__name__}: {exc})")
+        return None
+    if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT:
+        ignore(f"unknown format {entry.get('format') if isinstance(entry, dict) else type(entry).__name__!r} "
+               f"(expected {CACHE_FORMAT})")
+        return None
+    if entry.get("kittenmoe_version") != key["version"]:
+        ignore(f"stale: written by kittenmoe {entry.get('kittenmoe_version')!r}, this is {key['version']!r}")
+        return None
+    if entry.get("key") != key:
+        ignore(f"its key {entry.get('key')!r} does not match {key!r}")
+        return None
+    cfg = entry.get("config")
+    try:
+        if not isinstance(cfg, dict):
+            raise TypeError(f"config is a {type(cfg).__name__}, not an object")
+        return KernelConfig(**cfg)
+    except (TypeError, ValueError) as exc:
+        ignore(f"its config is not a valid KernelConfig ({exc})")
+        return None
+
+
+def lookup_config(t: int, h: int, i: int, e: int, k: int, ranks: int, device_name: str, dtype, s: int | None = None
+                  ) -> KernelConfig | None:
+    """The tuned ``KernelConfig`` cached for this problem, or None.
+
+    ``t`` tokens per rank, ``h`` hidden, ``i`` expert width, ``e`` routed
+    experts in total over ``ranks`` ranks, top-``k``, ``device_name`` as
+    ``torch.cuda.get_device_name`` gives it (``"cpu"`` for the interpreter),
+    ``dtype`` (torch dtype or "bf16"/"fp32"), ``s`` the shared expert's width
+    (default ``i``). None when nothing is cached, when ``KITTENMOE_AUTOTUNE=0``,
+    or when the file is stale or corrupt (with a warning). Results are
+    memoised per file state, so calling it on every forward is cheap.
+    """
+    if not autotune_enabled():
+        return None
+    key = cache_key(t, h, i, e, k, ranks, device_name, dtype, s)
+    path = cache_path(key)
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    memo_key = (str(path), st.st_mtime_ns, st.st_size, key["version"])
+    if memo_key not in _memo:
+        _memo[memo_key] = _read_entry(path, key)
+    return _memo[memo_key]
+
+
+def config_for(t: int, h: int, i: int, e: int, k: int, ranks: int, device, dtype, s: int | None = None
+               ) -> tuple[KernelConfig, str]:
+    """(config, source) the layer should use: the tuned cache entry when one matches, else the heuristic."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    cfg = lookup_config(t, h, i, e, k, ranks, name, dtype, s)
+    if cfg is not None:
+        return cfg, "tuned cache"
+    why = "KITTENMOE_AUTOTUNE=0" if not autotune_enabled() else "no tuned config cached"
+    tdtype = dtype if isinstance(dtype, torch.dtype) else {"bf16": torch.bfloat16, "fp32": torch.float32,
+                                                           "fp16": torch.float16}[_dtype_key(dtype)]
+    return default_config(t, h, i, e, k, ranks, dev, tdtype), f"heuristic ({why})"
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def parse_grid(spec: str | None, base_grid: dict[str, tuple]) -> dict[str, tuple]:
+    """``--grid key=v1:v2,key=...``: replaces those axes of ``base_grid``.
+
+    Keys: ``tiles`` with values ``BNxSTAGES`` (e.g. ``tiles=128x3:64x4``), or
+    any KernelConfig field with ints / ``None`` / ``True`` / ``False``.
+    """
+    grid = dict(base_grid)
+    if not spec:
+        return grid
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise ValueError(f"bad --grid item {item!r}: expected key=v1:v2:...")
+        key, vals = (s.strip() for s in item.split("=", 1))
+        parts = [v.strip() for v in vals.split(":") if v.strip()]
+        if not parts:
+            raise ValueError(f"bad --grid item {item!r}: no values")
+        if key == "tiles":
+            try:
+                grid[key] = tuple(tuple(int(x) for x in p.lower().split("x")) for p in parts)
+            except ValueError:
+                raise ValueError(f"bad --grid tiles {vals!r}: expected BLOCK_NxSTAGES values, e.g. 128x3:64x4") \
+                    from None
+            if any(len(v) != 2 for v in grid[key]):
+                raise ValueError(f"bad --grid tiles {vals!r}: expected BLOCK_NxSTAGES values, e.g. 128x3:64x4")
+            continue
+        if key not in fields:
+            raise ValueError(f"bad --grid key {key!r}: expected tiles or a KernelConfig field "
+                             f"({', '.join(sorted(fields))})")
+        out = []
+        for p in parts:
+            low = p.lower()
+            if low in ("none", "true", "false"):
+                out.append({"none": None, "true": True, "false": False}[low])
+            else:
+                try:
+                    out.append(int(p))
+                except ValueError:
+                    raise ValueError(f"bad --grid value {key}={p!r}: expected an integer, None, True or False") \
+                        from None
+        grid[key] = tuple(out)
+    return grid
+
+
+@dataclass
+class Candidate:
+    config: KernelConfig
+    tag: str = ""  # "default" for the heuristic
+    ms: float | None = None
+    p20: float | None = None
+    p80: float | None = None
+    rel_l1: float | None = None
+    error: str | None = None
+
+
+def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, experts_local: int, ranks: int,
+                elem_bytes: int, num_sms: int | None) -> tuple[list[KernelConfig], list[tuple[dict, str]]]:
+    """Every grid point on top of ``base``, minus the pruned ones: (kept configs, [(point, reason)])."""
+    axes = list(grid)
+    kept: list[KernelConfig] = []
+    seen: set[KernelConfig] = set()
+    pruned: list[tuple[dict, str]] = []
+    for values in itertools.product(*(grid[a] for a in axes)):
+        point = dict(zip(axes, values))
+        changes = {a: v for a, v in point.items() if a != "tiles"}
+        if "tiles" in point:
+            changes["block_n"], changes["num_stages"] = point["tiles"]
+        try:
+            cfg = base.with_(**changes)
+        except (TypeError, ValueError) as exc:
+            pruned.append((point, f"invalid: {exc}"))
+            continue
+        bm, mb = cfg.block_m, cfg.minibatch_size
+        cap = routed_capacity(ranks, t, k, experts_local, bm)
+        cap_r = math.ceil(cap / bm) * bm
+        if mb > cap_r:
+            bigger = sorted(v for v in grid.get("minibatch_size", (mb,)) if v >= cap_r)
+            if bigger and mb != bigger[0]:
+                pruned.append((point, f"minibatch {mb} > routed capacity {cap_r} rows (the smaller "
+                                      f"{bigger[0]} already holds every row)"))
+                continue
+        full = math.ceil(cap / mb) * mb
+        if cfg.macrobatch_size is not None and cfg.macrobatch_size >= full:
+            cfg = cfg.with_(macrobatch_size=None)
+        smem = gate_up_smem_bytes(cfg, elem_bytes)
+        if smem > SHARED_MEMORY_LIMIT:
+            pruned.append((point, f"shared memory ~{smem // 1024} KB > {SHARED_MEMORY_LIMIT // 1024} KB"))
+            continue
+        if num_sms is not None and max(cfg.num_comm_programs_fwd, cfg.num_comm_programs_bwd) >= num_sms:
+            pruned.append((point, f"{cfg.num_comm_programs_fwd} comm programs leave no compute program "
+                                  f"on {num_sms} SMs"))
+            continue
+        if cfg in seen:
+            pruned.append((point, "same config as another point (macrobatch covers every row: no ring)"))
+            continue
+        seen.add(cfg)
+        kept.append(cfg)
+    return kept, pruned
+
+
+def describe(cfg: KernelConfig) -> str:
+    mac = "-" if cfg.macrobatch_size is None else str(cfg.macrobatch_size)
+    return (f"comm={cfg.num_comm_programs_fwd} mb={cfg.minibatch_size} mac={mac} bm={cfg.block_m} "
+            f"bn={cfg.block_n} bk={cfg.block_k} st={cfg.num_stages}")
+
+
+def _fmt_s(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class TuneResult:
+    candidates: list[Candidate]
+    pruned: list[tuple[dict, str]]
+    best: Candidate | None
+    default: Candidate
+    worst: Candidate | None
+    ms_grouped_mm: float | None = None
+    cache_file: Path | None = None
+    record: dict = field(default_factory=dict)
+
+
+def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[str, tuple], mode: str,
+                 device: torch.device, reps: int, warmup: int, seed: int = 0,
+                 log: Callable[[str], None] = print, progress: Callable[[str, bool], None] | None = None
+                 ) -> TuneResult:
+    """Time ``default`` and every kept grid point on ``base``; pick the fastest correct one."""
+    from kittenmoe.bench import Runner, measure
+
+    t, h, i, e, k = problem.dims
+    elem = torch.empty((), dtype=problem.torch_dtype).element_size()
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+    kept, pruned = expand_grid(grid, base, t, k, problem.experts_local, problem.ranks, elem, sms)
+    cands = [Candidate(default, "default")] + [Candidate(c) for c in kept if c != default]
+    for c in kept:
+        if c == default:
+            cands[0].tag = "default (also a grid point)"
+    log(f"grid: {len(kept) + len(pruned)} points, {len(pruned)} pruned, {len(cands)} configs to time "
+        f"(the default included)")
+    for point, why in pruned:
+        log(f"  pruned {point}: {why}")
+    run = Runner(problem, device, seed)
+    tol = run.tolerance()
+    progress = progress or _progress_printer()
+    t_start = time.perf_counter()
+    best_ms = math.inf
+    for n, c in enumerate(cands, 1):
+        try:
+            fn = run.kittenmoe(mode, c.config)
+            errs = run.check_kittenmoe(mode, fn())
+            c.rel_l1 = max(errs.values())
+            if not c.rel_l1 <= tol:
+                raise RuntimeError(f"relative L1 {c.rel_l1:.2e} vs the fp32 reference exceeds {tol:.0e}")
+            tm = measure(fn, device, reps, warmup)
+            c.ms, c.p20, c.p80 = tm.p50, tm.p20, tm.p80
+            best_ms = min(best_ms, c.ms)
+            what = f"{c.ms:.3f} ms"
+        except Exception as exc:  # a config that fails is reported and never wins; the sweep goes on
+            c.error = f"{type(exc).__name__}: {exc}"
+            what = f"FAILED ({c.error.splitlines()[0][:120]})"
+        elapsed = time.perf_counter() - t_start
+        eta = elapsed / n * (len(cands) - n)
+        best = f"best {best_ms:.3f} ms" if best_ms < math.inf else "no result yet"
+        progress(f"[{n}/{len(cands)}] {describe(c.config)}{' (' + c.tag + ')' if c.tag else ''}: {what} | "
+                 f"{best} | elapsed {_fmt_s(elapsed)}, ETA {_fmt_s(eta)}", n == len(cands))
+    ok = [c for c in cands if c.ms is not None]
+    best_c = min(ok, key=lambda c: c.ms) if ok else None
+    worst_c = max(ok, key=lambda c: c.ms) if ok else None
+    ms_base = None
+    try:
+        b_fn = run.grouped_mm(mode)
+        b_fn()
+        ms_base = measure(b_fn, device, reps, warmup).p50
+    except Exception as exc:  # the baseline is context, not the point: say so and carry on
+        log(f"grouped_mm baseline failed: {type(exc).__name__}: {exc}")
+    del run
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return TuneResult(cands, pruned, best_c, cands[0], worst_c, ms_base)
+
+
+def _progress_printer() -> Callable[[str, bool], None]:
+    tty = sys.stdout.isatty()
+    width = [0]
+
+    def show(line: str, last: bool) -> None:
+        if tty:
+            pad = max(0, width[0] - len(line))
+            width[0] = len(line)
+            sys.stdout.write("\r" + line + " " * pad + ("\n" if last else ""))
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    return show
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def add_tune_args(p: argparse.ArgumentParser) -> None:
+    from kittenmoe.bench import add_problem_args
+
+    add_problem_args(p)
+    p.add_argument("--mode", default="forward", choices=("forward", "backward"),
+                   help="what is timed: forward, or backward (forward + backward together); default forward")
+    p.add_argument("--grid", default="",
+                   help="replace axes of the grid: key=v1:v2,... with tiles=BNxSTAGES:... or KernelConfig fields, "
+                   "e.g. num_comm_programs_fwd=12:16,tiles=128x4 (default: kittenmoe.tune.DEFAULT_GRID)")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="directory for the sweep's JSON record (default %(default)s); '' to skip")
+
+
+def run_tune(args: argparse.Namespace, argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
+    """``kittenmoe tune``; returns the exit status (1 when no config ran correctly)."""
+    from kittenmoe.bench import (apply_overrides, command_line, environment, make_problems, now_iso,
+                                 parse_config_overrides, resolve_device, resolve_reps, write_json)
+
+    problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing)
+    if len(problems) != 1:
+        raise ValueError("kittenmoe tune takes one problem: give one --model name")
+    prob = problems[0]
+    overrides = parse_config_overrides(args.config)
+    device = resolve_device(args.device)
+    grid = parse_grid(args.grid, DEFAULT_GRID if device.type == "cuda" else CPU_GRID)
+    reps, warmup = resolve_reps(args, device)
+    env = environment(device)
+    t, h, i, e, k = prob.dims
+    default = default_config(t, h, i, e, k, prob.ranks, device, prob.torch_dtype)
+    base = apply_overrides(default, overrides)
+    default = base  # "default" = what runs without a cache: the heuristic plus the user's overrides
+    log(f"kittenmoe tune on {env['gpu']} ({env['device']}), torch {env['torch']}, triton {env['triton']}")
+    log(f"{prob.describe()}, mode {args.mode}")
+    log(f"default (heuristic{' + --config' if overrides else ''}): {default}")
+    res = tune_problem(prob, base, default, grid, args.mode, device, reps, warmup, args.seed, log)
+    key = cache_key(t, h, i, e, k, prob.ranks, env["gpu"], prob.dtype, prob.shared_width)
+    date, cmd = now_iso(), command_line(argv)
+
+    def cand_row(c: Candidate) -> dict:
+        return dict(config=dataclasses.asdict(c.config), tag=c.tag, ms=c.ms, ms_p20=c.p20, ms_p80=c.p80,
+                    rel_l1=c.rel_l1, error=c.error)
+
+    record = dict(kind="tune", mode=args.mode, shape=prob.label, tokens=t, h=h, i=i, e=e, k=k,
+                  s=prob.shared_width, experts_local=prob.experts_local, ep_slice=prob.ep, ranks=prob.ranks,
+                  dtype=prob.dtype, routing=str(prob.routing), grid={a: list(v) for a, v in grid.items()},
+                  reps=reps, warmup=warmup, key=key,
+                  best=cand_row(res.best) if res.best else None, default=cand_row(res.default),
+                  worst=cand_row(res.worst) if res.worst else None, ms_grouped_mm=res.ms_grouped_mm,
+                  trials=[cand_row(c) for c in res.candidates],
+                  pruned=[dict(point={a: (list(v) if isinstance(v, tuple) else v) for a, v in p.items()}, reason=r)
+                          for p, r in res.pruned],
+                  **env, date=date, command=cmd)
+    log("")
+    if res.best is None:
+        log("FAIL: no config ran correctly; nothing cached")
+        for c in res.candidates:
+            log(f"  {describe(c.config)}: {c.error}")
+        if args.out:
+            log(f"record: {write_json(record, args.out, _stem(prob))}")
+        return 1
+    d = res.default
+    lines = [("best", res.best), ("default", d), ("worst", res.worst)]
+    for name, c in lines:
+        ms = f"{c.ms:8.3f} ms" if c.ms is not None else "  failed   "
+        rel = "" if c.ms is None or c is res.best else f"  (best is {c.ms / res.best.ms:.2f}x faster)"
+        log(f"{name:<8}{ms}  {describe(c.config)}{rel}")
+    if res.ms_grouped_mm is not None:
+        log(f"{'grouped_mm':<8}{res.ms_grouped_mm:8.3f} ms  (speedup of the best config over it: "
+            f"{res.ms_grouped_mm / res.best.ms:.2f}x)")
+    if d.error:
+        log(f"the default config failed: {d.error}")
+    path = store_config(key, res.best.config, dict(
+        mode=args.mode, ms=res.best.ms, default_ms=d.ms, worst_ms=res.worst.ms, ms_grouped_mm=res.ms_grouped_mm,
+        routing=str(prob.routing), torch=env["torch"], triton=env["triton"], date=date, command=cmd))
+    log(f"cached: {path}")
+    if env["device"] == "cpu-interpreter":
+        log("note: tuned under the CPU interpreter: the cache entry is keyed to device 'cpu' and means nothing "
+            "for a GPU")
+    if args.out:
+        log(f"record: {write_json(record, args.out, _stem(prob))}")
+    return 0
+
+
+def _stem(prob) -> str:
+    day = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"tune-{prob.label}-T{prob.tokens}-R{prob.ranks}-{prob.dtype}-{day}"

@@ -1,0 +1,414 @@
+"""``kittenmoe bench`` / ``kittenmoe tune`` on CPU: argument validation, tiny end-to-end runs under the
+Triton interpreter, the tuned-config cache (round trip, stale, corrupt, KITTENMOE_AUTOTUNE=0), grid
+pruning and the heuristic default config.
+
+The end-to-end runs use fp32 (the interpreter computes it exactly enough for the 1e-5 bar) on the
+smallest shape the kernels accept; every file they write goes to tmp_path, and KITTENMOE_CACHE_DIR
+points into tmp_path for every test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kittenmoe
+from kittenmoe import cli
+from kittenmoe.bench import parse_config_overrides, parse_routing, parse_shape
+from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes
+from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key, cache_path, config_for,
+                            expand_grid, lookup_config, parse_grid, store_config)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "20,32,16,8,2"  # T=20 tokens, H=32, I=16, E=8 experts, K=2
+# What scripts/perf_table.py reads from every row.
+PERF_TABLE_FIELDS = ("kind", "shape", "tokens", "experts_local", "ms_kittenmoe", "ms_grouped_mm", "speedup",
+                     "routed_tflops", "baseline_routed_tflops", "rel_l1", "gpu", "torch", "triton", "date",
+                     "config", "command")
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    """Every test gets its own empty cache and the autotune switch at its default."""
+    monkeypatch.setenv("KITTENMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("KITTENMOE_AUTOTUNE", raising=False)
+
+
+# ----------------------------------------------------------------------------- CLI validation
+
+BAD_ARGS = [
+    # unknown model name: the error lists the known ones
+    (["bench", "--model", "nope"], "unknown model 'nope'"),
+    # one unknown name inside a comma-separated list
+    (["bench", "--model", "tiny,nope", "--ep", "1"], "unknown model 'nope'"),
+    # --shape with four numbers instead of five
+    (["bench", "--shape", "20,32,16,8"], "expected five comma-separated integers"),
+    # --shape with a non-integer
+    (["bench", "--shape", "20,32,x,8,2"], "must all be integers"),
+    # --shape with a zero
+    (["bench", "--shape", "20,32,16,8,0"], "K=0 must be a positive integer"),
+    # --shape with top-k above the expert count
+    (["bench", "--shape", "20,32,16,2,4"], "K=4 exceeds the number of experts E=2"),
+    # E=8 of an explicit shape not divisible by --ep 3
+    (["bench", "--shape", TINY, "--ep", "3"], "not divisible by --ep 3"),
+    # E=384 of a seed model not divisible by --ep 5
+    (["bench", "--model", "kimi-k2.7", "--ep", "5"], "E=384 experts are not divisible by --ep 5"),
+    # the EP slice leaves fewer experts than top-k (tiny: E=8, K=2; ep 8 -> 1 expert)
+    (["bench", "--model", "tiny", "--ep", "8"], "top-k K=2 exceeds the 1 experts"),
+    # routing name that does not exist
+    (["bench", "--shape", TINY, "--routing", "gaussian"], "bad --routing 'gaussian'"),
+    # Zipf exponent that is not a number
+    (["bench", "--shape", TINY, "--routing", "zipf:abc"], "exponent after 'zipf:' must be a number"),
+    # Zipf exponent <= 0
+    (["bench", "--shape", TINY, "--routing", "zipf:-1"], "exponent must be a finite number > 0"),
+    # --config key that is no KernelConfig field
+    (["bench", "--shape", TINY, "--config", "blockm=16"], "bad --config key 'blockm'"),
+    # --config value that is not an int / None / bool
+    (["bench", "--shape", TINY, "--config", "block_m=big"], "bad --config value block_m='big'"),
+    # --config item without '='
+    (["bench", "--shape", TINY, "--config", "block_m"], "expected key=value"),
+    # --config value KernelConfig itself rejects (block_m must be a power of two)
+    (["bench", "--shape", TINY, "--config", "block_m=24"], "block_m must be a power of two"),
+    # neither --model nor --shape
+    (["bench"], "exactly one of --model NAME or --shape"),
+    # both --model and --shape
+    (["bench", "--model", "tiny", "--shape", TINY], "exactly one of --model NAME or --shape"),
+    # --tokens beside --shape (T is in the shape)
+    (["bench", "--shape", TINY, "--tokens", "64"], "--tokens goes with --model"),
+    # --ranks 0
+    (["bench", "--shape", TINY, "--ranks", "0"], "--ranks must be a positive integer"),
+    # --reps 0
+    (["bench", "--shape", TINY, "--reps", "0"], "--reps must be >= 1"),
+    # --plot to something that is not a PNG
+    (["bench", "--shape", TINY, "--plot", "out.pdf"], "--plot must name a .png file"),
+    # tune validates the shape the same way (unknown model)
+    (["tune", "--model", "nope"], "unknown model 'nope'"),
+    # tune takes one problem only
+    (["tune", "--model", "tiny,small", "--ep", "1"], "tune takes one problem"),
+    # tune: --grid key that is neither tiles nor a KernelConfig field
+    (["tune", "--shape", TINY, "--grid", "warps=4:8"], "bad --grid key 'warps'"),
+    # tune: --grid tiles not written as BLOCK_NxSTAGES
+    (["tune", "--shape", TINY, "--grid", "tiles=128"], "expected BLOCK_NxSTAGES"),
+    # tune: --grid value that is not an int
+    (["tune", "--shape", TINY, "--grid", "minibatch_size=lots"], "bad --grid value minibatch_size='lots'"),
+    # tune: bad --config key, as in bench
+    (["tune", "--shape", TINY, "--config", "nope=1"], "bad --config key 'nope'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_cli_rejects_bad_arguments(argv, message, capsys, tmp_path):
+    # Validation runs before anything is built or timed: exit status 2 and one clear line on stderr.
+    rc = cli.main(argv + ["--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"kittenmoe {argv[0]}: error:" in err
+    assert message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--shape", TINY, "--mode", "sideways"],  # --mode outside its choices
+    ["bench", "--shape", TINY, "--dtype", "fp8"],  # --dtype outside bf16|fp32
+    ["tune", "--shape", TINY, "--mode", "both"],  # tune times one mode, not both
+    ["bench", "--shape", TINY, "--ranks", "two"],  # an int option given a word
+])
+def test_cli_argparse_errors(argv, capsys):
+    # argparse's own checks: usage plus an error on stderr, exit status 2.
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec,name,alpha", [
+    ("uniform", "uniform", None),  # balanced top-k of randn logits
+    ("zipf", "zipf", 1.2),  # Zipf with the default exponent
+    ("zipf:0.8", "zipf", 0.8),  # Zipf with a chosen exponent
+    ("one-hot", "one-hot", None),  # every token's first choice is expert 0
+    ("one_hot", "one-hot", None),  # the testing module's spelling is accepted too
+])
+def test_parse_routing(spec, name, alpha):
+    r = parse_routing(spec)
+    assert (r.name, r.alpha) == (name, alpha)
+
+
+def test_parse_shape_and_config():
+    assert parse_shape(" 20, 32,16,8,2") == (20, 32, 16, 8, 2)
+    assert parse_config_overrides("macrobatch_size=None,push_in_epilogue=True,block_m=64") == dict(
+        macrobatch_size=None, push_in_epilogue=True, block_m=64)
+    assert parse_config_overrides("") == {}
+
+
+def test_cpu_without_interpreter_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    # On CPU the megakernel needs TRITON_INTERPRET=1; without it bench says so instead of crashing.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    rc = cli.main(["bench", "--shape", TINY, "--device", "cpu", "--out", str(tmp_path)])
+    assert rc == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- end to end (interpreter)
+
+
+def _perf_table():
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "scripts" / "perf_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# The interpreter computes on the uninitialised padding rows of the routed buffers; numpy warns there.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run; on a GPU bench times the real thing")
+def test_bench_end_to_end(tmp_path, capsys):
+    # A tiny forward and forward+backward run, checked against the fp32 reference, written as JSON rows
+    # that scripts/perf_table.py can render, stamped as CPU-interpreter figures.
+    out = tmp_path / "results"
+    png = tmp_path / "plot.png"
+    argv = ["bench", "--shape", TINY, "--mode", "both", "--dtype", "fp32", "--reps", "2", "--warmup", "0",
+            "--out", str(out), "--plot", str(png)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    files = list(out.glob("bench-*.json"))
+    assert len(files) == 1
+    rows = json.loads(files[0].read_text())
+    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    for r in rows:
+        for f in PERF_TABLE_FIELDS:
+            assert f in r, f
+        assert r["device"] == "cpu-interpreter" and r["gpu"] == "cpu"
+        assert (r["tokens"], r["h"], r["i"], r["e"], r["k"], r["ranks"], r["experts_local"]) == (20, 32, 16, 8, 2, 1, 8)
+        assert r["shape"] == "H32-I16-E8-K2" and r["dtype"] == "fp32" and r["routing"] == "uniform"
+        for f in ("ms_kittenmoe", "ms_grouped_mm", "speedup", "routed_tflops", "baseline_routed_tflops"):
+            assert math.isfinite(r[f]) and r[f] > 0, f
+        assert r["ms_kittenmoe_p20"] <= r["ms_kittenmoe"] <= r["ms_kittenmoe_p80"]
+        assert r["rel_l1"] <= 1e-5 and r["rel_l1_ok"] and r["baseline_rel_l1"] <= 1e-5
+        assert KernelConfig(**r["config"]) == default_config(20, 32, 16, 8, 2, 1, "cpu", torch.float32)
+        assert r["config_source"].startswith("heuristic")
+        assert r["command"] == "kittenmoe " + " ".join(argv[0:])
+        assert r["skipped_baselines"] == ["skipped: deep_ep not importable"] or \
+            importlib.util.find_spec("deep_ep") is not None
+    assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    # terminal: the note, the skipped baseline, the table, the JSON path and the plot (or why not)
+    assert "not GPU figures" in text and "skipped: deep_ep not importable" in text
+    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(files[0]) in text
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "plot skipped: matplotlib is not installed" in text and not png.exists()
+    else:
+        assert png.exists() and png.stat().st_size > 0
+    pt = _perf_table()
+    table = pt.render([dict(r, _file=files[0].name) for r in rows])
+    assert "H32-I16-E8-K2" in table and "forward+backward" in table
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run")
+def test_tune_end_to_end(tmp_path, capsys):
+    # A 3-point grid (one pruned: minibatch 512 above the 160-row capacity, while 256 already holds
+    # every row); the heuristic default is one of the points. The winner lands in the cache, the
+    # sweep in a JSON record, and best / default / worst are printed.
+    out = tmp_path / "results"
+    argv = ["tune", "--shape", TINY, "--dtype", "fp32", "--reps", "1", "--warmup", "0", "--out", str(out),
+            "--grid", "num_comm_programs_fwd=1,minibatch_size=64:256:512,tiles=32x1"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    for word in ("[1/2]", "[2/2]", "ETA", "best ", "default ", "worst ", "grouped_mm", "cached:"):
+        assert word in text, word
+    rec_files = list(out.glob("tune-*.json"))
+    assert len(rec_files) == 1
+    rec = json.loads(rec_files[0].read_text())
+    assert rec["kind"] == "tune" and rec["device"] == "cpu-interpreter" and rec["mode"] == "forward"
+    assert len(rec["trials"]) == 2 and all(t["ms"] > 0 and t["error"] is None for t in rec["trials"])
+    assert len(rec["pruned"]) == 1 and "routed capacity" in rec["pruned"][0]["reason"]
+    assert rec["pruned"][0]["point"]["minibatch_size"] == 512
+    assert rec["best"]["ms"] == min(t["ms"] for t in rec["trials"])
+    assert rec["worst"]["ms"] == max(t["ms"] for t in rec["trials"])
+    assert "rel_l1" not in rec  # scripts/perf_table.py skips the record (no top-level rel_l1)
+    # the cache: the file named by the key, the same config back from lookup_config
+    best = KernelConfig(**rec["best"]["config"])
+    key = cache_key(20, 32, 16, 8, 2, 1, "cpu", "fp32")
+    assert rec["key"] == key
+    entry = json.loads(cache_path(key).read_text())
+    assert entry["kittenmoe_version"] == kittenmoe.__version__ and entry["ms"] == rec["best"]["ms"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert lookup_config(20, 32, 16, 8, 2, 1, "cpu", torch.float32) == best
+    # what bench (and the layer) now pick for this problem
+    cfg, source = config_for(20, 32, 16, 8, 2, 1, "cpu", "fp32")
+    assert cfg == best and source == "tuned cache"
+
+
+# ----------------------------------------------------------------------------- the cache
+
+CFG = KernelConfig(num_comm_programs_fwd=12, minibatch_size=1024, macrobatch_size=4096, block_n=64, num_stages=3)
+DIMS = (2048, 7168, 2048, 48, 8)  # the Kimi K2.7 EP8 slice
+
+
+def test_cache_round_trip(tmp_path):
+    key = cache_key(*DIMS, 1, "NVIDIA H200", torch.bfloat16)
+    path = store_config(key, CFG, dict(ms=1.0))
+    assert path.parent == tmp_path / "cache" / "tune" and path.name.startswith("NVIDIA_H200-bf16-T2048")
+    assert lookup_config(*DIMS, 1, "NVIDIA H200", torch.bfloat16) == CFG
+    assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16", s=2048) == CFG  # same key, spelled differently
+    # any other key component misses
+    assert lookup_config(*DIMS, 2, "NVIDIA H200", "bf16") is None  # other R
+    assert lookup_config(*DIMS, 1, "NVIDIA H100", "bf16") is None  # other GPU
+    assert lookup_config(*DIMS, 1, "NVIDIA H200", "fp32") is None  # other dtype
+    assert lookup_config(4096, *DIMS[1:], 1, "NVIDIA H200", "bf16") is None  # other T
+    assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16", s=0) is None  # no shared expert
+    # a re-tune overwrites, and the memo sees it
+    other = CFG.with_(minibatch_size=2048, macrobatch_size=None)
+    store_config(key, other)
+    assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16") == other
+
+
+def test_cache_dir_default(monkeypatch, tmp_path):
+    monkeypatch.delenv("KITTENMOE_CACHE_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_dir() == tmp_path / "home" / ".cache" / "kittenmoe"
+
+
+def test_stale_version_is_ignored_with_a_warning(monkeypatch):
+    # A file written by another kittenmoe version at the same key: warned about, not used.
+    key = cache_key(*DIMS, 1, "NVIDIA H200", "bf16")
+    store_config(key, CFG)
+    written = kittenmoe.__version__
+    monkeypatch.setattr(kittenmoe, "__version__", "9.9.9")
+    with pytest.warns(TuneCacheWarning, match=f"stale: written by kittenmoe '{re.escape(written)}', this is '9.9.9'"):
+        assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16") is None
+    cfg, source = config_for(*DIMS, 1, "cpu", "bf16")  # the heuristic takes over
+    assert source.startswith("heuristic")
+
+
+CORRUPT = [
+    # not JSON at all
+    ("garbage", lambda e: "{not json", "cannot be read as JSON"),
+    # a file cut off half-way through
+    ("truncated", lambda e: json.dumps(e)[:40], "cannot be read as JSON"),
+    # bytes that are not UTF-8
+    ("binary", lambda e: b"\xff\xfe\x00\x81", "cannot be read as JSON"),
+    # valid JSON of the wrong type
+    ("list", lambda e: "[1, 2, 3]", "unknown format"),
+    # a format number this code does not know
+    ("format", lambda e: json.dumps(dict(e, format=99)), "unknown format 99"),
+    # the key inside does not match the file's key (a renamed or hand-copied file)
+    ("key", lambda e: json.dumps(dict(e, key=dict(e["key"], t=1))), "does not match"),
+    # a config field this version does not have
+    ("field", lambda e: json.dumps(dict(e, config=dict(e["config"], warp_specialize=1))), "not a valid KernelConfig"),
+    # a config value KernelConfig rejects
+    ("value", lambda e: json.dumps(dict(e, config=dict(e["config"], block_m=24))), "not a valid KernelConfig"),
+    # config missing altogether
+    ("no-config", lambda e: json.dumps({k: v for k, v in e.items() if k != "config"}), "not a valid KernelConfig"),
+]
+
+
+@pytest.mark.parametrize("make,match", [(m, w) for _, m, w in CORRUPT], ids=[n for n, _, _ in CORRUPT])
+def test_corrupt_file_is_ignored_with_a_warning(make, match):
+    key = cache_key(*DIMS, 1, "NVIDIA H200", "bf16")
+    path = store_config(key, CFG)
+    content = make(json.loads(path.read_text()))
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.warns(TuneCacheWarning, match=match):
+        assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16") is None
+
+
+def test_unreadable_path_is_ignored_with_a_warning():
+    # A directory where the file should be: open() fails, lookup warns and returns None.
+    key = cache_key(*DIMS, 1, "NVIDIA H200", "bf16")
+    cache_path(key).mkdir(parents=True)
+    with pytest.warns(TuneCacheWarning, match="cannot be read"):
+        assert lookup_config(*DIMS, 1, "NVIDIA H200", "bf16") is None
+
+
+@pytest.mark.parametrize("value,pinned", [
+    ("0", True),  # the documented switch
+    ("off", True),  # and its spellings
+    ("false", True),
+    ("1", False),  # explicitly on: the cache is used
+])
+def test_autotune_switch(monkeypatch, value, pinned):
+    store_config(cache_key(*DIMS, 1, "cpu", "bf16"), CFG)
+    monkeypatch.setenv("KITTENMOE_AUTOTUNE", value)
+    got = lookup_config(*DIMS, 1, "cpu", "bf16")
+    cfg, source = config_for(*DIMS, 1, "cpu", torch.bfloat16)
+    if pinned:
+        assert got is None
+        assert cfg == default_config(*DIMS, 1, "cpu", torch.bfloat16) and "KITTENMOE_AUTOTUNE=0" in source
+    else:
+        assert got == CFG and cfg == CFG and source == "tuned cache"
+
+
+# ----------------------------------------------------------------------------- grid and heuristic
+
+
+def test_default_grid_prunes_what_cannot_fit():
+    # The default GPU grid on the Kimi slice: smem fits for every tile choice listed; a 256-wide
+    # tile with 4 stages (320 KB) is pruned; comm programs >= SMs are pruned.
+    base = KernelConfig()
+    kept, pruned = expand_grid(DEFAULT_GRID, base, 2048, 8, 48, 1, 2, 132)
+    assert len(kept) + len(pruned) == math.prod(len(v) for v in DEFAULT_GRID.values())
+    assert all(gate_up_smem_bytes(c) <= SHARED_MEMORY_LIMIT for c in kept)
+    assert len(set(kept)) == len(kept)
+    grid = parse_grid("num_comm_programs_fwd=16:200,minibatch_size=2048,macrobatch_size=None,tiles=128x4:256x4",
+                      DEFAULT_GRID)
+    kept, pruned = expand_grid(grid, base, 2048, 8, 48, 1, 2, 132)
+    assert kept == [base.with_(num_comm_programs_fwd=16, block_n=128, num_stages=4)]
+    reasons = " | ".join(r for _, r in pruned)
+    assert "shared memory ~320 KB > 227 KB" in reasons and "no compute program on 132 SMs" in reasons
+
+
+def test_grid_normalises_and_rejects():
+    # macrobatch >= the whole routed buffer is "no ring": a duplicate of None; a macrobatch that is
+    # not a multiple of the minibatch is an invalid KernelConfig.
+    base = KernelConfig(block_m=16, minibatch_size=64, block_n=32, block_k=32, num_stages=1)
+    grid = {"macrobatch_size": (None, 64, 1 << 20, 96)}
+    kept, pruned = expand_grid(grid, base, 20, 2, 8, 1, 4, None)
+    assert kept == [base, base.with_(macrobatch_size=64)]
+    reasons = [r for _, r in pruned]
+    assert any("no ring" in r for r in reasons) and any(r.startswith("invalid") for r in reasons)
+
+
+def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem))
+
+
+@pytest.mark.parametrize("dims,ranks,dtype,expect", [
+    # a seed slice (Kimi EP8, R=1): the H200's measured best, i.e. KernelConfig()'s values
+    ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
+                                                        num_comm_programs_fwd=16, macrobatch_size=None)),
+    # fp32 operands: narrower K tiles, stages that still fit shared memory
+    ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4)),
+    # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows
+    ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512)),
+    # a huge routed buffer (64 ranks x 8192 tokens x 8 routes x 2*7168+2048 wide): the ring window kicks in
+    ((8192, 7168, 2048, 384, 8), 64, torch.bfloat16, dict(minibatch_size=2048)),
+])
+def test_default_config_on_a_gpu(monkeypatch, dims, ranks, dtype, expect):
+    _fake_gpu(monkeypatch)
+    cfg = default_config(*dims, ranks=ranks, device="cuda", dtype=dtype)
+    for k, v in expect.items():
+        assert getattr(cfg, k) == v, (k, cfg)
+    assert gate_up_smem_bytes(cfg, torch.empty((), dtype=dtype).element_size()) <= SHARED_MEMORY_LIMIT
+    if ranks == 64:
+        assert cfg.macrobatch_size is not None and cfg.macrobatch_size % cfg.minibatch_size == 0
+
+
+def test_default_config_small_gpu_and_cpu(monkeypatch):
+    # fewer than 100 SMs: an eighth of them communicate
+    _fake_gpu(monkeypatch, sms=40)
+    assert default_config(2048, 7168, 2048, 48, 8, device="cuda").num_comm_programs_fwd == 5
+    # CPU (interpreter): small tiles, one comm program, one minibatch covering the capacity
+    cfg = default_config(20, 32, 16, 8, 2, device="cpu")
+    assert (cfg.block_m, cfg.block_n, cfg.num_comm_programs_fwd, cfg.minibatch_size) == (16, 32, 1, 256)
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        default_config(20, 32, 16, 8, 2, ranks=3, device="cpu")
