@@ -164,37 +164,24 @@ def _op_args(case: Case, device, requires_grad: bool):
     return (x, ids, w, *wts, case.swiglu_limit), d_out
 
 
-def test_opcheck_torch_ops():
-    # forward op with gradients: schema, autograd registration, fake tensor, and AOT dispatch with dynamic
-    # shapes (which runs the backward op through autograd, real and fake)
-    args, d_out = _op_args(Case(TINY_SIG, t=6, swiglu_limit=1.5), "cpu", requires_grad=True)
-    torch.library.opcheck(torch.ops.kittenmoe.moe_forward_torch, (*args, 16))
-    # the backward op on its own, with and without a shared expert
-    for case in (Case(TINY, t=5), Case(TINY, t=5, shared=False)):
-        args, d_out = _op_args(case, "cpu", requires_grad=False)
-        torch.library.opcheck(torch.ops.kittenmoe.moe_backward_torch, (d_out, *args, 16))
-
-
 def test_opcheck_megakernel_forward_op():
     # On a GPU the full opcheck (its AOT-dispatch test runs the backward op through autograd, real and fake).
-    # Under the interpreter that costs ~30 s, so there: schema, autograd registration and fake tensor; AOT
-    # dispatch is covered by the torch op pair, which shares the autograd registration (test_opcheck_torch_ops)
+    # Under the interpreter that costs ~30 s, so there: schema, autograd registration and fake tensor (AOT
+    # dispatch runs in the GPU session).
     args, _ = _op_args(Case(TINY, t=5), DEV, requires_grad=True)
     utils = None if HAS_CUDA else ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.kittenmoe.moe_forward, (*args, *kag.config_to_args(CFG)),
                           **({} if utils is None else {"test_utils": utils}))
 
 
-@pytest.mark.parametrize("pair", ["megakernel", "torch"])  # both op pairs
 @pytest.mark.parametrize("shared", [True, False])  # the shared gradients, or their [0] placeholders
-def test_ops_fake_impls(pair, shared):
+def test_ops_fake_impls(shared):
     """Fake impls give the real ops' shapes, dtypes and devices (checked without running the ops)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args, d_out = _op_args(Case(TINY, t=5, shared=shared), DEV, requires_grad=False)
-    fwd, bwd = ((torch.ops.kittenmoe.moe_forward, torch.ops.kittenmoe.moe_backward) if pair == "megakernel"
-                else (torch.ops.kittenmoe.moe_forward_torch, torch.ops.kittenmoe.moe_backward_torch))
-    cfg = kag.config_to_args(CFG) if pair == "megakernel" else (16,)
+    fwd, bwd = torch.ops.kittenmoe.moe_forward, torch.ops.kittenmoe.moe_backward
+    cfg = kag.config_to_args(CFG)
     expect = [(tuple(args[0].shape), args[0].dtype), (tuple(args[2].shape), torch.float32)]
     expect += [(tuple(t.shape), t.dtype) if t is not None else ((0,), args[3].dtype) for t in args[3:7]]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -297,7 +284,7 @@ class _Block(nn.Module):
                                                     "(g++/c++/clang++), none found on PATH")
 def test_torch_compile_fullgraph_torch_backend_cpu():
     """fullgraph compile (inductor) of a module holding MoELayer(backend="torch") runs and matches eager,
-    forward and backward; under compile the torch backend runs as the opaque custom op pair."""
+    forward and backward; dynamo traces the torch backend directly."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(2)
     block = _Block(TINY_SIG, backend="torch", generator=gen)

@@ -11,12 +11,9 @@ Ops (namespace ``kittenmoe``):
   d_shared_w13_2SH, d_shared_w2_HS)``: the backward megakernel (it replays the dispatch and gate|up GEMM, so
   autograd saves only the inputs). Without a shared expert the last two are empty ``[0]`` placeholders
   (a custom op cannot return an optional tensor); autograd turns them into ``None``.
-- ``moe_forward_torch`` / ``moe_backward_torch``: the ``torch`` backend (``kittenmoe.torch_backend``) as an
-  opaque op pair, used only under ``torch.compile``: the torch backend reads one device value (the count of
-  out-of-range expert ids) to raise its error, and that ``.item()`` would break a ``fullgraph`` trace.
-  Its backward recomputes that function with autograd re-enabled inside the op (``_autograd_inside_op``,
-  which uses the dispatcher's private thread-local key-set guards) and differentiates it, so compiled and
-  eager gradients are the same numbers.
+
+The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
+assert under ``torch.compile``, ``kittenmoe.checks.raise_if_invalid_routes``).
 
 The KernelConfig travels as one schema argument per dataclass field (generated from
 ``dataclasses.fields(KernelConfig)``, so a new knob needs no change here).
@@ -41,7 +38,6 @@ Capturing a call whose shapes never ran eagerly on that device raises a clear er
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,7 +45,7 @@ from typing import Literal
 
 import torch
 
-from kittenmoe import ops, torch_backend
+from kittenmoe import ops
 from kittenmoe.config import KernelConfig
 from kittenmoe.peers import LocalPeers
 
@@ -97,8 +93,6 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 
 torch.library.define("kittenmoe::moe_forward", f"({_INPUTS}, {_config_schema()}) -> Tensor")
 torch.library.define("kittenmoe::moe_backward", f"(Tensor d_out_TH, {_INPUTS}, {_config_schema()}) -> {_GRADS}")
-torch.library.define("kittenmoe::moe_forward_torch", f"({_INPUTS}, int block_m) -> Tensor")
-torch.library.define("kittenmoe::moe_backward_torch", f"(Tensor d_out_TH, {_INPUTS}, int block_m) -> {_GRADS}")
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
@@ -252,53 +246,13 @@ def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EH
 torch.library.register_fake("kittenmoe::moe_forward", _fake_forward)
 torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 
-# ----------------------------------------------------------------------------- torch-backend ops
-
-
-@torch.library.impl("kittenmoe::moe_forward_torch", "default")
-def _moe_forward_torch_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                            shared_w2_HS, swiglu_limit, block_m):
-    return torch_backend.moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                                     shared_w2_HS, swiglu_limit, block_m)
-
-
-@contextlib.contextmanager
-def _autograd_inside_op():
-    """Let autograd record inside a custom op's kernel. Kernels run below the autograd dispatch key (the
-    dispatcher excludes the autograd keys in thread-local state), so ops inside them build no graph; this
-    takes the autograd keys out of the exclude set for the block and enables grad mode."""
-    exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.AutogradCUDA):
-        exclude = exclude.remove(key)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
-            torch.enable_grad():
-        yield
-
-
-@torch.library.impl("kittenmoe::moe_backward_torch", "default")
-def _moe_backward_torch_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                             shared_w2_HS, swiglu_limit, block_m):
-    # Recompute the torch backend's forward with autograd on, then differentiate it: the gradients are
-    # those of eager autograd through torch_backend.moe_forward.
-    with _autograd_inside_op():
-        leaves = [t.detach().requires_grad_() if t is not None else None
-                  for t in (x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)]
-        out = torch_backend.moe_forward(leaves[0], topk_ids_TK, *leaves[1:], swiglu_limit, block_m)
-        grads = torch.autograd.grad(out, [t for t in leaves if t is not None], d_out_TH)
-    d_sw13, d_sw2 = grads[4:] if shared_w13_2SH is not None else (None, None)
-    return _pack_grads(grads[0], grads[1], grads[2], grads[3], d_sw13, d_sw2, w13_E2IH)
-
-
-torch.library.register_fake("kittenmoe::moe_forward_torch", _fake_forward)
-torch.library.register_fake("kittenmoe::moe_backward_torch", _fake_backward)
-
 # ----------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)
-    ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields or block_m
+    ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields
 
 
 def _make_backward(backward_op):
@@ -317,9 +271,6 @@ def _make_backward(backward_op):
 
 torch.library.register_autograd("kittenmoe::moe_forward", _make_backward(torch.ops.kittenmoe.moe_backward),
                                 setup_context=_setup_context)
-torch.library.register_autograd("kittenmoe::moe_forward_torch",
-                                _make_backward(torch.ops.kittenmoe.moe_backward_torch),
-                                setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------- python entry points
 
@@ -332,11 +283,3 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         None if swiglu_limit is None else float(swiglu_limit), *config_to_args(config))
-
-
-def moe_torch_op(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH=None, shared_w2_HS=None,
-                 swiglu_limit: float | None = None, block_m: int = torch_backend.DEFAULT_TORCH_BLOCK_M) -> Tensor:
-    """The differentiable torch backend as one opaque op (``torch.ops.kittenmoe.moe_forward_torch``)."""
-    return torch.ops.kittenmoe.moe_forward_torch(
-        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), int(block_m))

@@ -121,7 +121,13 @@ def check_moe_inputs(
 
 
 def raise_if_invalid_routes(num_invalid: torch.Tensor, num_experts: int) -> None:
-    """Raise if any route named an expert outside [0, E). Reads one device int (a sync on CUDA)."""
+    """Raise if any route named an expert outside [0, E). Reads one device int (a sync on CUDA).
+
+    Under ``torch.compile`` the check becomes an asynchronous assert in the graph (no host read, so a
+    ``fullgraph`` trace does not break; on CUDA a failure is a device-side assert)."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(num_invalid.eq(0).all(), "routes name an expert id outside [0, E)")
+        return
     n = int(num_invalid.item())
     if n:
         raise ValueError(f"{n} routes name an expert id outside [0, E={num_experts}); every id in topk_ids "

@@ -3,9 +3,8 @@
 ``moe(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, ...)`` validates its inputs
 (``kittenmoe.checks.check_moe_inputs``) and dispatches:
 
-- ``"torch"``: ``kittenmoe.torch_backend.moe_forward`` (torch ops, autograd through it, any device). Under
-  ``torch.compile`` the same function runs as the opaque custom op ``kittenmoe::moe_forward_torch``
-  (see ``kittenmoe.autograd``), so a ``fullgraph`` trace does not stop at its expert-id check.
+- ``"torch"``: ``kittenmoe.torch_backend.moe_forward`` (torch ops, autograd through it, any device;
+  ``torch.compile`` traces it, ``fullgraph`` included).
 - ``"megakernel"``: the custom op ``kittenmoe::moe_forward`` (forward and backward megakernels). Runs on
   CUDA, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``); anywhere else the
   launcher raises ``RuntimeError``.
@@ -73,8 +72,5 @@ def moe(
     if which == "megakernel":
         return autograd.moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                                        shared_w2_HS, swiglu_limit, config)
-    if torch.compiler.is_compiling():
-        return autograd.moe_torch_op(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                                     shared_w2_HS, swiglu_limit)
     return torch_backend.moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                                      shared_w2_HS, swiglu_limit)
