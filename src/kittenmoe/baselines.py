@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kittenmoe.distributed import AllToAllRows, all_to_all_rows, check_inputs_across_ranks, group_rank_size
-from kittenmoe.reference import swiglu
+from kittenmoe.reference import swiglu, swiglu_ffn
 
 
 def grouped_mm_forward(
@@ -50,9 +50,7 @@ def grouped_mm_forward(
     out = torch.zeros(T, H, dtype=torch.float32, device=x_TH.device)
     out = out.index_add(0, tok, y.float() * w_sorted[:, None])
     if shared_w13_2SH is not None:
-        s = shared_w2_HS.shape[1]
-        gs = x_TH @ shared_w13_2SH.t()
-        out = out + (swiglu(gs[:, :s], gs[:, s:], swiglu_limit) @ shared_w2_HS.t()).float()
+        out = out + swiglu_ffn(x_TH, shared_w13_2SH, shared_w2_HS, swiglu_limit).float()
     return out.to(x_TH.dtype)
 
 
@@ -144,9 +142,7 @@ def all_to_all_forward(
     y_back = AllToAllRows.apply(y_recv, group, send_splits, recv_splits)
     y_TKH = y_back[torch.argsort(order)].view(T, K, H)
     if shared_w13_2SH is not None:
-        s = shared_w2_HS.shape[1]
-        gs = x_TH @ shared_w13_2SH.t()
-        acc = (swiglu(gs[:, :s], gs[:, s:], swiglu_limit) @ shared_w2_HS.t()).float()
+        acc = swiglu_ffn(x_TH, shared_w13_2SH, shared_w2_HS, swiglu_limit).float()
     else:
         acc = torch.zeros(T, H, dtype=torch.float32, device=dev)
     w = topk_weights_TK.float()
