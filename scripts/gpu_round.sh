@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
+#
+#   bash scripts/gpu_round.sh [tests|bench|tune|train|all]      (default all; on the nvidia-h200 device)
+#
+# Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
+# device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kittenmoe-out}
+mkdir -p "$OUT"
+what=${1:-all}
+summary=()
+
+step() {  # step NAME COMMAND...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)")")
+}
+
+if [[ $what == tests || $what == all ]]; then
+  step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests
+  step sched python3 -m pytest -q -p no:cacheprovider tests/test_schedule.py -k triton
+fi
+if [[ $what == bench || $what == all ]]; then
+  step fwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
+  step bwd python3 benchmarks/bwd_round.py --reps 5 --out "$OUT"
+fi
+if [[ $what == tune || $what == all ]]; then
+  export KITTENMOE_CACHE_DIR=$OUT/cache
+  step tune python3 -m kittenmoe.cli tune --model kimi-k2.7 --ep 8 --tokens 2048 --out "$OUT"
+fi
+if [[ $what == train || $what == all ]]; then
+  step train python3 -m kittenmoe.cli train --device cuda --steps 300
+fi
+
+echo
+echo "step       rc   time  last line"
+printf '%s\n' "${summary[@]}"
