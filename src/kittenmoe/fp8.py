@@ -1,0 +1,190 @@
+"""FP8 (e4m3fn) block-scaled quantisation: config, torch reference, Triton launcher (issue 7, first brick).
+
+Layouts (DeepSeek-V3's fine-grained scaling; MXFP8 when ``scale_block=32`` with power-of-two scales):
+
+- activations ``x_MK``: one scale per 1 x B block along K (the last dim): ``scale_MKb`` is
+  ``[M, cdiv(K, B)]`` (leading dims other than M are kept as they are);
+- weights ``w_NK`` or ``w_ENK``: one scale per B x B block over (N, K): ``scale`` is
+  ``[(E,) cdiv(N, B), cdiv(K, B)]``.
+
+Scale rule, per block (B = ``cfg.scale_block``):
+
+    scale = max(amax(|block|) / 448, 2^-126)          # fp32 division, correctly rounded
+    if cfg.pow2_scales: scale = 2^ceil(log2(scale))   # round UP, so |x| / scale <= 448: no overflow
+    q = e4m3fn(x / scale)                             # fp32 division, then round to nearest even
+
+448 is the e4m3fn maximum. The clamp to 2^-126 (the smallest normal fp32, itself a power of two and
+E8M0-representable) is the one rule for degenerate blocks: an all-zero block gets scale 2^-126 and
+quantises to zeros, and a block of fp32 subnormals never gets a subnormal (or zero) scale, which a GPU
+may flush. A partial last block (K or N not a multiple of B) is scaled over the elements it has.
+Dequantisation is ``q.float() * scale`` in fp32.
+
+Inputs must be finite: inf/nan raise ``ValueError``. That check reads a flag on the host (a sync); the
+fused hot-path versions (dispatch pull, epilogues) will report through the device error flag instead.
+
+``impl="torch"`` is the reference; ``impl="triton"`` runs ``kernels/quant.py`` and matches it bit for bit
+(checked on CPU under the Triton interpreter; on a GPU see that file's note on the e4m3 rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+E4M3_MAX = 448.0
+MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
+FP8_DTYPE = torch.float8_e4m3fn
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class FP8Config:
+    """Block scaling of the FP8 path.
+
+    scale_block: block edge B along K (activations: 1 x B; weights: B x B). 128 (DeepSeek-V3) or 32 (MXFP8).
+    pow2_scales: round every scale up to a power of two (E8M0-representable). Required for B = 32.
+    """
+
+    scale_block: int = 128
+    pow2_scales: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) \
+                or self.scale_block not in (32, 128):
+            raise ValueError(f"FP8Config: scale_block must be 32 or 128, got {self.scale_block!r}")
+        if not isinstance(self.pow2_scales, bool):
+            raise ValueError(f"FP8Config: pow2_scales must be a bool, got {self.pow2_scales!r}")
+        if self.scale_block == 32 and not self.pow2_scales:
+            raise ValueError("FP8Config: scale_block=32 (the MXFP8 family) needs pow2_scales=True "
+                             "(E8M0-representable power-of-two scales)")
+
+
+# ---------------------------------------------------------------- checks and scale rule
+
+def _check_input(t: torch.Tensor, name: str, min_dim: int, max_dim: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INPUT_DTYPES:
+        raise ValueError(f"{name}: dtype must be one of fp32/bf16/fp16, got {t.dtype}")
+    if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+        want = f"{min_dim}" if max_dim == min_dim else f"{min_dim}..{max_dim or 'any'}"
+        raise ValueError(f"{name}: expected {want} dims, got shape {tuple(t.shape)}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        n = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{name}: {n} non-finite (inf/nan) values; FP8 quantisation needs finite inputs")
+
+
+def _check_q_scale(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    if q.dtype != FP8_DTYPE:
+        raise ValueError(f"{name}: q must be {FP8_DTYPE}, got {q.dtype}")
+    if scale.dtype != torch.float32:
+        raise ValueError(f"{name}: scale must be fp32, got {scale.dtype}")
+
+
+def scale_from_amax(amax: torch.Tensor, cfg: FP8Config) -> torch.Tensor:
+    """The scale rule on fp32 block maxima (see the module docstring)."""
+    scale = torch.clamp_min(amax.float() / E4M3_MAX, MIN_SCALE)
+    if cfg.pow2_scales:
+        # round up to a power of two on the bits: a nonzero mantissa bumps the exponent (exact for normals)
+        bits = scale.view(torch.int32)
+        scale = ((bits + 0x7FFFFF) & -0x800000).view(torch.float32)
+    return scale
+
+
+def _expand(scale: torch.Tensor, dim: int, b: int, size: int) -> torch.Tensor:
+    return scale.repeat_interleave(b, dim=dim).narrow(dim, 0, size)
+
+
+# ---------------------------------------------------------------- activations: 1 x B along K
+
+def quantize_activations(x_MK: torch.Tensor, cfg: FP8Config = FP8Config(),
+                         impl: Literal["torch", "triton"] = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_MK float8_e4m3fn, scale_MKb fp32 [..., M, cdiv(K, B)]): 1 x B blocks along the last dim."""
+    _check_input(x_MK, "quantize_activations: x", min_dim=1)
+    if impl == "triton":
+        return _quantize_activations_triton(x_MK, cfg)
+    if impl != "torch":
+        raise ValueError(f"quantize_activations: impl must be 'torch' or 'triton', got {impl!r}")
+    b, k = cfg.scale_block, x_MK.shape[-1]
+    kb = -(-k // b)
+    x = x_MK.float()
+    pad = torch.nn.functional.pad(x, (0, kb * b - k))  # zeros do not change a block's amax
+    amax = pad.abs().unflatten(-1, (kb, b)).amax(dim=-1)
+    scale = scale_from_amax(amax, cfg)
+    q = (x / _expand(scale, -1, b, k)).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_activations(q_MK: torch.Tensor, scale_MKb: torch.Tensor, cfg: FP8Config = FP8Config()
+                           ) -> torch.Tensor:
+    """fp32 ``q * scale`` for 1 x B blocks along the last dim."""
+    _check_q_scale(q_MK, scale_MKb, "dequantize_activations")
+    b, k = cfg.scale_block, q_MK.shape[-1]
+    want = (*q_MK.shape[:-1], -(-k // b))
+    if tuple(scale_MKb.shape) != want:
+        raise ValueError(f"dequantize_activations: scale shape {tuple(scale_MKb.shape)} != {want} for q "
+                         f"{tuple(q_MK.shape)} and scale_block {b}")
+    return q_MK.float() * _expand(scale_MKb, -1, b, k)
+
+
+def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+
+    from kittenmoe.kernels import quant
+
+    if x_MK.device.type == "cpu" and not _interpreting():
+        raise RuntimeError("quantize_activations(impl='triton'): CPU tensors need the Triton interpreter "
+                           "(TRITON_INTERPRET=1 set before kittenmoe.kernels is imported)")
+    x = x_MK.contiguous()
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    b = cfg.scale_block
+    kb = -(-k // b)
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((*x.shape[:-1], kb), dtype=torch.float32, device=x.device)
+    if m and k:
+        block_m = 16 if b == 128 else 64
+        quant.quantize_act_1xb_kernel[(triton.cdiv(m, block_m), kb)](
+            x2, q.view(torch.uint8).reshape(m, k), scale.reshape(m, kb), m, k, kb,
+            SB=b, BLOCK_M=block_m, POW2=cfg.pow2_scales)
+    return q, scale
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ---------------------------------------------------------------- weights: B x B over (N, K)
+
+def quantize_weights(w: torch.Tensor, cfg: FP8Config = FP8Config()) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w_NK`` or ``w_ENK`` -> (q float8_e4m3fn, scale fp32 ``[(E,) cdiv(N, B), cdiv(K, B)]``)."""
+    _check_input(w, "quantize_weights: w", min_dim=2, max_dim=3)
+    b = cfg.scale_block
+    n, k = w.shape[-2:]
+    nb, kb = -(-n // b), -(-k // b)
+    x = w.float()
+    pad = torch.nn.functional.pad(x, (0, kb * b - k, 0, nb * b - n))
+    blocks = pad.abs().unflatten(-1, (kb, b)).unflatten(-3, (nb, b))  # [(E,) nb, B, kb, B]
+    amax = blocks.amax(dim=(-3, -1))
+    scale = scale_from_amax(amax, cfg)
+    q = (x / _expand(_expand(scale, -1, b, k), -2, b, n)).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_weights(q: torch.Tensor, scale: torch.Tensor, cfg: FP8Config = FP8Config()) -> torch.Tensor:
+    """fp32 ``q * scale`` for B x B blocks over the last two dims."""
+    _check_q_scale(q, scale, "dequantize_weights")
+    if q.dim() not in (2, 3):
+        raise ValueError(f"dequantize_weights: expected [N, K] or [E, N, K], got shape {tuple(q.shape)}")
+    b = cfg.scale_block
+    n, k = q.shape[-2:]
+    want = (*q.shape[:-2], -(-n // b), -(-k // b))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"dequantize_weights: scale shape {tuple(scale.shape)} != {want} for q "
+                         f"{tuple(q.shape)} and scale_block {b}")
+    return q.float() * _expand(_expand(scale, -1, b, k), -2, b, n)

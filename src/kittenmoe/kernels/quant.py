@@ -1,0 +1,79 @@
+"""FP8 (e4m3fn) block quantisation of activations (Triton only).
+
+``quantize_act_1xb_kernel``: one program per (BLOCK_M rows) x (one scale
+block of SB columns along K). Per row of the tile: amax over the block,
+``scale = max(amax / 448, 2^-126)``, optionally rounded up to a power of two,
+then ``q = e4m3(x / scale)``. This is the standalone form of what the pull
+dispatch will fuse later (issue 7); it must match ``kittenmoe.fp8``'s torch
+reference bit for bit.
+
+The fp32 -> e4m3fn rounding is done here in integer arithmetic on the fp32
+bits (round to nearest, ties to even, e4m3 subnormals included) and the
+kernel stores the e4m3 *bits* into a uint8 view of the output. Reason: the
+Triton 3.9 interpreter's ``.to(tl.float8e4nv)`` is not round-to-nearest-even
+(ties round away from zero, subnormals flush to 0, 464 becomes NaN where
+torch gives 448), so it cannot match torch. The integer path is exact on
+every backend; on a GPU the hardware ``cvt.rn.satfinite.e4m3x2.f32`` would
+give the same bits for |v| <= 448 and may replace it once measured there.
+"""
+
+import triton
+import triton.language as tl
+
+E4M3_MAX = 448.0
+MIN_SCALE = 1.1754943508222875e-38  # 2^-126, the smallest normal fp32 (and an E8M0 power of two)
+
+
+@triton.jit
+def _e4m3_bits_rne(v):
+    """e4m3fn bit pattern (int32 in [0, 255]) of fp32 ``v``, round to nearest even; needs |v| < 464."""
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80  # arithmetic shift: keep the top bit only, moved to bit 7
+    a = b & 0x7FFFFFFF
+    bexp = a >> 23  # biased fp32 exponent
+    # Normal e4m3 (|v| >= 2^-6, biased exponent >= 121): keep 3 of 23 mantissa bits, RNE; a carry rolls
+    # into the exponent. Re-bias 127 -> 7: subtract (127 - 7) << 3 = 960.
+    lsb = (a >> 20) & 1
+    normal = ((a + 0x7FFFF + lsb) >> 20) - 960
+    # Subnormal e4m3 (|v| < 2^-6): m = RNE(|v| * 2^9), 0..8 (8 is the smallest normal, bits 0x08).
+    # |v| = mant * 2^(bexp - 150), so m = RNE(mant >> s) with s = 141 - bexp (fp32 subnormals: mant
+    # has no implicit bit and bexp counts as 1; they round to 0 anyway).
+    mant = tl.where(bexp > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
+    s = tl.minimum(141 - tl.maximum(bexp, 1), 31)
+    s = tl.maximum(s, 1)  # only reached for normal |v|, where this branch is not used
+    q = mant >> s
+    rem = mant - (q << s)
+    half = 1 << (s - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    mag = tl.where(bexp >= 121, normal, q)
+    return sign | mag
+
+
+@triton.jit
+def quantize_act_1xb_kernel(
+    x_ptr,  # [M, K] fp32 / bf16 / fp16, row-major contiguous
+    q_ptr,  # [M, K] uint8: e4m3fn bits (a uint8 view of the float8_e4m3fn output)
+    scale_ptr,  # [M, KB] fp32, KB = cdiv(K, SB)
+    M, K, KB,
+    SB: tl.constexpr, BLOCK_M: tl.constexpr, POW2: tl.constexpr,
+):
+    """q[m, k] = e4m3(x[m, k] / scale[m, k // SB]); scale = max(amax / 448, 2^-126), pow2-rounded up if POW2."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    rk = kb * SB + tl.arange(0, SB)
+    m_ok = rm < M
+    msk = m_ok[:, None] & (rk < K)[None, :]  # partial last block: missing columns read as 0
+    rm64 = rm.to(tl.int64)
+    offs = rm64[:, None] * K + rk[None, :]
+    x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_SCALE)
+    if POW2:
+        # round up to a power of two: a nonzero mantissa bumps the exponent (exact, no log2/exp2)
+        sb = scale.to(tl.int32, bitcast=True)
+        sb = (sb + 0x7FFFFF) & -8388608  # & 0xFF800000
+        scale = sb.to(tl.float32, bitcast=True)
+    v = tl.math.div_rn(x, scale[:, None])
+    bits = _e4m3_bits_rne(v)
+    tl.store(q_ptr + offs, bits.to(tl.uint8), mask=msk)
+    tl.store(scale_ptr + rm64 * KB + kb, scale, mask=m_ok)

@@ -1,0 +1,285 @@
+"""FP8 block quantisation (issue 7, first brick): scale rules exactly, round trips, Triton kernel vs torch bitwise.
+
+CPU only; the Triton kernel runs under the interpreter (conftest sets TRITON_INTERPRET=1 without CUDA).
+"""
+
+import pytest
+import torch
+
+from kittenmoe.fp8 import (E4M3_MAX, FP8_DTYPE, MIN_SCALE, FP8Config, dequantize_activations, dequantize_weights,
+                           quantize_activations, quantize_weights)
+from kittenmoe.testing import assert_bitwise_equal, rel_l1, tolerance_for
+
+CFGS = [
+    FP8Config(),  # DeepSeek-V3 default: 128, fp32 scales
+    FP8Config(128, pow2_scales=True),  # 128 with E8M0-representable scales
+    FP8Config(32, pow2_scales=True),  # MXFP8 family: 32 with power-of-two scales
+]
+CFG_IDS = ["b128", "b128-pow2", "b32-pow2"]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _e4m3_values() -> torch.Tensor:
+    """Every finite e4m3fn value, sorted."""
+    v = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    return v[torch.isfinite(v)].unique()
+
+
+# ---------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale_block=64), "32 or 128"),  # unsupported block size
+    (dict(scale_block=128.0), "32 or 128"),  # float, not int
+    (dict(scale_block=True), "32 or 128"),  # bool is not an int here
+    (dict(scale_block=32), "pow2_scales=True"),  # MXFP8 block without E8M0 scales
+    (dict(scale_block=32, pow2_scales=False), "pow2_scales=True"),  # same, explicit
+    (dict(pow2_scales=1), "bool"),  # truthy int is not a bool
+])
+def test_config_rejects(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8Config(**kwargs)
+
+
+def test_config_frozen_and_defaults():
+    cfg = FP8Config()
+    assert (cfg.scale_block, cfg.pow2_scales) == (128, False)
+    with pytest.raises(Exception):
+        cfg.scale_block = 32  # frozen dataclass
+
+
+# ---------------------------------------------------------------- scale rules, exactly
+
+def _ref_scale(amax: float, pow2: bool) -> float:
+    """The rule written independently: max(amax/448 (fp32), 2^-126), then 2^ceil(log2) in float64."""
+    s = max(float(torch.tensor(amax, dtype=torch.float32) / torch.tensor(E4M3_MAX)), MIN_SCALE)
+    if pow2:
+        import math
+        m, e = math.frexp(s)  # s = m * 2^e, m in [0.5, 1)
+        s = 2.0 ** (e - 1) if m == 0.5 else 2.0 ** e
+    return s
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_activation_scale_rules(cfg):
+    """Row by row: a chosen amax (first element), negative amax, exactly 448, zero row, tiny and huge amax."""
+    b = cfg.scale_block
+    amaxes = [1.0, -3.0, 448.0, -448.0, 0.0, 0.1, 1e-3, 7.0, 2.0 ** -130, 1e30, 448.0 * 2 ** 5, 900.0]
+    x = torch.zeros(len(amaxes), 2 * b)
+    for i, a in enumerate(amaxes):
+        x[i, 0] = a  # block 0: amax |a| at the first column, smaller values after it
+        x[i, 1:b] = a * torch.linspace(-0.9, 0.9, b - 1)
+        x[i, b:] = a / 7  # block 1: constant block
+    q, s = quantize_activations(x, cfg)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32 and s.shape == (len(amaxes), 2)
+    for i, a in enumerate(amaxes):
+        assert s[i, 0].item() == _ref_scale(abs(a), cfg.pow2_scales), (i, a)
+        assert s[i, 1].item() == _ref_scale(float(torch.tensor(abs(a) / 7, dtype=torch.float32)), cfg.pow2_scales)
+    # zero row: smallest normal fp32 scale, all-zero q
+    assert s[4, 0].item() == MIN_SCALE and s[4, 1].item() == MIN_SCALE
+    assert (q[4].float() == 0).all()  # (0 * negative gives -0.0, kept as e4m3 -0)
+    if not cfg.pow2_scales:
+        # amax 448 -> scale exactly 1, and +-448 stays +-448 exactly (no overflow at the edge)
+        assert s[2, 0].item() == 1.0 and q[2, 0].float().item() == 448.0 and q[3, 0].float().item() == -448.0
+    else:
+        assert s[2, 0].item() == 1.0  # 448/448 = 1 is already a power of two
+        # 0.1/448 lies strictly between 2^-13 and 2^-12: rounded up, never down
+        assert s[5, 0].item() == 2.0 ** -12
+        assert torch.log2(s).frac().eq(0).all()  # every scale is an exact power of two
+    # the block's amax element maps to +-448 (non-pow2) or into [224, 448] (pow2): full range, no overflow
+    big = q.float().abs().amax(dim=1)
+    assert (big <= E4M3_MAX).all() and torch.isfinite(q.float()).all()
+    for i, a in enumerate(amaxes):
+        if a != 0 and abs(a) >= 1e-3:
+            lo = 224.0 if cfg.pow2_scales else 448.0
+            assert lo <= q[i, 0].float().abs().item() <= 448.0, (i, a, q[i, 0])
+            assert (q[i, 0].float().item() < 0) == (a < 0)  # sign kept
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_pow2_scale_never_overflows(cfg):
+    """pow2 rounds up, so x/scale <= 448 for amax just above a power-of-two boundary (448 * 2^e * (1 + ulp))."""
+    a = torch.tensor([448.0 * 2.0 ** e for e in range(-20, 20)])
+    a = torch.cat([a, torch.nextafter(a, torch.tensor(float("inf"))), torch.nextafter(a, torch.tensor(0.0))])
+    x = torch.zeros(a.numel(), cfg.scale_block)
+    x[:, 0] = a
+    q, s = quantize_activations(x, cfg)
+    assert torch.isfinite(q.float()).all() and (q.float().abs() <= 448).all()
+    assert (x[:, 0] / s[:, 0] <= 448).all()
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_zero_and_tiny_blocks(cfg):
+    """All-zero block: scale 2^-126, q zeros, dequant zeros; an fp32-subnormal block never gets scale 0."""
+    x = torch.zeros(3, cfg.scale_block * 2)
+    x[1, :cfg.scale_block] = 1e-40  # subnormal fp32
+    x[2, cfg.scale_block:] = -0.0
+    q, s = quantize_activations(x, cfg)
+    assert (s == MIN_SCALE).all()
+    assert torch.equal(dequantize_activations(q, s, cfg)[0], torch.zeros(cfg.scale_block * 2))
+    assert (q[0].float() == 0).all() and (q[2].float() == 0).all()
+    # the subnormal block is still represented: 1e-40 / 2^-126 ~ 0.0085, an e4m3 subnormal (4 * 2^-9)
+    assert (q[1, :cfg.scale_block].float() == 4 * 2.0 ** -9).all()
+
+
+@pytest.mark.parametrize("k", [1, 5, 127, 129, 200, 300])  # K below, just below/above and between blocks
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_partial_last_block(cfg, k):
+    """The last block is scaled over the columns it has: its scale equals the scale of that slice alone."""
+    b = cfg.scale_block
+    x = torch.randn(4, k, generator=_gen(k)) * 3
+    q, s = quantize_activations(x, cfg)
+    kb = -(-k // b)
+    assert s.shape == (4, kb) and q.shape == x.shape
+    for j in range(kb):
+        sl = x[:, j * b:(j + 1) * b]
+        q_j, s_j = quantize_activations(sl.contiguous(), cfg)  # one (possibly short) block on its own
+        assert torch.equal(s[:, j:j + 1], s_j)
+        assert_bitwise_equal(q[:, j * b:(j + 1) * b], q_j, f"block {j}")
+
+
+def test_quantised_values_are_e4m3_of_x_over_scale():
+    """q is exactly torch's e4m3 rounding of x / scale (fp32 division), incl. every e4m3 value and midpoint."""
+    v = _e4m3_values()
+    mid = (v[1:] + v[:-1]) / 2
+    x = torch.cat([v, mid, torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9))])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 127)]).reshape(-1, 127)
+    x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1)  # amax 448 -> scale 1 -> q = e4m3(x)
+    q, s = quantize_activations(x)
+    assert (s == 1).all()
+    assert_bitwise_equal(q, x.to(FP8_DTYPE), "q vs e4m3(x)")
+
+
+# ---------------------------------------------------------------- round trips
+
+@pytest.mark.parametrize("shape", [(64, 256), (7, 300), (2, 3, 128), (1, 1)])  # aligned, partial, 3-D, one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # input dtypes
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_activation_round_trip(cfg, dtype, shape):
+    """|dq - x| <= 2^-4 |x| (half an e4m3 step, normal range) + 2^-10 * scale (half the e4m3 subnormal step)."""
+    x = (torch.randn(*shape, generator=_gen(1)) * torch.logspace(-3, 3, shape[-1])).to(dtype)
+    q, s = quantize_activations(x, cfg)
+    assert s.shape == (*shape[:-1], -(-shape[-1] // cfg.scale_block))
+    dq = dequantize_activations(q, s, cfg)
+    xf = x.float()
+    s_el = s.repeat_interleave(cfg.scale_block, -1)[..., :shape[-1]]
+    bound = 2.0 ** -4 * xf.abs() + 2.0 ** -10 * s_el
+    assert ((dq - xf).abs() <= bound).all()
+    assert rel_l1(dq, xf) <= tolerance_for("fp8").rel_l1
+
+
+@pytest.mark.parametrize("shape", [
+    (256, 384),  # [N, K], aligned to both block sizes
+    (200, 130),  # [N, K], partial last blocks along both dims
+    (3, 130, 260),  # [E, N, K] with an expert dim, partial blocks
+    (2, 1, 1),  # [E, N, K] degenerate: one element per expert
+])
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_weight_round_trip_and_scales(cfg, shape):
+    b = cfg.scale_block
+    w = torch.randn(*shape, generator=_gen(2)) / 30
+    q, s = quantize_weights(w, cfg)
+    n, k = shape[-2:]
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape and s.shape == (*shape[:-2], -(-n // b), -(-k // b))
+    # scales exactly: each B x B (possibly partial) block on its own
+    w3 = w.reshape(-1, n, k)
+    s3 = s.reshape(-1, *s.shape[-2:])
+    for e in range(w3.shape[0]):
+        for i in range(s3.shape[1]):
+            for j in range(s3.shape[2]):
+                amax = w3[e, i * b:(i + 1) * b, j * b:(j + 1) * b].abs().max().item()
+                assert s3[e, i, j].item() == _ref_scale(amax, cfg.pow2_scales), (e, i, j)
+    dq = dequantize_weights(q, s, cfg)
+    s_el = s.repeat_interleave(b, -1)[..., :k].repeat_interleave(b, -2)[..., :n, :]
+    assert ((dq - w).abs() <= 2.0 ** -4 * w.abs() + 2.0 ** -10 * s_el).all()
+    assert rel_l1(dq, w) <= tolerance_for("fp8").rel_l1
+
+
+def test_weights_expert_dim_is_per_expert():
+    """[E, N, K] gives the same bits as quantising each expert's [N, K] alone (no block crosses experts)."""
+    w = torch.randn(4, 130, 140, generator=_gen(3)) * torch.tensor([1e-3, 1.0, 1e3, 0.0])[:, None, None]
+    q, s = quantize_weights(w)
+    for e in range(4):
+        qe, se = quantize_weights(w[e])
+        assert_bitwise_equal(q[e], qe, f"expert {e}")
+        assert torch.equal(s[e], se)
+
+
+# ---------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])  # each non-finite kind
+@pytest.mark.parametrize("fn", ["act", "act-triton", "weights"])
+def test_non_finite_raises(fn, bad):
+    x = torch.ones(4, 160)
+    x[2, 150] = bad
+    with pytest.raises(ValueError, match="non-finite"):
+        if fn == "weights":
+            quantize_weights(x)
+        else:
+            quantize_activations(x, impl="torch" if fn == "act" else "triton")
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: quantize_activations(torch.ones(4, 8, dtype=torch.float64)), ValueError, "dtype"),  # fp64 input
+    (lambda: quantize_activations(torch.ones(4, 8, dtype=torch.int32)), ValueError, "dtype"),  # int input
+    (lambda: quantize_activations(torch.tensor(1.0)), ValueError, "dims"),  # 0-d
+    (lambda: quantize_activations(torch.ones(2, 8), impl="cuda"), ValueError, "impl"),  # unknown impl
+    (lambda: quantize_weights(torch.ones(8)), ValueError, "dims"),  # 1-D weight
+    (lambda: quantize_weights(torch.ones(2, 2, 8, 8)), ValueError, "dims"),  # 4-D weight
+    (lambda: dequantize_activations(torch.ones(2, 8), torch.ones(2, 1)), ValueError, "float8"),  # q not fp8
+    (lambda: dequantize_activations(torch.ones(2, 8).to(FP8_DTYPE), torch.ones(2, 2)), ValueError, "scale shape"),
+    (lambda: dequantize_weights(torch.ones(2, 8).to(FP8_DTYPE), torch.ones(1, 1, dtype=torch.float64)),
+     ValueError, "fp32"),  # scale not fp32
+    (lambda: dequantize_weights(torch.ones(130, 8).to(FP8_DTYPE), torch.ones(1, 1)), ValueError, "scale shape"),
+])
+def test_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+# ---------------------------------------------------------------- Triton kernel vs torch, bitwise
+
+@pytest.mark.parametrize("shape", [
+    (37, 300),  # M not a multiple of BLOCK_M, K with a partial last block for both block sizes
+    (16, 256),  # aligned
+    (3, 1),  # K = 1: one-element blocks
+    (2, 5, 64),  # 3-D input (leading dims flattened), K smaller than a 128 block
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_triton_matches_torch_bitwise(cfg, dtype, shape):
+    # values over 60 decades (fp16 limits them to its range); zero rows; negative values
+    spread = torch.logspace(-30, 30, shape[-1]) if dtype != torch.float16 else torch.logspace(-4, 4, shape[-1])
+    x = (torch.randn(*shape, generator=_gen(4)) * spread).to(dtype)
+    x.view(-1, shape[-1])[0] = 0.0
+    q_ref, s_ref = quantize_activations(x, cfg)
+    q, s = quantize_activations(x, cfg, impl="triton")
+    assert_bitwise_equal(s, s_ref, "scale")
+    assert_bitwise_equal(q, q_ref, "q")
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_triton_rounding_edges_bitwise(cfg):
+    """The kernel's integer e4m3 rounding vs torch's: every e4m3 value, every midpoint and its fp32 neighbours,
+    the subnormal range, signed zeros, fp32 subnormals, at scale 1 (a 448 in every block) and at random scales."""
+    v = _e4m3_values()
+    mid = (v[1:] + v[:-1]) / 2
+    sub = torch.linspace(-2.0 ** -6, 2.0 ** -6, 4001)
+    x = torch.cat([v, mid, torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9)), sub,
+                   torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0 ** -10, -(2.0 ** -10), 3 * 2.0 ** -11])])
+    b = cfg.scale_block
+    x = torch.cat([x, torch.zeros((-x.numel()) % (b - 1))]).reshape(-1, b - 1)
+    x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1)
+    x = torch.cat([x, x * torch.rand(x.shape[0], 1, generator=_gen(5)) * 1e3])  # second half: other scales
+    q_ref, s_ref = quantize_activations(x, cfg)
+    q, s = quantize_activations(x, cfg, impl="triton")
+    assert_bitwise_equal(s, s_ref, "scale")
+    assert_bitwise_equal(q, q_ref, "q")
+
+
+def test_triton_empty_input():
+    """M = 0: no launch, empty outputs of the right shapes."""
+    q, s = quantize_activations(torch.empty(0, 300), impl="triton")
+    assert q.shape == (0, 300) and s.shape == (0, 3) and q.dtype == FP8_DTYPE
