@@ -17,7 +17,7 @@ import torch
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.config import TEST_SHAPES, ModelShape
 from kittenmoe.reference import moe_reference
-from kittenmoe.testing import ROUTINGS, assert_bitwise_equal, assert_close, make_weights
+from kittenmoe.testing import ROUTINGS, assert_bitwise_equal, assert_close, make_weights, routing_few_experts
 
 TINY = TEST_SHAPES["tiny"]  # E=8, H=32, I=16, K=2
 TINY_SIG = TEST_SHAPES["tiny-sigmoid"]  # E=16, H=48, I=24, K=4
@@ -61,10 +61,7 @@ def _inputs(case: Case, seed: int = 0):
     s = case.shape
     x = torch.randn(case.t, s.h, generator=gen)
     if case.routing == "few_experts":
-        choice = torch.stack([torch.randperm(3, generator=gen)[: s.k] for _ in range(case.t)])
-        ids = choice.contiguous()
-        w = torch.rand(case.t, s.k, generator=gen) + 0.1
-        w = w / w.sum(-1, keepdim=True)
+        ids, w = routing_few_experts(case.t, s.e, s.k, [0, 1, 2], generator=gen)
     elif case.routing == "one_hot":
         ids, w = ROUTINGS["one_hot"](case.t, s.e, s.k, hot=case.hot, generator=gen)
     else:

@@ -37,7 +37,7 @@ from kittenmoe.config import TEST_SHAPES, ModelShape
 from kittenmoe.distributed import moe_forward_distributed
 from kittenmoe.peers import PeerBufferNotAddressable, SymmetricPeers
 from kittenmoe.reference import moe_reference_multirank
-from kittenmoe.testing import ROUTINGS, assert_bitwise_equal, assert_close, make_weights
+from kittenmoe.testing import ROUTINGS, assert_bitwise_equal, assert_close, make_weights, routing_few_experts
 from kittenmoe.torch_backend import moe_forward_multirank
 
 TINY = TEST_SHAPES["tiny"]  # E=8, H=32, I=16, K=2
@@ -236,10 +236,7 @@ class Case:
 def _routing(case: Case, t: int, gen: torch.Generator):
     e, k = case.shape.e, case.shape.k
     if case.routing == "few_experts":  # experts 0..2 only: every other expert (and on R=4, ranks 2, 3) idle
-        experts = torch.tensor([0, 1, 2])
-        choice = torch.stack([torch.randperm(3, generator=gen)[:k] for _ in range(t)])
-        w = torch.rand(t, k, generator=gen) + 0.1
-        return experts[choice], w / w.sum(-1, keepdim=True)
+        return routing_few_experts(t, e, k, [0, 1, 2], generator=gen)
     if case.routing == "one_hot":
         return ROUTINGS["one_hot"](t, e, k, hot=case.hot, generator=gen)
     return ROUTINGS[case.routing](t, e, k, generator=gen)

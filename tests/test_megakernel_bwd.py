@@ -30,6 +30,7 @@ from kittenmoe.ops import MegakernelError, megakernel_backward_multirank, megake
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
+    routing_few_experts,
     ROUTINGS,
     MoEWeights,
     assert_bitwise_equal,
@@ -93,20 +94,12 @@ class Inputs:
         return self.mw.w13_E2IH, self.mw.w2_EHI, self.mw.shared_w13_2SH, self.mw.shared_w2_HS
 
 
-def _few_experts(t, k, experts, generator):
-    """Routes only to ``experts`` (k distinct of them per token): every other expert gets zero tokens."""
-    experts = torch.as_tensor(experts)
-    choice = torch.stack([torch.randperm(len(experts), generator=generator)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=generator) + 0.1
-    return experts[choice], w / w.sum(-1, keepdim=True)
-
-
 def _routing(case: Case, gen: torch.Generator):
     t, e, k = case.t, case.shape.e, case.shape.k
     if case.routing == "few_experts":
         # Experts 0..max(2, K) only. TINY on R=4 ranks (E_local=2): rank 0 owns experts 0 and 1, rank 1 only
         # expert 2, ranks 2 and 3 receive no row at all; experts 3..7 get zero tokens.
-        return _few_experts(t, k, list(range(max(3, k + 1))), gen)
+        return routing_few_experts(t, e, k, list(range(max(3, k + 1))), generator=gen)
     if case.routing == "one_hot":
         return ROUTINGS["one_hot"](t, e, k, hot=case.hot, generator=gen)
     return ROUTINGS[case.routing](t, e, k, generator=gen)

@@ -18,6 +18,7 @@ import torch
 from kittenmoe.config import TEST_SHAPES, ModelShape
 from kittenmoe.reference import moe_reference_multirank, route
 from kittenmoe.testing import (
+    routing_few_experts,
     ROUTINGS,
     assert_bitwise_equal,
     assert_close,
@@ -43,20 +44,12 @@ class Case:
     hot: int = 0  # one_hot: the expert every token's first route goes to
 
 
-def _few_experts(t, e, k, experts, generator):
-    """Routes only to ``experts`` (k distinct of them per token): every other expert gets zero tokens."""
-    experts = torch.as_tensor(experts)
-    choice = torch.stack([torch.randperm(len(experts), generator=generator)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=generator) + 0.1
-    return experts[choice], w / w.sum(-1, keepdim=True)
-
-
 def _routing(case: Case, shape: ModelShape, gen: torch.Generator):
     t, e, k = case.t, shape.e, shape.k
     if case.routing == "few_experts":
         # Experts 0..2 only: on R=4 ranks (E_local=2) rank 0 gets expert 0 and 1, rank 1 only expert 2,
         # ranks 2 and 3 receive no row at all.
-        return _few_experts(t, e, k, [0, 1, 2], gen)
+        return routing_few_experts(t, e, k, [0, 1, 2], generator=gen)
     if case.routing == "one_hot":
         return ROUTINGS["one_hot"](t, e, k, hot=case.hot, generator=gen)
     return ROUTINGS[case.routing](t, e, k, generator=gen)

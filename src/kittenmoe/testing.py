@@ -119,7 +119,20 @@ def routing_one_hot(t: int, e: int, k: int, hot: int = 0, generator: torch.Gener
     return ids.to(device), (w / w.sum(-1, keepdim=True)).to(device)
 
 
-ROUTINGS = {"uniform": routing_uniform, "zipf": routing_zipf, "one_hot": routing_one_hot}
+def routing_few_experts(t: int, e: int, k: int, experts=None, generator: torch.Generator | None = None,
+                        device="cpu"):
+    """Routes only to ``experts`` (default the first max(3, k)), k distinct of them per token: every other
+    expert, and on several ranks whole ranks, get zero tokens."""
+    experts = torch.as_tensor(list(range(max(3, k))) if experts is None else experts)
+    if k > len(experts) or int(experts.max()) >= e:
+        raise ValueError(f"routing_few_experts: need k={k} <= {len(experts)} experts, all < E={e}")
+    choice = torch.stack([torch.randperm(len(experts), generator=generator)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=generator) + 0.1
+    return experts[choice].to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+ROUTINGS = {"uniform": routing_uniform, "zipf": routing_zipf, "one_hot": routing_one_hot,
+            "few_experts": routing_few_experts}
 
 
 # ---------------------------------------------------------------- weights and inputs
