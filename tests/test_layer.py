@@ -143,13 +143,27 @@ def test_megakernel_op_backward_matches_reference(name):
     _compare(*got, ref[0].to(DEV), [g.to(DEV) for g in ref[1]], torch.float32, name)
 
 
+@contextlib.contextmanager
+def _error_check(mode):
+    old = kag.get_error_check()
+    kag.set_error_check(mode)
+    try:
+        yield
+    finally:
+        kag.set_error_check(old)
+
+
 def test_megakernel_op_bad_expert_id_raises():
-    """An expert id outside [0, E) is found on device and raised by the op (sync error checking)."""
+    """An expert id outside [0, E) is found on device and raised: by the op itself with sync error checking,
+    by the next check_errors() with deferred checking (the default; on CPU flags are always read at once)."""
     x, ids, w, weights, _ = _inputs(Case(TINY, t=5))
     ids = ids.clone()
     ids[2, 1] = TINY.e  # one past the last expert
-    with pytest.raises(MegakernelError, match="expert ids outside"):
+    with _error_check("sync"), pytest.raises(MegakernelError, match="expert ids outside"):
         moe(x, ids, w, *weights, backend="megakernel", config=CFG)
+    with _error_check("deferred"), pytest.raises(MegakernelError, match="expert ids outside"):
+        moe(x, ids, w, *weights, backend="megakernel", config=CFG)
+        kag.check_errors()
 
 
 # ----------------------------------------------------------------------------- custom ops: opcheck / fake
@@ -341,16 +355,6 @@ def test_bad_inputs_raise():
         MoELayer("tiny")
     with pytest.raises(ValueError, match="'sync' or 'deferred'"):
         kag.set_error_check("lazy")
-
-
-@contextlib.contextmanager
-def _error_check(mode):
-    old = kag.get_error_check()
-    kag.set_error_check(mode)
-    try:
-        yield
-    finally:
-        kag.set_error_check(old)
 
 
 def test_capture_guards_raise(monkeypatch):

@@ -21,10 +21,10 @@ The KernelConfig travels as one schema argument per dataclass field (generated f
 Device errors (spin-wait timeouts, expert ids out of range) land in the launches' error flags. How they
 are read is set by :func:`set_error_check`:
 
-- ``"sync"`` (default): every megakernel op reads its flags right after launching and raises
+- ``"sync"``: every megakernel op reads its flags right after launching and raises
   ``kittenmoe.ops.MegakernelError`` at once. On CUDA that is one device sync per op; during CUDA-graph
   capture it is impossible, so capture under ``"sync"`` raises a clear error.
-- ``"deferred"``: on CUDA the flags are OR-ed, on device, into a per-device accumulator; nothing syncs, so
+- ``"deferred"`` (default, DESIGN.md's "no host sync" invariant): on CUDA the flags are OR-ed, on device, into a per-device accumulator; nothing syncs, so
   CUDA-graph capture works. :func:`check_errors` reads (and clears) it: call it at a point of your choosing
   (e.g. every logging step).
 
@@ -96,7 +96,7 @@ torch.library.define("kittenmoe::moe_backward", f"(Tensor d_out_TH, {_INPUTS}, {
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
-_error_check: ErrorCheck = "sync"
+_error_check: ErrorCheck = "deferred"
 
 
 # Workspaces kept per device, least recently used out first. A workspace used inside a CUDA-graph capture is

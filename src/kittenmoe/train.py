@@ -259,6 +259,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = print) -> list[f
             opt.step()
             losses.append(loss.detach())
             if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                if backend == "megakernel":  # the log line syncs anyway: surface deferred device errors here
+                    from kittenmoe.autograd import check_errors
+
+                    check_errors(device)
                 log(f"step {step:5d}  loss {loss.item():.4f}  lr {lr_at(step, cfg):.2e}  "
                     f"{time.perf_counter() - t0:6.1f} s")
         if backend == "megakernel":
