@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="kimi-k2.7,qwen3.5-397b-a17b")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time subsets of the backward's phases (pull, +A, +B and push, +shared, all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -95,6 +97,18 @@ def main() -> int:
             megakernel_forward_multirank(*a, config=cfg, peers=peers)
             megakernel_backward_multirank(gos, *a, config=cfg, peers=peers)
 
+        if args.breakdown:
+            from kittenmoe.kernels import megakernel_bwd as mb
+
+            masks = {"pull": mb.PB_PULL, "+A": mb.PB_PULL | mb.PB_A,
+                     "+B+push": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH,
+                     "+wgrad": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH | mb.PB_WGRAD, "all": mb.PB_ALL}
+            row["phase_ms"] = {}
+            for label, m in masks.items():
+                row["phase_ms"][label] = triton.testing.do_bench(
+                    lambda m=m: megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, phases=m),
+                    warmup=20, rep=args.reps * 10, return_mode="median")
+                print(f"  backward phases {label:<8} {row['phase_ms'][label]:.3f} ms", flush=True)
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
         row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")

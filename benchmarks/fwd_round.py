@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of one forward")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time subsets of the forward's phases (pull, +gate|up, +down, +push, all)")
     args = ap.parse_args()
     cfgs = [parse_config(c) for c in args.config.split(";")]
     cfg = cfgs[0]
@@ -115,6 +117,19 @@ def main() -> int:
                                                              return_mode="median")
             print(f"  {c}: {sweep[str(c.__dict__)]:.3f} ms", flush=True)
         best = min(sweep, key=sweep.get)
+        if args.breakdown:
+            from kittenmoe.kernels import megakernel_fwd as mk
+
+            masks = {"pull": mk.PH_PULL, "+gateup": mk.PH_PULL | mk.PH_GATEUP,
+                     "+down": mk.PH_PULL | mk.PH_GATEUP | mk.PH_DOWN,
+                     "+push": mk.PH_PULL | mk.PH_GATEUP | mk.PH_DOWN | mk.PH_PUSH, "all": mk.PH_ALL}
+            phase_ms = {}
+            for label, m in masks.items():
+                phase_ms[label] = triton.testing.do_bench(
+                    lambda m=m: megakernel_forward_multirank(*args_k, config=parse_config(str_cfg(best)),
+                                                             peers=peers, phases=m),
+                    warmup=20, rep=args.reps * 10, return_mode="median")
+                print(f"  forward phases {label:<8} {phase_ms[label]:.3f} ms", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -145,7 +160,8 @@ def main() -> int:
         row = dict(
             kind="forward", shape=name, ep_slice=args.ep, experts_local=L, tokens=T, h=shape.h, i=shape.i,
             k=shape.k, dtype="bf16", ranks=1, config=best, sweep_ms=sweep, ms_schedule=ms_sched, ms_kittenmoe=ms_mk, ms_grouped_mm=ms_base,
-            speedup=ms_base / ms_mk, graph_ms=graph_ms, routed_tflops=routed / ms_mk / 1e9, effective_tflops=total / ms_mk / 1e9,
+            speedup=ms_base / ms_mk, graph_ms=graph_ms, phase_ms=phase_ms if args.breakdown else None,
+            routed_tflops=routed / ms_mk / 1e9, effective_tflops=total / ms_mk / 1e9,
             baseline_routed_tflops=routed / ms_base / 1e9, rel_l1=err, baseline_rel_l1=base_err, deterministic=det,
             compile_s=compile_s, **env,
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

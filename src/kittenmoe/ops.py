@@ -281,8 +281,12 @@ def megakernel_forward_multirank(
     config: KernelConfig | None = None,
     peers: LocalPeers | None = None,
     max_spin: int = DEFAULT_MAX_SPIN,
+    phases: int = mk.PH_ALL,
 ) -> MultirankForward:
     """Forward of R virtual ranks on one device through the megakernel (no autograd).
+
+    ``phases`` (a mask of ``megakernel_fwd.PH_*``, default all) runs a subset of
+    the roles, for timing one phase against another.
 
     Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
     x's dtype. Call ``.check_errors()`` on the result to surface device-side
@@ -300,7 +304,7 @@ def megakernel_forward_multirank(
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
-                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin)
+                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases)
         for d in range(R)
     ]
     outs = []
@@ -342,10 +346,12 @@ def launch_rank_backward(
     swiglu_limit: float | None,
     config: KernelConfig,
     max_spin: int = DEFAULT_MAX_SPIN,
+    phases: int | None = None,
 ) -> dict:
     """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
+    phases = mb.PB_ALL if phases is None else phases
     R, T, K = ids_all_RTK.shape
     L, two_i, H = w13_L2IH.shape
     I = two_i // 2
@@ -406,15 +412,18 @@ def launch_rank_backward(
         # No ring in the backward: pulls never wait, so pull everything first
         # (compute starts on the first minibatch) and push while the weight
         # gradients run.
-        out["compiled"] = launch(mb.PB_ALL, 0, NMB, NMB)
+        out["compiled"] = launch(phases, 0, NMB, NMB)
     else:
-        launch(mb.PB_SHARED_A, 0, 0, 0)
+        if phases & mb.PB_SHARED_A:
+            launch(mb.PB_SHARED_A, 0, 0, 0)
         n_live = triton.cdiv(int(sched.num_rows.item()), MB)
         for p in range(n_live):
             for ph in (mb.PB_PULL, mb.PB_A, mb.PB_B, mb.PB_PUSH):
-                launch(ph, p, p + 1, 0)
+                if phases & ph:
+                    launch(ph, p, p + 1, 0)
         for ph in (mb.PB_SHARED_B, mb.PB_WGRAD, mb.PB_SHARED_WGRAD):
-            launch(ph, 0, 0, 0)
+            if phases & ph:
+                launch(ph, 0, 0, 0)
     out["sdx"] = bufs["sdx"]
     return out
 
@@ -432,11 +441,14 @@ def megakernel_backward_multirank(
     config: KernelConfig | None = None,
     peers: LocalPeers | None = None,
     max_spin: int = DEFAULT_MAX_SPIN,
+    phases: int | None = None,
 ) -> MultirankBackward:
     """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
 
     Recomputes (replays) the schedule, the dispatch and the gate|up GEMM; the
-    forward's buffers are not read. Gradients of the shared expert are summed
+    forward's buffers are not read. ``phases`` (a mask of ``megakernel_bwd.PB_*``,
+    default all) runs a subset of the roles, for timing one phase against
+    another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
     over ranks in rank order (the replicated weight's total gradient).
     """
     from kittenmoe.kernels import megakernel_bwd as mb
@@ -460,7 +472,7 @@ def megakernel_backward_multirank(
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
-                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin)
+                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases)
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None
