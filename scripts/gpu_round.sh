@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|tune|train|all]      (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|all]   (default all; on the nvidia-h200 device)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
 # device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
@@ -27,6 +27,10 @@ fi
 if [[ $what == bench || $what == all ]]; then
   step fwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
   step bwd python3 benchmarks/bwd_round.py --reps 5 --out "$OUT"
+fi
+if [[ $what == phases ]]; then  # where the time goes, kimi slice only
+  step fwdphase python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --breakdown --reps 5 --out "$OUT"
+  step bwdphase python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --breakdown --reps 3 --out "$OUT"
 fi
 if [[ $what == tune || $what == all ]]; then
   export KITTENMOE_CACHE_DIR=$OUT/cache
