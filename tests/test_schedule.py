@@ -371,3 +371,18 @@ def test_triton_schedule_matches_torch_bitwise(name):
 def test_build_schedule_rejects_unknown_impl():
     with pytest.raises(ValueError, match="impl"):
         build_schedule(torch.zeros(1, 2, 1, dtype=torch.int64), 0, 2, 4, impl="numpy")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["torch", "triton"])  # both implementations against the CPU model
+def test_schedule_same_on_cpu_and_cuda(impl):
+    """The torch-op schedule on CPU is the model; CUDA (either implementation) must give the same tables."""
+    g = torch.Generator().manual_seed(11)
+    R, L, T, K, bm = 4, 12, 512, 8, 128  # a GPU-sized case: 16 K routes, 12 local experts, 128-row tiles
+    ids = torch.stack([torch.randperm(R * L, generator=g)[:K] for _ in range(R * T)]).reshape(R, T, K)
+    for rank in range(R):
+        a = build_schedule(ids, rank, L, bm, impl="torch")
+        b = build_schedule(ids.cuda(), rank, L, bm, impl=impl)
+        for f in ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
+                  "num_invalid"):
+            assert torch.equal(getattr(a, f), getattr(b, f).cpu()), f"rank {rank}: {f} differs on CUDA ({impl})"
