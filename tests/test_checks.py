@@ -436,3 +436,23 @@ def test_model_shape_rejects_non_int_dims(kwargs):
     base = dict(name="b", e=8, h=8, i=8, k=1)
     with pytest.raises(ValueError, match="ModelShape"):
         ModelShape(**{**base, **kwargs})
+
+
+from kittenmoe.config import SHARED_MEMORY_LIMIT, bwd_phase_a_smem_bytes, check_shared_memory, gate_up_smem_bytes  # noqa: E402
+
+
+@pytest.mark.parametrize("cfg, elem, backward, fits", [
+    (KernelConfig(), 2, False, True),  # the bf16 default forward tile: 4 x 48 KB
+    (KernelConfig(), 2, True, True),  # the bf16 default backward phase A: 3 x 56 KB
+    (KernelConfig(), 4, False, False),  # fp32 operands double every tile: the forward no longer fits
+    (KernelConfig(), 4, True, False),  # ... nor the backward
+    (KernelConfig(block_k=32, num_stages=3), 4, False, True),  # fp32 with narrower K tiles and 3 stages fits
+])
+def test_shared_memory_check(cfg, elem, backward, fits):
+    need = bwd_phase_a_smem_bytes(cfg, elem) if backward else gate_up_smem_bytes(cfg, elem)
+    assert (need <= SHARED_MEMORY_LIMIT) == fits
+    if fits:
+        check_shared_memory(cfg, elem, backward)
+    else:
+        with pytest.raises(ValueError, match="shared memory"):
+            check_shared_memory(cfg, elem, backward)

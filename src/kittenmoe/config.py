@@ -194,6 +194,26 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
     return config.num_stages * (bm * bk + 2 * bn * bk) * elem_bytes
 
 
+def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
+    """Shared-memory estimate of the backward's phase-A tile, its largest: per stage the d_out and x row
+    tiles (``2 x block_m x block_k``) and three weight tiles of half width (``3 x block_n/2 x block_k``), at
+    most 3 stages (the launcher caps them there)."""
+    bn = max(16, config.block_n // 2)
+    stages = min(config.num_stages, 3)
+    return stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes
+
+
+def check_shared_memory(config: KernelConfig, elem_bytes: int, backward: bool = False) -> None:
+    """Raise a clear ``ValueError`` when the config's largest tile cannot fit a GPU's shared memory."""
+    need = bwd_phase_a_smem_bytes(config, elem_bytes) if backward else gate_up_smem_bytes(config, elem_bytes)
+    if need > SHARED_MEMORY_LIMIT:
+        which = "backward phase-A" if backward else "forward gate|up"
+        raise ValueError(
+            f"{config} needs about {need // 1024} KB of shared memory for its {which} tile with "
+            f"{elem_bytes}-byte operands; a GPU block has {SHARED_MEMORY_LIMIT // 1024} KB. Lower num_stages, "
+            f"block_n or block_k (kittenmoe.config.default_config picks tiles that fit).")
+
+
 def _pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 

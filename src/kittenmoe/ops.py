@@ -18,7 +18,7 @@ import torch
 import triton
 
 from kittenmoe.checks import check_moe_inputs
-from kittenmoe.config import KernelConfig, routed_capacity
+from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule, build_schedule
@@ -153,6 +153,8 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
+    if dev.type == "cuda":
+        check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
     st = ForwardState(
@@ -357,6 +359,8 @@ def launch_rank_backward(
     I = two_i // 2
     S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
     dev, dtype, bm = w13_L2IH.device, w13_L2IH.dtype, config.block_m
+    if dev.type == "cuda":
+        check_shared_memory(config, dtype.itemsize, backward=True)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     MB = config.minibatch_size
     NR = triton.cdiv(routed_capacity(R, T, K, L, bm), MB) * MB  # every routed row resident: no ring yet
