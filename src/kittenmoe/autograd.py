@@ -255,22 +255,18 @@ def _setup_context(ctx, inputs, output):
     ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields
 
 
-def _make_backward(backward_op):
-    def backward(ctx, d_out_TH):
-        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
-        d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = backward_op(
-            d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-            shared_w2_HS, *ctx.rest)
-        if shared_w13_2SH is None:
-            d_sw13 = d_sw2 = None
-        # topk_ids and every non-tensor argument get no gradient.
-        return (d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2) + (None,) * len(ctx.rest)
-
-    return backward
+def _backward(ctx, d_out_TH):
+    x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
+    d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
+        d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+        shared_w2_HS, *ctx.rest)
+    if shared_w13_2SH is None:
+        d_sw13 = d_sw2 = None
+    # topk_ids and every non-tensor argument get no gradient.
+    return (d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2) + (None,) * len(ctx.rest)
 
 
-torch.library.register_autograd("kittenmoe::moe_forward", _make_backward(torch.ops.kittenmoe.moe_backward),
-                                setup_context=_setup_context)
+torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------- python entry points
 
