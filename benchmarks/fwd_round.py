@@ -108,8 +108,10 @@ def main() -> int:
             det = all(torch.equal(run_mk(), out) for _ in range(5))
             del ref
         from kittenmoe.schedule import build_schedule
-        ms_sched = triton.testing.do_bench(lambda: build_schedule(ids[None].to(torch.int32), 0, L, cfg.block_m),
-                                           warmup=20, rep=200, return_mode="median")
+        ms_sched = {impl: triton.testing.do_bench(
+            lambda impl=impl: build_schedule(ids[None].to(torch.int32), 0, L, cfg.block_m, impl=impl),
+            warmup=20, rep=200, return_mode="median") for impl in ("torch", "triton")}
+        print(f"  schedule: torch ops {ms_sched['torch']:.3f} ms, triton {ms_sched['triton']:.3f} ms", flush=True)
         sweep = {}
         for c in cfgs:
             fn = lambda c=c: megakernel_forward_multirank(*args_k, config=c, peers=peers).outputs[0]
@@ -176,11 +178,12 @@ def main() -> int:
     with open(os.path.join(args.out, f"fwd-{stamp}.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(f"\n{'shape':<20}{'T':>6}{'kmoe ms':>9}{'base ms':>9}{'x':>6}{'routed TF':>10}{'base TF':>9}"
-          f"{'relL1':>9}{'det':>5}{'sched':>7}")
+          f"{'relL1':>9}{'det':>5}{'sched torch/triton':>19}")
     for r in rows:
         print(f"{r['shape']:<20}{r['tokens']:>6}{r['ms_kittenmoe']:>9.3f}{r['ms_grouped_mm']:>9.3f}"
               f"{r['speedup']:>6.2f}{r['routed_tflops']:>10.0f}{r['baseline_routed_tflops']:>9.0f}"
-              f"{r['rel_l1']:>9.1e}{str(r['deterministic']):>5}{r['ms_schedule']:>7.3f}")
+              f"{r['rel_l1']:>9.1e}{str(r['deterministic']):>5}"
+              f"{r['ms_schedule']['torch']:>10.3f}/{r['ms_schedule']['triton']:.3f}")
     return 0
 
 

@@ -430,16 +430,25 @@ def test_gpu_layer_megakernel_matches_torch_backend_bf16(cfg_name):
 
 @pytest.mark.gpu
 def test_gpu_torch_compile_fullgraph_megakernel_layer():
+    """fullgraph compile of a block holding MoELayer(backend="megakernel") matches the same block compiled with
+    the torch backend, forward and backward. Compiled against compiled, because inductor fuses the bf16 RMSNorm
+    and router differently from eager: on the H200 (2026-11-29) compiled-vs-eager d_x alone reached cosine
+    0.99988 while every eager megakernel-vs-torch comparison passed."""
     torch._dynamo.reset()
     block = _Block(SMALL, dtype=torch.bfloat16, device="cuda", backend="megakernel", config=GPU_CFG,
                    generator=torch.Generator().manual_seed(0))
+    tb_block = _Block(SMALL, dtype=torch.bfloat16, device="cuda", backend="torch")
+    tb_block.load_state_dict(block.state_dict())
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(2, 64, SMALL.h, generator=gen).to("cuda", torch.bfloat16)
     d_out = torch.randn(2, 64, SMALL.h, generator=gen).to("cuda", torch.bfloat16)
-    out_e, g_e = _fwd_bwd(block, x, d_out)
+    out_e, _ = _fwd_bwd(block, x, d_out)
     out_c, g_c = _fwd_bwd(torch.compile(block, fullgraph=True), x, d_out)
-    assert_close(out_c, out_e, torch.bfloat16, "compiled out")
-    for (n, _), a, b in zip([("x", None), *block.named_parameters()], g_c, g_e, strict=True):
+    out_t, g_t = _fwd_bwd(torch.compile(tb_block, fullgraph=True), x, d_out)
+    kag.check_errors()
+    assert_close(out_c, out_e, torch.bfloat16, "compiled vs eager out")
+    assert_close(out_c, out_t, torch.bfloat16, "compiled megakernel vs compiled torch out")
+    for (n, _), a, b in zip([("x", None), *block.named_parameters()], g_c, g_t, strict=True):
         assert_close(a, b, torch.bfloat16, f"compiled d_{n}")
 
 

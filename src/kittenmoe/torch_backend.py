@@ -121,7 +121,7 @@ def _dispatch_experts(x_RTH, ids_RTK, w13_E2IH, w2_EHI, swiglu_limit, block_m, d
     x_flat = x_RTH.reshape(R * T, H)
     ys, dests = [], []
     for d in range(R):
-        sched = build_schedule(ids_RTK, d, L, block_m)
+        sched = build_schedule(ids_RTK, d, L, block_m, impl="torch")  # the model; traceable by dynamo
         if d == 0:
             raise_if_invalid_routes(sched.num_invalid, dims.e)
         valid = sched.peer_rank >= 0
