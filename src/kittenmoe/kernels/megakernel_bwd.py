@@ -1,7 +1,8 @@
-"""Backward megakernel ``combine_mlp_swiglu_dispatch_bwd`` and its epilogue (Triton only).
+"""Backward megakernel ``combine_mlp_swiglu_dispatch_bwd``, the weight-gradient kernel and the epilogue.
 
 Mirrors the forward (DESIGN.md, backward paragraph). One persistent launch per
-rank; programs [0, C) communicate, the rest compute.
+rank for dispatch, data gradients and combine; programs [0, C) communicate,
+the rest compute. The weight gradients follow as a second launch.
 
 Per routed row n (expert e, origin token t, slot j, router weight w):
     g, u = x_n W13[e]^T (replayed: recomputed from the pulled x row)
@@ -15,11 +16,22 @@ Per routed row n (expert e, origin token t, slot j, router weight w):
 - comm: pull x row, d_out row and router weight of every routed row from its
   origin (peer pointer tables) a minibatch at a time, bump ``pull_ready[p]``;
   later wait ``b_ready[p]`` and push d_x rows (and the reduced d_w) back.
+  Padding rows of the schedule are written as zeros.
 - compute, one topological tile sequence walked round-robin: shared-expert
   phase A; rounds of [A(p), B(p - LAG)] per minibatch (A: down dgrad + gate|up
-  replay + SwiGLU backward, B: gate|up dgrad); shared phase B; routed weight
-  gradients per expert (wait for phase A of the minibatches covering that
-  expert); shared weight gradients.
+  replay + SwiGLU backward, B: gate|up dgrad); shared phase B.
+- ``weight_grad_kernel`` (launched after it, once per weight): one program
+  per 128 x 256 tile of dW13[e], dW2[e] and the shared expert's, TMA
+  operands on Hopper.
+
+Why two launches: in v1 the weight-gradient tiles ran inside the megakernel
+as 64 x 128 tiles behind a row mask that kept Triton from pipelining them
+(17.4 of 28.2 ms on the Kimi slice, ~93 TF/s). Pipelined 128 x 256 tiles
+there need 147 KB of shared memory, and Triton 3.6/3.9 then stopped
+overlapping the buffers of the kernel's other loops: 576 KB asked of 227 KB
+(scripts/sm90_compile.py shows it without a GPU). A launch of its own gives
+them the whole shared memory and register file; what is lost is the overlap
+of the weight gradients with the last minibatches' phase B and push.
 
 Weight-gradient tiles loop over an expert's rows in row order: each output
 element is summed by one program in a fixed order, so gradients are bitwise
@@ -27,7 +39,7 @@ reproducible; no atomics touch data. The d_w row-sum over I is split across
 phase-A tiles into ``dw_part[row, n_tile]`` and reduced in n-tile order by the
 push.
 
-v1 holds every routed row (no ring in the backward); it always replays the
+No ring in the backward yet (every routed row resident); it always replays the
 gate|up GEMM rather than reading forward activations.
 """
 
@@ -43,8 +55,8 @@ PB_A = 4
 PB_B = 8
 PB_PUSH = 16
 PB_SHARED_B = 32
-PB_WGRAD = 64
-PB_SHARED_WGRAD = 128
+PB_WGRAD = 64  # the weight-gradient launch's routed tiles
+PB_SHARED_WGRAD = 128  # and its shared-expert tiles
 PB_ALL = 255
 
 
@@ -148,23 +160,20 @@ def _mm_acc(a_ptr, a_stride, a_row0, a_rows, b_ptr, b_stride, n0, N, K,
 
 
 @triton.jit
-def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, rank_ptr, USE_RANK_MASK: tl.constexpr,
-                out_ptr, out_stride, n0, N, m0, M,
-                BN: tl.constexpr, BM2: tl.constexpr, BKR: tl.constexpr,
+def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
+                WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
                 DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], rows in order.
+    """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], WK rows a step, in order.
 
-    P: [*, N] (stride p_stride), Q: [*, M] (stride q_stride). With USE_RANK_MASK, rows whose
-    rank_ptr[r] < 0 (schedule padding) are skipped. out: [N, M] row-major (stride out_stride).
+    P: [*, N] (stride p_stride), Q: [*, M] (stride q_stride), out: [N, M] row-major (stride out_stride).
+    Schedule padding rows need no mask: the pull writes them as zeros, so they add exact zeros.
     """
-    ra = n0 + tl.arange(0, BN)
-    rb = m0 + tl.arange(0, BM2)
-    acc = tl.zeros((BN, BM2), dtype=tl.float32)
-    for r0 in range(row0, row_end, BKR):
-        rr = r0 + tl.arange(0, BKR)
+    ra = n0 + tl.arange(0, WN)
+    rb = m0 + tl.arange(0, WM)
+    acc = tl.zeros((WN, WM), dtype=tl.float32)
+    for r0 in range(row0, row_end, WK):
+        rr = r0 + tl.arange(0, WK)
         ok = rr < row_end
-        if USE_RANK_MASK:
-            ok = ok & (tl.load(rank_ptr + rr, mask=ok, other=-1) >= 0)
         rr64 = rr.to(tl.int64)
         p = tl.load(p_ptr + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :],
                     other=0.0)
@@ -174,6 +183,26 @@ def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, rank_ptr, USE_R
             p = p.to(tl.float32)
             q = q.to(tl.float32)
         acc = tl.dot(tl.trans(p), q, acc, input_precision=PRECISION)
+    _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
+
+
+@triton.jit
+def _wgrad_tile_tma(p_desc, q_desc, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
+                    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr):
+    """As ``_wgrad_tile`` through TMA descriptors: p_desc blocks [WK, WN], q_desc blocks [WK, WM]. Rows
+    past the tensor's end (the shared expert's T) load as zeros; routed segments are WK-row aligned."""
+    acc = tl.zeros((WN, WM), dtype=tl.float32)
+    for r0 in range(row0, row_end, WK):
+        p = p_desc.load([r0, n0])
+        q = q_desc.load([r0, m0])
+        acc = tl.dot(p.T, q, acc)
+    _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
+
+
+@triton.jit
+def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: tl.constexpr):
+    ra = n0 + tl.arange(0, WN)
+    rb = m0 + tl.arange(0, WM)
     tl.store(out_ptr + ra[:, None].to(tl.int64) * out_stride + rb[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(ra < N)[:, None] & (rb < M)[None, :])
 
@@ -253,13 +282,16 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         dst = r.to(tl.int64) * H
                         xb = tl.load(x_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
                         db = tl.load(dout_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
+                        # Padding rows are written as zeros: their d(gate|up) and w*h come out exactly zero
+                        # and the weight-gradient sums need no row mask.
                         for h0 in range(0, H, BLOCK_H):
                             cols = h0 + tl.arange(0, BLOCK_H)
                             m = ok[:, None] & (cols < H)[None, :]
+                            mc = (cols < H)[None, :]
                             tl.store(xr_ptr + dst[:, None] + cols[None, :],
-                                     tl.load(xb[:, None] + cols[None, :], mask=m), mask=m)
+                                     tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
                             tl.store(dor_ptr + dst[:, None] + cols[None, :],
-                                     tl.load(db[:, None] + cols[None, :], mask=m), mask=m)
+                                     tl.load(db[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
                         wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
                         tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
                     _signal(pull_ready + p)
@@ -293,18 +325,13 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
         n_srt = tl.cdiv(T, BM)
         n_sa = 0
         n_sb = 0
-        n_sc = 0
         if HAS_SHARED:
             n_sa = n_srt * tl.cdiv(S, BN)
             n_sb = n_srt * n_b_h
-            n_sc = tl.cdiv(2 * S, BN) * tl.cdiv(H, BN2) + tl.cdiv(H, BN) * tl.cdiv(S, BN2)
         per_mb = per_a + per_b
         r_lo = n_sa + p_lo * per_mb
         r_hi = n_sa + (p_hi + LAG) * per_mb
-        n_wg13 = tl.cdiv(2 * I, BN) * tl.cdiv(H, BN2)
-        n_wg2 = tl.cdiv(H, BN) * tl.cdiv(I, BN2)
-        wg_hi = r_hi + n_sb + L * (n_wg13 + n_wg2)
-        total = wg_hi + n_sc
+        total = r_hi + n_sb
         for tile in range(cid, total, ncomp):
             if tile < n_sa:
                 if (phase & 1) != 0:  # PB_SHARED_A: dense over this rank's T tokens, w = 1
@@ -354,7 +381,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
                                          mask=(rn < H)[None, :])
                             _signal(b_ready + p)
-            elif tile < r_hi + n_sb:
+            else:
                 if (phase & 32) != 0:  # PB_SHARED_B
                     j = tile - r_hi
                     nt = j // n_srt
@@ -366,45 +393,40 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     rn = nt * BN2 + tl.arange(0, BN2)
                     tl.store(sdx_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
                              mask=(rows < T)[:, None] & (rn < H)[None, :])
-            elif tile < wg_hi:
-                if (phase & 64) != 0:  # PB_WGRAD
-                    j = tile - r_hi - n_sb
-                    e = j // (n_wg13 + n_wg2)
-                    q = j % (n_wg13 + n_wg2)
-                    seg0 = tl.load(expert_offsets_ptr + e)
-                    seg1 = tl.load(expert_offsets_ptr + e + 1)
-                    # every minibatch holding a row of this expert has finished phase A
-                    for p in range(seg0 // MB, (seg1 + MB - 1) // MB):
-                        _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
-                    if q < n_wg13:  # dW13[e] = d_gu^T x  ([2I, H])
-                        n0 = (q // tl.cdiv(H, BN2)) * BN
-                        m0 = (q % tl.cdiv(H, BN2)) * BN2
-                        _wgrad_tile(dgu_ptr, 2 * I, xr_ptr, H, seg0, seg1, peer_rank_ptr, True,
-                                    dw13_ptr + e.to(tl.int64) * (2 * I * H), H, n0, 2 * I, m0, H,
-                                    BN, BN2, BK, DOT_FP32, PRECISION)
-                    else:  # dW2[e] = dO^T (w h)  ([H, I])
-                        q2 = q - n_wg13
-                        n0 = (q2 // tl.cdiv(I, BN2)) * BN
-                        m0 = (q2 % tl.cdiv(I, BN2)) * BN2
-                        _wgrad_tile(dor_ptr, H, hw_ptr, I, seg0, seg1, peer_rank_ptr, True,
-                                    dw2_ptr + e.to(tl.int64) * (H * I), I, n0, H, m0, I,
-                                    BN, BN2, BK, DOT_FP32, PRECISION)
-            else:
-                if (phase & 128) != 0:  # PB_SHARED_WGRAD
-                    q = tile - wg_hi
-                    _wait_geq(sa_ready, n_sa, err_ptr, max_spin)
-                    n_13 = tl.cdiv(2 * S, BN) * tl.cdiv(H, BN2)
-                    if q < n_13:
-                        n0 = (q // tl.cdiv(H, BN2)) * BN
-                        m0 = (q % tl.cdiv(H, BN2)) * BN2
-                        _wgrad_tile(sdgu_ptr, 2 * S, x_local_ptr, H, 0, T, peer_rank_ptr, False,
-                                    dsw13_ptr, H, n0, 2 * S, m0, H, BN, BN2, BK, DOT_FP32, PRECISION)
-                    else:
-                        q2 = q - n_13
-                        n0 = (q2 // tl.cdiv(S, BN2)) * BN
-                        m0 = (q2 % tl.cdiv(S, BN2)) * BN2
-                        _wgrad_tile(dout_local_ptr, H, sh_ptr, S, 0, T, peer_rank_ptr, False,
-                                    dsw2_ptr, S, n0, H, m0, S, BN, BN2, BK, DOT_FP32, PRECISION)
+
+
+@triton.jit
+def weight_grad_kernel(
+    offsets_ptr,  # [G + 1] int32, row segment of each group (an expert's padded rows; [0, T] for the shared one)
+    p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
+    q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
+    out_ptr,  # [G, N, M] gradient, row-major
+    N, M, p_stride, q_stride,
+    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """out[g] = P[seg_g]^T Q[seg_g], one program per WN x WM output tile, group after group.
+
+    Launched once per weight (dW13 = d_gu^T x, dW2 = dO^T (w h), and the shared expert's two): one call site
+    per compiled kernel, because Triton gives each pipelined loop its own shared memory and four of them
+    (4 stages x 48 KB) would not fit. Output sums run over rows in order inside one program: bitwise
+    reproducible.
+    """
+    tile = tl.program_id(0)
+    n_n = tl.cdiv(N, WN)
+    n_m = tl.cdiv(M, WM)
+    g = tile // (n_n * n_m)
+    q = tile % (n_n * n_m)
+    n0 = (q // n_m) * WN
+    m0 = (q % n_m) * WM
+    seg0 = tl.load(offsets_ptr + g)
+    seg1 = tl.load(offsets_ptr + g + 1)
+    out = out_ptr + g.to(tl.int64) * N * M
+    if USE_TMA:
+        _wgrad_tile_tma(p_op, q_op, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK)
+    else:
+        _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, DOT_FP32,
+                    PRECISION)
 
 
 @triton.jit
