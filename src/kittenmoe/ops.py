@@ -359,8 +359,13 @@ def launch_rank_backward(
     config: KernelConfig,
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int | None = None,
+    dw13_out: torch.Tensor | None = None,
+    dw2_out: torch.Tensor | None = None,
 ) -> dict:
-    """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers."""
+    """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers.
+
+    ``dw13_out`` / ``dw2_out`` ([L, 2I, H] / [L, H, I], contiguous): where to write this rank's expert weight
+    gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice)."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -383,8 +388,13 @@ def launch_rank_backward(
     e = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
     has_shared = S > 0
     Sx = max(S, 8)  # placeholder widths keep 16-byte row strides (TMA descriptors) without a shared expert
+    for name, t, shape in (("dw13_out", dw13_out, (L, 2 * I, H)), ("dw2_out", dw2_out, (L, H, I))):
+        if t is not None and (tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dtype
+                              or t.device != dev):
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     out = dict(
-        dw13=e(L, 2 * I, H), dw2=e(L, H, I),
+        dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
         err=torch.zeros(1, dtype=torch.int32, device=dev),
     )
@@ -416,6 +426,23 @@ def launch_rank_backward(
 
         descs = {k: TD.from_tensor(v, [wk, wn if k in ("dgu", "dor", "sdgu", "dol") else wm])
                  for k, v in operands.items()}
+        # phase B: d(gate|up) row tiles and weight tiles [block_k, 2 block_n/2]
+        b_descs = (TD.from_tensor(bufs["dgu"], [bm, config.block_k]),
+                   TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [config.block_k, 2 * bn]),
+                   TD.from_tensor(bufs["sdgu"], [bm, config.block_k]),
+                   TD.from_tensor(sw13.reshape(-1, H), [config.block_k, 2 * bn]))
+    else:
+        b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
+    # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
+    use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
+    if use_tma_a:
+        bk = config.block_k
+        a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]), TD.from_tensor(bufs["xr"], [bm, bk]),
+                   TD.from_tensor(w2_LHI.view(L * H, I), [bk, bn]), TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
+                   TD.from_tensor(peers.buffer("d_out", rank), [bm, bk]), TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
+                   TD.from_tensor(sw2.reshape(-1, sw2.shape[-1]), [bk, bn]), TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
+    else:
+        a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
     num_comm = config.num_comm_programs_bwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
@@ -423,7 +450,7 @@ def launch_rank_backward(
     meta = dict(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=2 * bn, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, **dot,
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).
@@ -440,7 +467,7 @@ def launch_rank_backward(
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"],
-            w13_L2IH, w2_LHI, sw13, sw2, out["dw13"], out["dw2"], dsw13, dsw2, cnt, out["err"],
+            w13_L2IH, w2_LHI, sw13, sw2, out["dw13"], out["dw2"], dsw13, dsw2, *b_descs, *a_descs, cnt, out["err"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
@@ -517,9 +544,13 @@ def megakernel_backward_multirank(
         db[r].copy_(d_out_RTH[r])
         wb[r].copy_(topk_weights_RTK[r].reshape(-1))
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])
+    # each rank writes its experts' slice
+    d_w13 = torch.empty(w13_E2IH.shape, dtype=dtype, device=dev)
+    d_w2 = torch.empty(w2_EHI.shape, dtype=dtype, device=dev)
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
-                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases)
+                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
+                             dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L])
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None
@@ -534,7 +565,9 @@ def megakernel_backward_multirank(
         d_x.append(dx)
         d_w.append(dw)
     d_sw13 = d_sw2 = None
-    if has_shared:
+    if has_shared and R == 1:
+        d_sw13, d_sw2 = outs[0]["dsw13"], outs[0]["dsw2"]
+    elif has_shared:
         d_sw13 = outs[0]["dsw13"].float()
         d_sw2 = outs[0]["dsw2"].float()
         for o in outs[1:]:
@@ -543,5 +576,5 @@ def megakernel_backward_multirank(
         d_sw13, d_sw2 = d_sw13.to(dtype), d_sw2.to(dtype)
     return MultirankBackward(
         d_x=d_x, d_topk_weights=d_w,
-        d_w13=torch.cat([o["dw13"] for o in outs]), d_w2=torch.cat([o["dw2"] for o in outs]),
+        d_w13=d_w13, d_w2=d_w2,
         d_shared_w13=d_sw13, d_shared_w2=d_sw2, errs=[o["err"] for o in outs], peers=peers)

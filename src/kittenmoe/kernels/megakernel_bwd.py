@@ -100,6 +100,27 @@ def _bwd_a_acc(do_ptr, x_ptr, a_row0, a_rows, w2_ptr, w13_ptr, n0, H, I,
 
 
 @triton.jit
+def _bwd_a_acc_tma(do_desc, x_desc, a_row0, w2_desc, w2_row0, w13_desc, wg_row0, wu_row0, n0, H,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """As ``_bwd_a_acc`` through TMA descriptors: do_desc/x_desc blocks [BM, BK] of row operands; w2_desc blocks
+    [BK, BN] of the [L*H, I] view (rows w2_row0 + k); w13_desc blocks [BN, BK] of the [L*2I, H] view (gate rows
+    wg_row0.., up rows wu_row0..; the launcher requires I % BN == 0 so a gate tile never reaches up rows)."""
+    acc_dh = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        do = do_desc.load([a_row0, k0])
+        xa = x_desc.load([a_row0, k0])
+        w2t = w2_desc.load([w2_row0 + k0, n0])
+        wg = w13_desc.load([wg_row0, k0])
+        wu = w13_desc.load([wu_row0, k0])
+        acc_dh = tl.dot(do, w2t, acc_dh)
+        acc_g = tl.dot(xa, wg.T, acc_g)
+        acc_u = tl.dot(xa, wu.T, acc_u)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
 def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, n_rows, n0, nt, I, NI,
                     swiglu_limit, HAS_LIMIT: tl.constexpr, HAS_DW: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
@@ -156,6 +177,19 @@ def _mm_acc(a_ptr, a_stride, a_row0, a_rows, b_ptr, b_stride, n0, N, K,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """As ``_mm_acc`` through TMA descriptors: a_desc blocks [BM, BK] (rows a_row0..), b_desc blocks [BK, BN]
+    (rows b_row0 + k, columns n0..). Columns of A past its width load as zeros, so a K loop that runs past
+    one expert's 2I rows of B adds nothing."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = a_desc.load([a_row0, k0])
+        b = b_desc.load([b_row0 + k0, n0])
+        acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -243,6 +277,20 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     dw2_ptr,  # [L, H, I]
     dsw13_ptr,  # [2S, H]
     dsw2_ptr,  # [H, S]
+    # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
+    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK]
+    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2]
+    sdgu_desc,  # sdgu [T, 2S], blocks [BM, BK]
+    sw13_desc,  # sw13 [2S, H], blocks [BK, BN2]
+    # and for phase A (USE_TMA_A)
+    dor_desc,  # dor [NR, H], blocks [BM, BK]
+    xr_desc,  # xr [NR, H], blocks [BM, BK]
+    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN]
+    w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK]
+    dol_desc,  # dout_local [T, H], blocks [BM, BK]
+    xl_desc,  # x_local [T, H], blocks [BM, BK]
+    sw2_desc,  # sw2 [H, S], blocks [BK, BN]
+    sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32
     T, H, I, S, K, L, NMB,
@@ -251,7 +299,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     LAG: tl.constexpr, MB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -337,8 +385,13 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                 if (phase & 1) != 0:  # PB_SHARED_A: dense over this rank's T tokens, w = 1
                     nt = tile // n_srt
                     rt = tile % n_srt
-                    acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM, sw2_ptr,
-                                                      sw13_ptr, nt * BN, H, S, BM, BN, BK, DOT_FP32, PRECISION)
+                    if USE_TMA_A:
+                        acc_dh, acc_g, acc_u = _bwd_a_acc_tma(dol_desc, xl_desc, rt * BM, sw2_desc, 0, sw13a_desc,
+                                                              nt * BN, S + nt * BN, nt * BN, H, BM, BN, BK)
+                    else:
+                        acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM,
+                                                          sw2_ptr, sw13_ptr, nt * BN, H, S, BM, BN, BK, DOT_FP32,
+                                                          PRECISION)
                     ones = tl.full((BM,), 1.0, dtype=tl.float32)
                     _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM, T - rt * BM,
                                     nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
@@ -356,10 +409,15 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                acc_dh, acc_g, acc_u = _bwd_a_acc(
-                                    dor_ptr, xr_ptr, row0, BM, w2_ptr + e.to(tl.int64) * (H * I),
-                                    w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BM, BN, BK,
-                                    DOT_FP32, PRECISION)
+                                if USE_TMA_A:
+                                    acc_dh, acc_g, acc_u = _bwd_a_acc_tma(
+                                        dor_desc, xr_desc, row0, w2_desc, e * H, w13a_desc, e * (2 * I) + nt * BN,
+                                        e * (2 * I) + I + nt * BN, nt * BN, H, BM, BN, BK)
+                                else:
+                                    acc_dh, acc_g, acc_u = _bwd_a_acc(
+                                        dor_ptr, xr_ptr, row0, BM, w2_ptr + e.to(tl.int64) * (H * I),
+                                        w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BM, BN, BK,
+                                        DOT_FP32, PRECISION)
                                 w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
                                 _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM,
                                                 nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
@@ -374,8 +432,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                acc = _mm_acc(dgu_ptr, 2 * I, row0, BM, w13_ptr + e.to(tl.int64) * (2 * I * H), H,
-                                              nt * BN2, H, 2 * I, BM, BN2, BK, DOT_FP32, PRECISION)
+                                if USE_TMA:
+                                    acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
+                                                      BM, BN2, BK)
+                                else:
+                                    acc = _mm_acc(dgu_ptr, 2 * I, row0, BM, w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                                  H, nt * BN2, H, 2 * I, BM, BN2, BK, DOT_FP32, PRECISION)
                                 rows = row0 + tl.arange(0, BM)
                                 rn = nt * BN2 + tl.arange(0, BN2)
                                 tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
@@ -387,8 +449,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     nt = j // n_srt
                     rt = j % n_srt
                     _wait_geq(sa_ready, n_sa, err_ptr, max_spin)
-                    acc = _mm_acc(sdgu_ptr, 2 * S, rt * BM, T - rt * BM, sw13_ptr, H, nt * BN2, H, 2 * S,
-                                  BM, BN2, BK, DOT_FP32, PRECISION)
+                    if USE_TMA:
+                        acc = _mm_acc_tma(sdgu_desc, rt * BM, sw13_desc, 0, nt * BN2, 2 * S, BM, BN2, BK)
+                    else:
+                        acc = _mm_acc(sdgu_ptr, 2 * S, rt * BM, T - rt * BM, sw13_ptr, H, nt * BN2, H, 2 * S,
+                                      BM, BN2, BK, DOT_FP32, PRECISION)
                     rows = rt * BM + tl.arange(0, BM)
                     rn = nt * BN2 + tl.arange(0, BN2)
                     tl.store(sdx_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
