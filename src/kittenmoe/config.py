@@ -197,13 +197,16 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
     """Shared-memory estimate of the backward's largest tile, at most 3 stages (the launcher caps them
     there): phase A holds per stage the d_out and x row tiles (``2 x block_m x block_k``) and three weight
-    tiles of half width (``3 x block_n/2 x block_k``); a weight-gradient tile ``block_k x 3 block_n``."""
+    tiles of half width (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the
+    weight-gradient launch ``block_k x 3 block_n`` with all ``num_stages``."""
     bn = max(16, config.block_n // 2)
     stages = min(config.num_stages, 3)
     phase_a = stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes
-    # weight-gradient tiles: block_k rows of a block_n- and a 2 block_n-wide operand per stage
-    wgrad = stages * (config.block_k * 3 * config.block_n) * elem_bytes
-    return max(phase_a, wgrad)
+    # phase B: a block_m x block_k row tile and a block_k x 2 block_n weight tile per stage
+    phase_b = stages * (config.block_m + 2 * config.block_n) * config.block_k * elem_bytes
+    # weight-gradient launch (all num_stages): block_k rows of a block_n- and a 2 block_n-wide operand
+    wgrad = config.num_stages * (config.block_k * 3 * config.block_n) * elem_bytes
+    return max(phase_a, phase_b, wgrad)
 
 
 def check_shared_memory(config: KernelConfig, elem_bytes: int, backward: bool = False) -> None:

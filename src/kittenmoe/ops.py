@@ -384,6 +384,9 @@ def launch_rank_backward(
     # tiles keep them at 96 registers a thread with 8 warps, and 3 stages of
     # its five operand tiles (57 KB each) fit the 227 KB of shared memory.
     bn = max(16, config.block_n // 2)
+    # Phase B (gate|up dgrad, one accumulator) takes full-width output tiles, 2 x block_n as the forward's
+    # down GEMM: 128 x 256 on the defaults, twice v2's FLOPs per operand byte.
+    bn2 = 2 * config.block_n
     NI = triton.cdiv(I, bn)
     e = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
     has_shared = S > 0
@@ -409,13 +412,11 @@ def launch_rank_backward(
     sw2 = shared_w2_HS if has_shared else w2_LHI
     dsw13 = out["dsw13"] if has_shared else out["dw13"]
     dsw2 = out["dsw2"] if has_shared else out["dw2"]
-    # Weight-gradient tiles: block_n x 2 block_n outputs, block_k rows a step (Kimi: 128 x 256 x 64, one fp32
-    # accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for v1's 64 x 128).
-    # Routed segments start and end on block_m rows, so whole row steps never cross into the next expert.
-    wn, wm, wk = config.block_n, 2 * config.block_n, config.block_k
-    if bm % wk:
-        raise ValueError(f"backward: block_m={bm} must be a multiple of block_k={wk} (weight-gradient row steps "
-                         f"must not cross an expert's segment)")
+    # Weight-gradient tiles: block_n x 2 block_n outputs, min(block_k, block_m) rows a step (Kimi: 128 x 256 x 64,
+    # one fp32 accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for
+    # v1's 64 x 128). Routed segments start and end on block_m rows and both are powers of two, so whole row
+    # steps never cross into the next expert.
+    wn, wm, wk = config.block_n, 2 * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
@@ -426,11 +427,11 @@ def launch_rank_backward(
 
         descs = {k: TD.from_tensor(v, [wk, wn if k in ("dgu", "dor", "sdgu", "dol") else wm])
                  for k, v in operands.items()}
-        # phase B: d(gate|up) row tiles and weight tiles [block_k, 2 block_n/2]
+        # phase B: d(gate|up) row tiles [block_m, block_k] and weight tiles [block_k, 2 block_n]
         b_descs = (TD.from_tensor(bufs["dgu"], [bm, config.block_k]),
-                   TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [config.block_k, 2 * bn]),
+                   TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [config.block_k, bn2]),
                    TD.from_tensor(bufs["sdgu"], [bm, config.block_k]),
-                   TD.from_tensor(sw13.reshape(-1, H), [config.block_k, 2 * bn]))
+                   TD.from_tensor(sw13.reshape(-1, H), [config.block_k, bn2]))
     else:
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
@@ -448,7 +449,7 @@ def launch_rank_backward(
     interp = interpreting()
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
     meta = dict(
-        LAG=1, MB=MB, BM=bm, BN=bn, BN2=2 * bn, BK=config.block_k,
+        LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a, **dot,
     )
