@@ -116,16 +116,16 @@ class World:
                                      f"a hang or a crash; answers so far: {answers}")
         return answers
 
-    def run(self, task: str, payloads: list) -> list[tuple[str, object]]:
+    def run(self, task: str, payloads: list, timeout_s: float = RUN_TIMEOUT_S) -> list[tuple[str, object]]:
         """Send each rank its payload; every rank's (status, value), status "ok" or "error"."""
         assert not self.broken and len(payloads) == self.r
         for rank in range(self.r):
             self.inboxes[rank].put((task, payloads[rank]))
-        answers = self._collect(RUN_TIMEOUT_S)
+        answers = self._collect(timeout_s)
         return [answers[rank] for rank in range(self.r)]
 
-    def run_ok(self, task: str, payloads: list) -> list:
-        answers = self.run(task, payloads)
+    def run_ok(self, task: str, payloads: list, timeout_s: float = RUN_TIMEOUT_S) -> list:
+        answers = self.run(task, payloads, timeout_s)
         errors = {rank: v[2] for rank, (s, v) in enumerate(answers) if s != "ok"}
         if errors:
             raise AssertionError("ranks failed:\n" + "\n".join(f"--- rank {r}:\n{tb}" for r, tb in errors.items()))
@@ -687,3 +687,105 @@ def test_symmetric_peers_barrier_and_pull_in_cuda_graph(gpu_worlds, r):
 def test_symmetric_peers_mismatched_alloc_raises_on_every_rank(gpu_worlds):
     for m in gpu_worlds(2).run_ok("symmetric_peers_mismatch", [None, None]):
         assert "differs across ranks" in m and "(4,)" in m and "(5,)" in m, m
+
+
+# ---------------------------------------------------------------- the megakernels across processes (kittenmoe.ep)
+
+EP_TIMEOUT_S = 420  # a fresh GPU machine compiles the forward and backward megakernels in every process first
+
+
+def _task_ep_forward_backward(rank, world, p):
+    """One rank of megakernel_forward_ep + megakernel_backward_ep over SymmetricPeers; results to the CPU."""
+    from kittenmoe.ep import megakernel_backward_ep, megakernel_forward_ep
+
+    dev = torch.device("cuda", 0)
+    a = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+    peers = SymmetricPeers()
+    try:
+        args = (a["x"], a["ids"], a["w"], a["w13"], a["w2"], a["sw13"], a["sw2"], a["limit"])
+        outs = []
+        for _ in range(2):  # a second call through the same buffers: same bits
+            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"])
+            bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"])
+            fwd.check_errors()
+            bwd.check_errors()
+            outs.append({"out": fwd.output, "d_x": bwd.d_x, "d_w": bwd.d_topk_weights, "d_w13": bwd.d_w13,
+                         "d_w2": bwd.d_w2, "d_sw13": bwd.d_shared_w13, "d_sw2": bwd.d_shared_w2})
+        for k, v in outs[0].items():
+            if v is not None:
+                assert torch.equal(v, outs[1][k]), f"rank {rank}: {k} differs between two calls"
+        return {k: (v.cpu() if v is not None else None) for k, v in outs[0].items()}
+    finally:
+        peers.destroy()
+
+
+_TASKS["ep_forward_backward"] = _task_ep_forward_backward
+
+EP_CASES = {
+    # the small test shape (E=16, H=128, I=64, K=4, shared expert), 2 ranks of 8 experts, 96 tokens each
+    "small-R2": (SMALL, 2, 96),
+    # the same over 4 ranks of 4 experts: every rank pulls from three peers and pushes to three
+    "small-R4": (SMALL, 4, 96),
+    # Qwen3.5's widths (H=4096, I=1024, K=10, shared expert), 2 experts per rank, 256 tokens a rank
+    "qwen3.5-R2": ("qwen3.5-397b-a17b", 2, 256),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(EP_CASES))
+def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
+    """R processes sharing the H200 through real symmetric memory give the outputs and gradients of the
+    single-process LocalPeers run bit for bit (shared-expert gradients summed over ranks in rank order, as
+    the single-process run does)."""
+    from kittenmoe.config import SEED_SHAPES, KernelConfig
+    from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+    from kittenmoe.testing import routing_uniform
+
+    shape, r, t = EP_CASES[name]
+    if isinstance(shape, str):
+        shape = SEED_SHAPES[shape].with_(e=2 * r)
+    cfg = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
+                       block_n=64, block_k=64, num_stages=3, num_warps=4)
+    gen = torch.Generator().manual_seed(11)
+    w = make_weights(shape, dtype=torch.bfloat16, device="cpu", generator=gen)
+    xs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
+    routes = [routing_uniform(t, shape.e, shape.k, generator=gen, device="cpu") for _ in range(r)]
+    d_outs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
+    L = shape.e // r
+    payloads = [dict(x=xs[k], ids=routes[k][0], w=routes[k][1], d_out=d_outs[k], w13=w.w13_E2IH[k * L:(k + 1) * L],
+                     w2=w.w2_EHI[k * L:(k + 1) * L], sw13=w.shared_w13_2SH, sw2=w.shared_w2_HS,
+                     limit=shape.swiglu_limit, config=cfg) for k in range(r)]
+    got = gpu_worlds(r).run_ok("ep_forward_backward", payloads, timeout_s=EP_TIMEOUT_S)
+
+    cu = lambda v: v.to("cuda") if v is not None else None  # noqa: E731
+    a = ([cu(x) for x in xs], [cu(i) for i, _ in routes], [cu(v) for _, v in routes], cu(w.w13_E2IH),
+         cu(w.w2_EHI), cu(w.shared_w13_2SH), cu(w.shared_w2_HS), shape.swiglu_limit)
+    fwd = megakernel_forward_multirank(*a, config=cfg)
+    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=cfg)
+    fwd.check_errors()
+    bwd.check_errors()
+    for k in range(r):
+        assert_bitwise_equal(got[k]["out"], fwd.outputs[k].cpu(), f"{name} rank {k} out")
+        assert_bitwise_equal(got[k]["d_x"], bwd.d_x[k].cpu(), f"{name} rank {k} d_x")
+        assert_bitwise_equal(got[k]["d_w"], bwd.d_topk_weights[k].cpu(), f"{name} rank {k} d_topk_weights")
+        assert_bitwise_equal(got[k]["d_w13"], bwd.d_w13[k * L:(k + 1) * L].cpu(), f"{name} rank {k} d_w13")
+        assert_bitwise_equal(got[k]["d_w2"], bwd.d_w2[k * L:(k + 1) * L].cpu(), f"{name} rank {k} d_w2")
+    for key, want in (("d_sw13", bwd.d_shared_w13), ("d_sw2", bwd.d_shared_w2)):
+        total = got[0][key].float()
+        for k in range(1, r):
+            total = total + got[k][key].float()
+        assert_bitwise_equal(total.to(torch.bfloat16), want.cpu(), f"{name} {key} summed over ranks")
+
+
+def test_ep_needs_symmetric_peers():
+    """The EP entry points refuse LocalPeers with a message that names the single-process alternative."""
+    from kittenmoe.ep import megakernel_forward_ep
+    from kittenmoe.peers import LocalPeers
+
+    gen = torch.Generator().manual_seed(0)
+    w = make_weights(TINY, generator=gen)
+    x = torch.randn(4, TINY.h, generator=gen)
+    ids = torch.zeros(4, TINY.k, dtype=torch.int64)
+    with pytest.raises(TypeError, match="SymmetricPeers.*LocalPeers"):
+        megakernel_forward_ep(x, ids, torch.ones(4, TINY.k), w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
+                              w.shared_w2_HS, None, peers=LocalPeers(2))

@@ -503,6 +503,22 @@ def launch_rank_backward(
     return out
 
 
+def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: int, has_shared: bool):
+    """d_x = shared d_x + the K pushed d_x rows of each token in slot order (fp32); d_w from its combine buffer.
+    Returns (d_x [T, H] in the rows' dtype, d_w [T, K] fp32)."""
+    from kittenmoe.kernels import megakernel_bwd as mb
+
+    T, K = ids_TK.shape
+    H = dx_comb_TKH.shape[-1]
+    dx = torch.empty(T, H, dtype=dx_comb_TKH.dtype, device=dx_comb_TKH.device)
+    dw = torch.empty(T, K, dtype=torch.float32, device=dx_comb_TKH.device)
+    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+        sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, dx, dw, T, H, num_experts, K=K, HAS_SHARED=has_shared,
+        BT=bt, BH=bh)
+    return dx, dw
+
+
 def megakernel_backward_multirank(
     d_out_RTH: list[torch.Tensor],
     x_RTH: list[torch.Tensor],
@@ -526,8 +542,6 @@ def megakernel_backward_multirank(
     another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
     over ranks in rank order (the replicated weight's total gradient).
     """
-    from kittenmoe.kernels import megakernel_bwd as mb
-
     config = config or KernelConfig()
     dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
@@ -556,13 +570,9 @@ def megakernel_backward_multirank(
     ]
     has_shared = shared_w13_2SH is not None
     d_x, d_w = [], []
-    bt, bh = 16, min(256, triton.next_power_of_2(H))
     for r in range(R):
-        dx = torch.empty(T, H, dtype=dtype, device=dev)
-        dw = torch.empty(T, K, dtype=torch.float32, device=dev)
-        mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-            outs[r]["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r), ids_all[r], dx, dw, T, H,
-            dims.e, K=K, HAS_SHARED=has_shared, BT=bt, BH=bh)
+        dx, dw = launch_bwd_epilogue(outs[r]["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r),
+                                     ids_all[r], dims.e, has_shared)
         d_x.append(dx)
         d_w.append(dw)
     d_sw13 = d_sw2 = None

@@ -1,0 +1,177 @@
+"""Expert parallelism across processes: the megakernels driven through ``SymmetricPeers``.
+
+One process per rank; each holds its own tokens and its ``L = E / R`` experts. The kernels are the ones the
+single-process model runs with ``LocalPeers`` (``ops.launch_rank_forward`` / ``launch_rank_backward``); only
+the peer-pointer tables differ, so the outputs and gradients equal a ``LocalPeers`` run bit for bit.
+
+Per forward, on the current stream, with no host synchronisation:
+
+1. write this rank's x and routing into its symmetric buffers;
+2. ``barrier()`` (device side): every rank's x and routing are visible;
+3. the routing all-gather: one small kernel pulls every rank's ``[T, K]`` ids through the pointer table;
+4. the megakernel: pull rows from the owners' x, experts, push rows into the origins' combine buffers;
+5. ``barrier()``: every push into this rank's combine buffer has landed (and no rank still reads x);
+6. the fp32 epilogue on this rank's combine buffer.
+
+The backward does the same with x, d_out and the router weights, then launches its weight-gradient kernels
+(local work) and its epilogue. Expert gradients are this rank's experts'; the shared expert's are this
+rank's tokens' contribution (the replicated weight's gradient is their sum over ranks, which data-parallel
+reduction provides: ``LocalPeers`` runs sum them in rank order).
+
+Tensor shapes are the same on every rank (T tokens per rank); the first call with a shape allocates the
+symmetric buffers collectively, and ``SymmetricPeers.alloc`` raises on every rank when ranks disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kittenmoe import ops
+from kittenmoe.checks import check_moe_inputs
+from kittenmoe.config import KernelConfig
+from kittenmoe.peers import SymmetricPeers
+
+
+@triton.jit
+def _gather_peers_kernel(
+    ptrs_ptr,  # [R] int64 -> a [N] int32 buffer on every rank
+    out_ptr,  # [R, N] int32
+    N,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    src = tl.load(ptrs_ptr + r).to(tl.pointer_type(tl.int32))
+    m = offs < N
+    tl.store(out_ptr + r.to(tl.int64) * N + offs, tl.load(src + offs, mask=m, volatile=True), mask=m)
+
+
+def all_gather_routing(peers: SymmetricPeers) -> torch.Tensor:
+    """``[R, T, K]`` int32: every rank's routing, read from the symmetric ``"ids"`` buffers (call after a
+    barrier that follows the writes)."""
+    mine = peers.buffer("ids", peers.rank)
+    T, K = mine.shape
+    out = torch.empty(peers.num_ranks, T, K, dtype=torch.int32, device=peers.device)
+    block = 1024
+    _gather_peers_kernel[(peers.num_ranks, triton.cdiv(T * K, block))](peers.ptrs("ids"), out, T * K, BLOCK=block)
+    return out
+
+
+def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, config):
+    if not isinstance(peers, SymmetricPeers):
+        raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
+                        f"{type(peers).__name__}; for R virtual ranks in one process use "
+                        f"ops.megakernel_forward_multirank with LocalPeers")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+    # Shapes and dtypes as one rank holding its L experts (ids are global; out-of-range ones are counted on
+    # the device against E = R * L and raised by check_errors).
+    dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
+                            shared_w2_HS)
+    if w13_L2IH.device != peers.device:
+        raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
+    return dims
+
+
+@dataclass
+class EPForward:
+    output: torch.Tensor  # [T, H]
+    state: ops.ForwardState
+
+    def check_errors(self) -> None:
+        ops.check_errors(self.state.err)
+
+
+def megakernel_forward_ep(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+    peers: SymmetricPeers,
+    config: KernelConfig | None = None,
+    max_spin: int = ops.DEFAULT_MAX_SPIN,
+) -> EPForward:
+    """This rank's MoE forward under expert parallelism (collective: every rank of ``peers`` calls it).
+
+    ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
+    whose weights are ``w13_L2IH`` / ``w2_LHI`` here."""
+    config = config or KernelConfig()
+    dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                  config)
+    R, rank = peers.num_ranks, peers.rank
+    T, H, K, L = dims.t, dims.h, dims.k, dims.e
+    dtype = w13_L2IH.dtype
+    peers.alloc("x", (T, H), dtype)[rank].copy_(x_TH)
+    peers.alloc("ids", (T, K), torch.int32)[rank].copy_(topk_ids_TK)
+    combine = peers.alloc("combine", (T * K, H), dtype)[rank]
+    peers.barrier()
+    ids_all = all_gather_routing(peers)
+    st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                                 swiglu_limit, config, max_spin)
+    peers.barrier()
+    out = torch.empty(T, H, dtype=dtype, device=peers.device)
+    ops.launch_epilogue(st.y_shared, combine, topk_weights_TK.float().contiguous(), ids_all[rank], out, R * L,
+                        shared_w13_2SH is not None)
+    return EPForward(out, st)
+
+
+@dataclass
+class EPBackward:
+    d_x: torch.Tensor  # [T, H]
+    d_topk_weights: torch.Tensor  # [T, K] fp32
+    d_w13: torch.Tensor  # [L, 2I, H], this rank's experts
+    d_w2: torch.Tensor  # [L, H, I]
+    d_shared_w13: torch.Tensor | None  # [2S, H], this rank's tokens' contribution
+    d_shared_w2: torch.Tensor | None  # [H, S]
+    err: torch.Tensor
+
+    def check_errors(self) -> None:
+        ops.check_errors(self.err)
+
+
+def megakernel_backward_ep(
+    d_out_TH: torch.Tensor,
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+    peers: SymmetricPeers,
+    config: KernelConfig | None = None,
+    max_spin: int = ops.DEFAULT_MAX_SPIN,
+) -> EPBackward:
+    """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
+    the single-process backward does."""
+    config = config or KernelConfig()
+    dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                  config)
+    R, rank = peers.num_ranks, peers.rank
+    T, H, K, L = dims.t, dims.h, dims.k, dims.e
+    dtype = w13_L2IH.dtype
+    if tuple(d_out_TH.shape) != (T, H):
+        raise ValueError(f"d_out must be [T, H] = {(T, H)}, got {tuple(d_out_TH.shape)}")
+    peers.alloc("x", (T, H), dtype)[rank].copy_(x_TH)
+    peers.alloc("d_out", (T, H), dtype)[rank].copy_(d_out_TH)
+    peers.alloc("w", (T * K,), torch.float32)[rank].copy_(topk_weights_TK.reshape(-1))
+    peers.alloc("ids", (T, K), torch.int32)[rank].copy_(topk_ids_TK)
+    dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)[rank]
+    dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)[rank]
+    peers.barrier()
+    ids_all = all_gather_routing(peers)
+    out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                                   swiglu_limit, config, max_spin)
+    peers.barrier()
+    has_shared = shared_w13_2SH is not None
+    dx, dw = ops.launch_bwd_epilogue(out["sdx"], dx_comb, dw_comb, ids_all[rank], R * L, has_shared)
+    return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"])
