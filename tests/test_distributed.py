@@ -726,7 +726,7 @@ EP_CASES = {
     "small-R2": (SMALL, 2, 96),
     # the same over 4 ranks of 4 experts: every rank pulls from three peers and pushes to three
     "small-R4": (SMALL, 4, 96),
-    # Qwen3.5's widths (H=4096, I=1024, K=10, shared expert), 2 experts per rank, 256 tokens a rank
+    # Qwen3.5's widths (H=4096, I=1024, K=10, shared expert), 6 experts per rank, 256 tokens a rank
     "qwen3.5-R2": ("qwen3.5-397b-a17b", 2, 256),
 }
 
@@ -743,7 +743,7 @@ def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
 
     shape, r, t = EP_CASES[name]
     if isinstance(shape, str):
-        shape = SEED_SHAPES[shape].with_(e=2 * r)
+        shape = SEED_SHAPES[shape].with_(e=6 * r)  # K=10 needs E >= 10
     cfg = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
                        block_n=64, block_k=64, num_stages=3, num_warps=4)
     gen = torch.Generator().manual_seed(11)
