@@ -256,6 +256,19 @@ def test_bad_input_raises(mutate, exc, match):
         moe_forward_multirank(**kw)
 
 
+def test_top_k_bound_counts_every_process_experts():
+    """One process's share of the experts (kittenmoe.ep): K may exceed the local count, not the global one."""
+    from kittenmoe.checks import check_moe_inputs
+
+    kw = make_inputs(r=1, k=3)
+    local = dict(kw, w13_E2IH=kw["w13_E2IH"][:2], w2_EHI=kw["w2_EHI"][:2])  # 2 of the E experts held here
+    with pytest.raises(ValueError, match=r"top-k K=3 exceeds the number of experts E=2"):
+        check_moe_inputs(**local)
+    assert check_moe_inputs(**local, expert_parallel=2).k == 3  # 4 experts over 2 processes: fine
+    with pytest.raises(ValueError, match=r"top-k K=3 exceeds the number of experts E=2"):
+        check_moe_inputs(**local, expert_parallel=1)
+
+
 def test_invalid_ids_counted_across_ranks():
     # the message reports how many routes are invalid, summed over every rank
     kw = make_inputs()

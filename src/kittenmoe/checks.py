@@ -54,8 +54,12 @@ def check_moe_inputs(
     w2_EHI: torch.Tensor,
     shared_w13_2SH: torch.Tensor | None,
     shared_w2_HS: torch.Tensor | None,
+    expert_parallel: int = 1,
 ) -> MoEDims:
-    """Validate every rank's inputs and the (global) weights; return the dimensions."""
+    """Validate every rank's inputs and the (global) weights; return the dimensions.
+
+    ``expert_parallel``: the number of processes the experts are split over when this call sees one rank's
+    share of them (``kittenmoe.ep``); the top-k bound then applies to all ``expert_parallel * E`` experts."""
     for name, v in (("x", x_RTH), ("topk_ids", topk_ids_RTK), ("topk_weights", topk_weights_RTK)):
         if not isinstance(v, (list, tuple)) or not v:
             raise TypeError(f"{name} must be a non-empty list with one tensor per rank, got {type(v).__name__}")
@@ -99,8 +103,8 @@ def check_moe_inputs(
         raise ValueError("x has no tokens (T=0)")
     if k < 1:
         raise ValueError("topk_ids has K=0 columns; at least one expert per token is needed")
-    if k > e:
-        raise ValueError(f"top-k K={k} exceeds the number of experts E={e}")
+    if k > e * expert_parallel:
+        raise ValueError(f"top-k K={k} exceeds the number of experts E={e * expert_parallel}")
 
     s = 0
     if (shared_w13_2SH is None) != (shared_w2_HS is None):

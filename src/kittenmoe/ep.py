@@ -71,7 +71,7 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
     # Shapes and dtypes as one rank holding its L experts (ids are global; out-of-range ones are counted on
     # the device against E = R * L and raised by check_errors).
     dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
-                            shared_w2_HS)
+                            shared_w2_HS, expert_parallel=peers.num_ranks)
     if w13_L2IH.device != peers.device:
         raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
     return dims
