@@ -412,3 +412,52 @@ def test_default_config_small_gpu_and_cpu(monkeypatch):
     assert (cfg.block_m, cfg.block_n, cfg.num_comm_programs_fwd, cfg.minibatch_size) == (16, 32, 1, 256)
     with pytest.raises(ValueError, match="cannot be split evenly"):
         default_config(20, 32, 16, 8, 2, ranks=3, device="cpu")
+
+
+# ----------------------------------------------------------------------------- MoELayer reads the cache
+
+
+@pytest.mark.parametrize("compiled", [
+    False,  # eager: the lookup runs on every forward
+    True,  # torch.compile(fullgraph=True): the lookup is a trace-time constant (dynamo cannot read files)
+])
+def test_layer_uses_tuned_config_else_heuristic(monkeypatch, compiled):
+    """MoELayer(config=None, backend="megakernel") runs the tune cache's config for its (T, shape, device,
+    dtype) when one is stored, the heuristic when none is or KITTENMOE_AUTOTUNE=0; an explicit config wins."""
+    from kittenmoe import MoELayer, functional
+    from kittenmoe.config import TEST_SHAPES
+
+    shape = TEST_SHAPES["tiny"]  # E=8, H=32, I=16, K=2, shared expert of width 16
+    t = 24
+    seen = []
+    real = functional.autograd.moe_megakernel
+    monkeypatch.setattr(functional.autograd, "moe_megakernel",
+                        lambda *a: seen.append(a[-1]) or real(*a))
+    tuned = KernelConfig(num_comm_programs_fwd=2, num_comm_programs_bwd=2, minibatch_size=16, block_m=16,
+                         block_n=16, block_k=16)
+    store_config(cache_key(t, shape.h, shape.i, shape.e, shape.k, 1, "cpu", torch.float32, shape.shared_width),
+                 tuned)
+    x = torch.randn(t, shape.h, generator=torch.Generator().manual_seed(0))
+
+    def run(layer):
+        torch._dynamo.reset()
+        fn = torch.compile(layer, backend="eager", fullgraph=True) if compiled else layer
+        seen.clear()
+        out = fn(x)
+        assert torch.isfinite(out).all() and seen, "the megakernel path did not run"
+        return seen[-1]
+
+    layer = MoELayer(shape, backend="megakernel", generator=torch.Generator().manual_seed(1))
+    assert layer.config_for_tokens(t, x.device) == tuned
+    assert run(layer) == tuned
+    heuristic = default_config(t, shape.h, shape.i, shape.e, shape.k, 1, "cpu", torch.float32)
+    assert heuristic != tuned
+    assert layer.config_for_tokens(t + 1, x.device) == default_config(t + 1, shape.h, shape.i, shape.e, shape.k,
+                                                                       1, "cpu", torch.float32)  # no entry
+    monkeypatch.setenv("KITTENMOE_AUTOTUNE", "0")
+    assert layer.config_for_tokens(t, x.device) == heuristic
+    assert run(layer) == heuristic
+    monkeypatch.delenv("KITTENMOE_AUTOTUNE")
+    explicit = tuned.with_(minibatch_size=32)
+    assert run(MoELayer(shape, backend="megakernel", config=explicit)) == explicit
+    assert MoELayer(shape, backend="torch").config_for_tokens(t, x.device) is None  # no knobs there

@@ -28,7 +28,18 @@ from torch import nn
 from kittenmoe import ops
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, moe, resolve_backend
+from kittenmoe.autograd import config_to_args
 from kittenmoe.reference import route
+from kittenmoe.tune import config_for
+
+
+@torch._dynamo.assume_constant_result
+def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, device: str, dtype: str) -> tuple:
+    """``tune.config_for``'s choice as KernelConfig field values. Under ``torch.compile`` it runs once at trace
+    time and its result is a constant of the graph (it reads the tune cache from disk, which dynamo cannot
+    trace); eagerly it runs on every forward (a stat of the cache file, memoised by tune)."""
+    cfg, _ = config_for(t, h, i, e, k, 1, torch.device(device), getattr(torch, dtype), s)
+    return config_to_args(cfg)
 
 
 def check_backend_runs(backend: str, device: torch.device | str) -> str:
@@ -119,8 +130,20 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, h).contiguous()
         topk_ids_TK, topk_weights_TK = self.route(x_TH)
         out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
-                     self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend, config=self.config)
+                     self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend,
+                     config=self.config_for_tokens(x_TH.shape[0], x_TH.device))
         return out_TH.reshape(x.shape)
+
+    def config_for_tokens(self, t: int, device: torch.device) -> KernelConfig | None:
+        """The megakernel config a forward of ``t`` tokens uses: the constructor's ``config`` when given; else
+        the ``kittenmoe tune`` cache entry for this shape, GPU and dtype, or the documented heuristic
+        (``kittenmoe.config.default_config``) when none matches or ``KITTENMOE_AUTOTUNE=0``. None for the torch
+        backend (no knobs)."""
+        if self.config is not None or resolve_backend(self.backend, device) != "megakernel":
+            return self.config
+        sh = self.shape
+        return KernelConfig(*_auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, str(device),
+                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
 
     def extra_repr(self) -> str:
         sh = self.shape
