@@ -789,3 +789,75 @@ def test_ep_needs_symmetric_peers():
     with pytest.raises(TypeError, match="SymmetricPeers.*LocalPeers"):
         megakernel_forward_ep(x, ids, torch.ones(4, TINY.k), w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
                               w.shared_w2_HS, None, peers=LocalPeers(2))
+
+
+def _task_ep_layer(rank, world, p):
+    """One rank of an expert-parallel MoELayer: loads the full layer's router, shared expert and its own
+    experts, runs forward and backward on its tokens; returns its output and gradients on the CPU."""
+    from kittenmoe import MoELayer
+
+    dev = torch.device("cuda", 0)
+    peers = SymmetricPeers()
+    try:
+        layer = MoELayer(p["shape"], dtype=torch.bfloat16, device=dev, config=p["config"], ep=peers)
+        n = layer.w13_E2IH.shape[0]
+        assert layer.expert_offset == rank * n and "ep=rank" in repr(layer)
+        full = p["state"]
+        local = {k: (v[rank * n:(rank + 1) * n] if k in ("w13_E2IH", "w2_EHI") else v) for k, v in full.items()}
+        layer.load_state_dict(local)
+        x = p["x"].to(dev).requires_grad_()
+        out = layer(x)
+        out.backward(p["d_out"].to(dev))
+        from kittenmoe import check_errors
+        check_errors()
+        grads = {name: q.grad.cpu() for name, q in layer.named_parameters()}
+        return {"out": out.detach().cpu(), "d_x": x.grad.cpu(), **grads}
+    finally:
+        peers.destroy()
+
+
+_TASKS["ep_layer"] = _task_ep_layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [2, 4])
+def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, r):
+    """MoELayer(ep=SymmetricPeers) over r processes sharing the H200 against one process's MoELayer on all
+    the tokens: each rank's output and d_x rows, its experts' gradients, and the replicated router's and
+    shared expert's gradients summed over ranks, at bf16 tolerance."""
+    from kittenmoe import MoELayer
+    from kittenmoe.config import KernelConfig
+
+    cfg = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
+                       block_n=64, block_k=64, num_stages=3, num_warps=4)
+    t = 128
+    ref = MoELayer(SMALL, dtype=torch.bfloat16, device="cuda", config=cfg, generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
+    d_outs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
+    state = {k: v.cpu() for k, v in ref.state_dict().items()}
+    got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=cfg, state=state, x=xs[k], d_out=d_outs[k])
+                                            for k in range(r)], timeout_s=EP_TIMEOUT_S)
+    x = torch.cat(xs).cuda().requires_grad_()
+    out = ref(x)
+    out.backward(torch.cat(d_outs).cuda())
+    n = SMALL.e // r
+    for k in range(r):
+        rows = slice(k * t, (k + 1) * t)
+        assert_close(got[k]["out"], out[rows].detach().cpu(), torch.bfloat16, f"rank {k} out")
+        assert_close(got[k]["d_x"], x.grad[rows].cpu(), torch.bfloat16, f"rank {k} d_x")
+        for name in ("w13_E2IH", "w2_EHI"):
+            want = dict(ref.named_parameters())[name].grad[k * n:(k + 1) * n].cpu()
+            assert_close(got[k][name], want, torch.bfloat16, f"rank {k} d_{name}")
+    for name in ("router_w_EH", "shared_w13_2SH", "shared_w2_HS"):
+        total = sum(got[k][name].float() for k in range(r))
+        assert_close(total, dict(ref.named_parameters())[name].grad.float().cpu(), torch.bfloat16,
+                     f"d_{name} summed over ranks")
+
+
+def test_ep_layer_refuses_bad_peers():
+    from kittenmoe import MoELayer
+    from kittenmoe.peers import LocalPeers
+
+    with pytest.raises(TypeError, match="SymmetricPeers"):
+        MoELayer(TINY, ep=LocalPeers(2))

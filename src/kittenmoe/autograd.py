@@ -167,7 +167,7 @@ def _workspace(x_TH: Tensor, k: int) -> tuple[_DeviceState, LocalPeers]:
             f"inside CUDA-graph capture; run it once eagerly first (warm-up) so its workspace and pointer "
             f"tables exist outside the graph")
     if st is None:
-        st = _states[dev] = _DeviceState(torch.zeros(1, dtype=torch.int32, device=dev))
+        st = _device_state(dev)
     if capturing:
         st.pinned.add(key)
     peers = st.workspaces.get(key)
@@ -177,6 +177,19 @@ def _workspace(x_TH: Tensor, k: int) -> tuple[_DeviceState, LocalPeers]:
             del st.workspaces[old]
     st.workspaces.move_to_end(key)
     return st, peers
+
+
+def _device_state(dev: torch.device) -> _DeviceState:
+    st = _states.get(dev)
+    if st is None:
+        st = _states[dev] = _DeviceState(torch.zeros(1, dtype=torch.int32, device=dev))
+    return st
+
+
+def report_device_errors(device: torch.device | str, flags: list[Tensor]) -> None:
+    """Megakernel error flags of a call outside the custom ops (``kittenmoe.ep``): raised now under
+    ``set_error_check("sync")`` (and on CPU), accumulated for :func:`check_errors` under "deferred"."""
+    _report(_device_state(_canonical(torch.device(device))), flags)
 
 
 def _report(st: _DeviceState, flags: list[Tensor]) -> None:

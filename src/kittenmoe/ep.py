@@ -175,3 +175,53 @@ def megakernel_backward_ep(
     has_shared = shared_w13_2SH is not None
     dx, dw = ops.launch_bwd_epilogue(out["sdx"], dx_comb, dw_comb, ids_all[rank], R * L, has_shared)
     return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"])
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _MoEEP(torch.autograd.Function):
+    """Forward and backward megakernels across processes. Both passes are collective: every rank of the
+    group runs them in the same order (as data-parallel training does)."""
+
+    @staticmethod
+    def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                swiglu_limit, peers, config):
+        from kittenmoe.autograd import report_device_errors
+
+        res = megakernel_forward_ep(x_TH, topk_ids_TK, topk_weights_TK.float(), w13_L2IH, w2_LHI,
+                                    shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config)
+        report_device_errors(x_TH.device, [res.state.err])
+        ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS)
+        ctx.swiglu_limit, ctx.peers, ctx.config = swiglu_limit, peers, config
+        return res.output
+
+    @staticmethod
+    def backward(ctx, d_out_TH):
+        from kittenmoe.autograd import report_device_errors
+
+        x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
+        g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK.float(), w13_L2IH,
+                                   w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config)
+        report_device_errors(x_TH.device, [g.err])
+        return (g.d_x, None, g.d_topk_weights.to(topk_weights_TK.dtype), g.d_w13, g.d_w2, g.d_shared_w13,
+                g.d_shared_w2, None, None, None)
+
+
+def moe_ep(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    w13_L2IH: torch.Tensor,
+    w2_LHI: torch.Tensor,
+    shared_w13_2SH: torch.Tensor | None,
+    shared_w2_HS: torch.Tensor | None,
+    swiglu_limit: float | None,
+    peers: SymmetricPeers,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Differentiable MoE under expert parallelism (collective, forward and backward): ``kittenmoe.moe`` for
+    one rank that holds experts ``[rank * L, (rank + 1) * L)``. Gradients: this rank's tokens (d_x, router
+    weights), this rank's experts, and this rank's tokens' share of the shared expert's."""
+    return _MoEEP.apply(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                        swiglu_limit, peers, config or KernelConfig())

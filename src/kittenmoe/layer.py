@@ -20,6 +20,7 @@ trains through the layer's ``d_topk_weights``.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +33,16 @@ from kittenmoe.autograd import config_to_args
 from kittenmoe.reference import route
 from kittenmoe.tune import config_for
 
+if TYPE_CHECKING:
+    from kittenmoe.peers import SymmetricPeers
+
 
 @torch._dynamo.assume_constant_result
-def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, device: str, dtype: str) -> tuple:
+def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: str, dtype: str) -> tuple:
     """``tune.config_for``'s choice as KernelConfig field values. Under ``torch.compile`` it runs once at trace
     time and its result is a constant of the graph (it reads the tune cache from disk, which dynamo cannot
     trace); eagerly it runs on every forward (a stat of the cache file, memoised by tune)."""
-    cfg, _ = config_for(t, h, i, e, k, 1, torch.device(device), getattr(torch, dtype), s)
+    cfg, _ = config_for(t, h, i, e, k, ranks, torch.device(device), getattr(torch, dtype), s)
     return config_to_args(cfg)
 
 
@@ -62,8 +66,15 @@ class MoELayer(nn.Module):
 
     backend: ``"auto"`` (megakernel on CUDA, torch elsewhere), ``"torch"`` or ``"megakernel"`` (CUDA, or CPU
         under ``TRITON_INTERPRET=1``); see ``kittenmoe.functional``. Checked against ``device`` here.
-    config: the megakernel's ``KernelConfig`` (``KernelConfig()`` when None); unused by the torch backend.
+    config: the megakernel's ``KernelConfig``; None picks the tuned or heuristic one per forward
+        (``config_for_tokens``); unused by the torch backend.
     generator: seeds the initialisation (``reset_parameters``).
+    ep: a ``kittenmoe.SymmetricPeers`` for expert parallelism across processes (one per rank, every rank
+        building its layers in the same order): this rank then holds experts ``[rank * L, (rank + 1) * L)``
+        with ``L = E / R`` (``w13_E2IH`` is ``[L, 2I, H]``, ``w2_EHI`` ``[L, H, I]``), routes its own tokens over
+        all E experts, and runs ``kittenmoe.ep.moe_ep`` (the megakernels; forward and backward are collective).
+        The router and shared expert are replicated: their gradients are this rank's tokens' share, for
+        data-parallel reduction to sum.
     """
 
     def __init__(
@@ -76,6 +87,7 @@ class MoELayer(nn.Module):
         config: KernelConfig | None = None,
         correction_bias: bool = False,
         generator: torch.Generator | None = None,
+        ep: "SymmetricPeers | None" = None,
     ) -> None:
         super().__init__()
         if not isinstance(shape, ModelShape):
@@ -88,10 +100,27 @@ class MoELayer(nn.Module):
         self.backend = backend
         self.config = config
         e, h, i, s = shape.e, shape.h, shape.i, shape.shared_width
+        self.ep = ep
+        self.expert_offset, n_local = 0, e
+        if ep is not None:
+            from kittenmoe.peers import SymmetricPeers
+
+            if not isinstance(ep, SymmetricPeers):
+                raise TypeError(f"ep must be a kittenmoe.SymmetricPeers (one process per rank), got "
+                                f"{type(ep).__name__}")
+            if resolve_backend(backend, device) != "megakernel":
+                raise ValueError(f"expert parallelism runs the megakernels; backend={backend!r} on {device} "
+                                 f"does not (kittenmoe.distributed runs the torch backend across processes)")
+            if device != ep.device:
+                raise ValueError(f"the layer's device {device} is not the peers' device {ep.device}")
+            if e % ep.num_ranks:
+                raise ValueError(f"E={e} experts cannot be split evenly over {ep.num_ranks} ranks")
+            n_local = e // ep.num_ranks
+            self.expert_offset = ep.rank * n_local
         kw = dict(dtype=dtype, device=device)
         self.router_w_EH = nn.Parameter(torch.empty(e, h, **kw))
-        self.w13_E2IH = nn.Parameter(torch.empty(e, 2 * i, h, **kw))
-        self.w2_EHI = nn.Parameter(torch.empty(e, h, i, **kw))
+        self.w13_E2IH = nn.Parameter(torch.empty(n_local, 2 * i, h, **kw))
+        self.w2_EHI = nn.Parameter(torch.empty(n_local, h, i, **kw))
         if s:
             self.shared_w13_2SH = nn.Parameter(torch.empty(2 * s, h, **kw))
             self.shared_w2_HS = nn.Parameter(torch.empty(h, s, **kw))
@@ -111,8 +140,21 @@ class MoELayer(nn.Module):
         h, i, s = self.shape.h, self.shape.i, self.shape.shared_width
         for p, fan_in in ((self.router_w_EH, h), (self.w13_E2IH, h), (self.w2_EHI, i),
                           (self.shared_w13_2SH, h), (self.shared_w2_HS, s)):
-            if p is not None:
-                p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
+            if p is None:
+                continue
+            if self.ep is not None and (p is self.w13_E2IH or p is self.w2_EHI):
+                # Expert parallel: with a generator, draw all E experts one by one and keep this rank's, so
+                # every rank consumes the same stream; without one, draw only this rank's.
+                lo, n = self.expert_offset, p.shape[0]
+                if generator is None:
+                    p.copy_(torch.randn(p.shape) / math.sqrt(fan_in))
+                else:
+                    for idx in range(self.shape.e):
+                        w = torch.randn(p.shape[1:], generator=generator)
+                        if lo <= idx < lo + n:
+                            p[idx - lo].copy_(w / math.sqrt(fan_in))
+                continue
+            p.copy_(torch.randn(p.shape, generator=generator) / math.sqrt(fan_in))
         if self.correction_bias_E is not None:
             self.correction_bias_E.zero_()
 
@@ -129,6 +171,13 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer expects [..., H={h}] input, got shape {tuple(x.shape)}")
         x_TH = x.reshape(-1, h).contiguous()
         topk_ids_TK, topk_weights_TK = self.route(x_TH)
+        if self.ep is not None:
+            from kittenmoe.ep import moe_ep
+
+            out_TH = moe_ep(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
+                            self.shared_w2_HS, self.shape.swiglu_limit, self.ep,
+                            self.config_for_tokens(x_TH.shape[0], x_TH.device))
+            return out_TH.reshape(x.shape)
         out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                      self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend,
                      config=self.config_for_tokens(x_TH.shape[0], x_TH.device))
@@ -142,10 +191,13 @@ class MoELayer(nn.Module):
         if self.config is not None or resolve_backend(self.backend, device) != "megakernel":
             return self.config
         sh = self.shape
-        return KernelConfig(*_auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, str(device),
+        ranks = 1 if self.ep is None else self.ep.num_ranks
+        return KernelConfig(*_auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
                                                str(self.w13_E2IH.dtype).removeprefix("torch.")))
 
     def extra_repr(self) -> str:
         sh = self.shape
+        ep = "" if self.ep is None else (f", ep=rank {self.ep.rank} of {self.ep.num_ranks} (experts "
+                                         f"{self.expert_offset}..{self.expert_offset + self.w13_E2IH.shape[0] - 1})")
         return (f"shape={sh.name!r}, E={sh.e}, H={sh.h}, I={sh.i}, K={sh.k}, shared_width={sh.shared_width}, "
-                f"score_func={sh.score_func!r}, backend={self.backend!r}")
+                f"score_func={sh.score_func!r}, backend={self.backend!r}{ep}")
