@@ -166,3 +166,28 @@ def test_gpu_training_trajectory_matches_grouped_mm():
     a, b = torch.tensor(losses["kittenmoe"]), torch.tensor(losses["grouped_mm"])
     assert a[-1] < a[0], losses  # it trains
     assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), losses
+
+
+def test_hf_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/hf_round.py at its tiny size on CPU: a row per implementation, same losses (same weights,
+    batches and math), JSON that records the conditions."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_round.py"
+    spec = importlib.util.spec_from_file_location("hf_round", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["hf_round.py", "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+                                      "--out", str(tmp_path)])
+    assert mod.main() == 0
+    (out,) = tmp_path.glob("hf-*.json")
+    rows = json.loads(out.read_text())
+    impls = [r["experts_implementation"] for r in rows]
+    assert impls[:2] == ["grouped_mm", "kittenmoe"]
+    for r in rows:
+        assert r["ms_median"] > 0 and len(r["losses"]) == 3 and r["tokens_per_step"] == 4 * 16
+        assert {"torch", "triton", "gpu", "date", "command"} <= set(r)
+    assert torch.allclose(torch.tensor(rows[0]["losses"]), torch.tensor(rows[1]["losses"]), rtol=1e-4)

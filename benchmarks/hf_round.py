@@ -1,0 +1,123 @@
+"""Whole training steps of a Hugging Face DeepSeek-V3-style model: kittenmoe vs grouped_mm experts.
+
+    PYTHONPATH=src python3 benchmarks/hf_round.py [--out DIR]           # the issue's model on the GPU
+    PYTHONPATH=src python3 benchmarks/hf_round.py --tiny --device cpu   # a seconds-long smoke run on CPU
+
+The model (issue 9's speed goal): a few DeepSeek-V3 layers, H 2048, I 1408, E 64, top-6, one shared
+expert, 8 k tokens a step, bf16, randomly initialised from its config (no download). Each
+``experts_implementation`` (grouped_mm, kittenmoe, sonicmoe when importable) trains from the same weights on
+the same batches; a step is forward + backward + AdamW, timed with CUDA events after warm-up, median of the
+timed steps. Rows (with the losses, so a wrong implementation shows) go to ``benchmarks/results/`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import kittenmoe.integrations.transformers  # noqa: F401  (registers "kittenmoe")
+from kittenmoe.bench import environment
+
+
+def build(tiny: bool, device: str, dtype: torch.dtype):
+    import transformers
+
+    if tiny:
+        kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                  n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2,
+                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    else:
+        kw = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
+                  num_hidden_layers=4, n_routed_experts=64, num_experts_per_tok=6, num_attention_heads=16,
+                  num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                  v_head_dim=128)
+    cfg = transformers.DeepseekV3Config(first_k_dense_replace=1, n_group=1, topk_group=1, n_shared_experts=1,
+                                        q_lora_rank=None, max_position_embeddings=4096, **kw)
+    torch.manual_seed(0)
+    return transformers.DeepseekV3ForCausalLM(cfg).to(device, dtype), cfg
+
+
+def implementations() -> list[str]:
+    impls = ["grouped_mm", "kittenmoe"]
+    try:
+        import sonicmoe  # noqa: F401
+        impls.append("sonicmoe")
+    except ImportError:
+        print("sonicmoe not importable: skipped", flush=True)
+    return impls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048, help="tokens a sequence (batch x seq tokens a step)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    seq = 16 if args.tiny else args.seq
+    rows = []
+    for impl in implementations():
+        model, cfg = build(args.tiny, args.device, dtype)
+        model.set_experts_implementation(impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1)
+        times, losses = [], []
+        for step in range(args.warmup + args.steps):
+            ids = torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=gen).to(dev)
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if dev.type == "cuda":
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
+            losses.append(loss.item())
+            if step >= args.warmup:
+                times.append(ms)
+        row = dict(kind="hf-train-step", model="deepseek-v3-tiny" if args.tiny else "deepseek-v3-mid",
+                   experts_implementation=impl, tokens_per_step=args.batch * seq, layers=cfg.num_hidden_layers,
+                   h=cfg.hidden_size, i=cfg.moe_intermediate_size, e=cfg.n_routed_experts, k=cfg.num_experts_per_tok,
+                   dtype=str(dtype).removeprefix("torch."), ms_median=statistics.median(times), ms_all=times,
+                   losses=losses, **environment(dev),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command="PYTHONPATH=src python3 " + " ".join(sys.argv))
+        rows.append(row)
+        print(f"{impl:<12} {row['ms_median']:9.2f} ms/step  loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        del model, opt
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    base = next(r for r in rows if r["experts_implementation"] == "grouped_mm")
+    for r in rows:
+        r["speedup_vs_grouped_mm"] = base["ms_median"] / r["ms_median"]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"hf-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\nimplementation   ms/step  x grouped_mm")
+    for r in rows:
+        print(f"{r['experts_implementation']:<14}{r['ms_median']:9.2f}{r['speedup_vs_grouped_mm']:9.2f}")
+    print(f"rows: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
