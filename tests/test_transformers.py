@@ -78,6 +78,23 @@ def test_matches_eager_fp32(name, monkeypatch):
     assert grads_k[next(n for n, p in model.named_parameters() if p is experts.gate_up_proj)].abs().sum() > 0
 
 
+def test_megakernel_backend_matches_eager_fp32():
+    """Options(backend="megakernel") (the Triton kernels; on CPU under the interpreter) with no config: the
+    tuned-or-heuristic config path, logits and gradients at fp32 tolerances against eager."""
+    try:
+        kt.register(kt.Options(backend="megakernel"), name="kittenmoe-mk")
+        torch.manual_seed(0)
+        model = _deepseek_v3().float()
+        ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+        logits_e, grads_e = _step(model, "eager", ids)
+        logits_k, grads_k = _step(model, "kittenmoe-mk", ids)
+    finally:
+        transformers.integrations.moe.ExpertsInterface._global_mapping.pop("kittenmoe-mk", None)
+    assert_close(logits_k, logits_e, torch.float32, "logits")
+    for n in grads_e:
+        assert_close(grads_k[n], grads_e[n], torch.float32, f"d {n}")
+
+
 @pytest.mark.parametrize("attr,value,match", [
     ("has_bias", True, "expert biases"),  # GPT-OSS style biases
     ("has_gate", False, "without a gate"),  # up_proj-only experts

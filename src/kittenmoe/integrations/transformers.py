@@ -25,14 +25,16 @@ import torch
 from torch import nn
 
 from kittenmoe.config import KernelConfig
-from kittenmoe.functional import Backend, check_backend, moe
+from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
+from kittenmoe.layer import _auto_config_args
 
 IMPLEMENTATION_NAME = "kittenmoe"
 
 
 @dataclass(frozen=True)
 class Options:
-    """How the registered implementation runs: ``kittenmoe.moe``'s ``backend`` and ``config``."""
+    """How the registered implementation runs: ``kittenmoe.moe``'s ``backend`` and ``config`` (None: the
+    ``kittenmoe tune`` cache entry for each call's shape, else the heuristic, as ``MoELayer`` does)."""
 
     backend: Backend = "auto"
     config: KernelConfig | None = None
@@ -83,9 +85,16 @@ def make_experts_forward(options: Options = Options()):
     def kittenmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                   top_k_weights: torch.Tensor) -> torch.Tensor:
         check_supported(self)
+        config = options.config
+        if config is None and resolve_backend(options.backend, hidden_states.device) == "megakernel":
+            # as MoELayer: the tune cache's entry for this call, else the heuristic (trace-time under compile)
+            e, two_i, h = self.gate_up_proj.shape
+            config = KernelConfig(*_auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
+                                                     0, 1, str(hidden_states.device),
+                                                     str(self.gate_up_proj.dtype).removeprefix("torch.")))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
         out = moe(hidden_states.contiguous(), top_k_index, top_k_weights.float(), self.gate_up_proj,
-                  self.down_proj, backend=options.backend, config=options.config)
+                  self.down_proj, backend=options.backend, config=config)
         return out.to(hidden_states.dtype)
 
     kittenmoe_experts_forward.options = options
