@@ -60,8 +60,9 @@ CFG = KernelConfig(num_comm_programs_fwd=2, num_comm_programs_bwd=2, minibatch_s
 
 GRAD_NAMES_WEIGHTS = ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2")
 
-# The interpreter computes on the uninitialised padding rows of an expert's last row tile (their results are
-# masked out of every weight gradient and never pushed) and numpy warns about overflow and NaN in reductions there.
+# The forward (run by some tests here) computes on uninitialised padding rows of an expert's last row tile (masked
+# out of every output) and numpy warns about overflow and NaN in reductions there. The backward pulls padding rows
+# as zeros (test_scratch_buffers_poisoned_with_nan).
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
 
@@ -366,6 +367,33 @@ def test_swiglu_limit_cases_clamp(name):
     clamped, free = _reference_grads64(case, inp), _reference_grads64(case, inp, swiglu_limit=None)
     for gname in ("d_x[0]", "d_w13", "d_shared_w13"):
         assert (clamped[gname] - free[gname]).abs().max() > 1e-3, f"{gname}: the clamp changes no gradient"
+
+
+@pytest.mark.parametrize("name", [
+    "R2-T16",  # balanced load: every expert's last row tile is partly padding
+    "R4-zero-token-experts",  # whole ranks and experts without rows
+])
+def test_scratch_buffers_poisoned_with_nan(name, monkeypatch):
+    """Every float scratch buffer the backward launcher allocates (pulled rows, d(gate|up), w*h, d_x rows,
+    shared-expert buffers, weight gradients) starts as NaN: a row the kernels read without writing first
+    (schedule padding in the weight-gradient sums, for one) or a gradient they never write shows as NaN."""
+    case = MATCH_CASES[name]
+    inp = _make_inputs(case)
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+    got = _named(_backward(case, inp))
+    monkeypatch.undo()
+    ref = _reference_grads64(case, inp)
+    for gname, g in got.items():
+        assert torch.isfinite(g).all(), f"{gname}: NaN from an unwritten scratch row"
+        _assert_grad_close(gname, g, ref[gname], "fp32", rescale=False)
 
 
 # ----------------------------------------------------------------------------- bitwise determinism
