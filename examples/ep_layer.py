@@ -12,8 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from kittenmoe import MoELayer, check_errors, get_shape
-from kittenmoe.peers import SymmetricPeers
+from kittenmoe import MoELayer, SymmetricPeers, check_errors, get_shape
 from kittenmoe.testing import assert_close
 
 

@@ -6,7 +6,7 @@ N routed rows on a rank, C the routed-row capacity.
 """
 
 from kittenmoe.config import SEED_SHAPES, SHAPES, TEST_SHAPES, KernelConfig, ModelShape, get_shape
-from kittenmoe.peers import LocalPeers
+from kittenmoe.peers import LocalPeers, SymmetricPeers
 from kittenmoe.schedule import Schedule, build_schedule
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ _LAZY = {
     "moe": "kittenmoe.functional",
     "set_error_check": "kittenmoe.autograd",
     "check_errors": "kittenmoe.autograd",
+    "moe_ep": "kittenmoe.ep",
 }
 
 
@@ -36,11 +37,13 @@ __all__ = [
     "ModelShape",
     "Schedule",
     "SEED_SHAPES",
+    "SymmetricPeers",
     "SHAPES",
     "TEST_SHAPES",
     "build_schedule",
     "check_errors",
     "get_shape",
     "moe",
+    "moe_ep",
     "set_error_check",
 ]
