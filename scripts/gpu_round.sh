@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|hf|all]   (default all; on the nvidia-h200 device)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
 # device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
@@ -35,6 +35,12 @@ fi
 if [[ $what == tune || $what == all ]]; then
   export KITTENMOE_CACHE_DIR=$OUT/cache
   step tune python3 -m kittenmoe.cli tune --model kimi-k2.7 --ep 8 --tokens 2048 --out "$OUT"
+fi
+if [[ $what == ep ]]; then  # expert parallelism: 2 processes sharing the GPU through symmetric memory
+  step ep env KITTENMOE_EP_SHARE_GPU=1 torchrun --nproc-per-node 2 examples/ep_layer.py
+fi
+if [[ $what == hf ]]; then  # whole HF DeepSeek-V3 training steps, kittenmoe vs grouped_mm
+  step hf python3 benchmarks/hf_round.py --out "$OUT"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
