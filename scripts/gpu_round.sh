@@ -37,7 +37,7 @@ if [[ $what == tune || $what == all ]]; then
   step tune python3 -m kittenmoe.cli tune --model kimi-k2.7 --ep 8 --tokens 2048 --out "$OUT"
 fi
 if [[ $what == ep ]]; then  # expert parallelism: 2 processes sharing the GPU through symmetric memory
-  step ep env KITTENMOE_EP_SHARE_GPU=1 torchrun --nproc-per-node 2 examples/ep_layer.py
+  step ep env KITTENMOE_EP_SHARE_GPU=1 python3 -m torch.distributed.run --nproc-per-node 2 examples/ep_layer.py
 fi
 if [[ $what == hf ]]; then  # whole HF DeepSeek-V3 training steps, kittenmoe vs grouped_mm
   step hf python3 benchmarks/hf_round.py --out "$OUT"
