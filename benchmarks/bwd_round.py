@@ -109,8 +109,9 @@ def main() -> int:
                     lambda m=m: megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, phases=m),
                     warmup=20, rep=args.reps * 10, return_mode="median")
                 print(f"  backward phases {label:<8} {row['phase_ms'][label]:.3f} ms", flush=True)
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")
         row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
         lw = [t.detach().requires_grad_() for t in [xs[0], ws[0]] + w.tensors()]
@@ -120,6 +121,8 @@ def main() -> int:
             torch.autograd.grad(out, lw, gos[0])
 
         try:
+            torch.cuda.synchronize()
+            base_mem = torch.cuda.memory_allocated()  # its own zero: kittenmoe's cached buffers may be gone
             torch.cuda.reset_peak_memory_stats()
             row["ms_grouped_mm"] = triton.testing.do_bench(bl, warmup=50, rep=args.reps * 20, return_mode="median")
             row["peak_mb_grouped_mm"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
