@@ -861,3 +861,39 @@ def test_ep_layer_refuses_bad_peers():
 
     with pytest.raises(TypeError, match="SymmetricPeers"):
         MoELayer(TINY, ep=LocalPeers(2))
+
+
+def _task_ep_mismatch(rank, world, p):
+    """Rank 1 asks for another swiglu_limit than rank 0: both must raise, neither hang."""
+    from kittenmoe.ep import megakernel_forward_ep
+
+    dev = torch.device("cuda", 0)
+    a = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+    peers = SymmetricPeers()
+    try:
+        megakernel_forward_ep(a["x"], a["ids"], a["w"], a["w13"], a["w2"], None, None,
+                              None if rank == 0 else 7.0, peers=peers)
+    except ValueError as e:
+        return str(e)
+    finally:
+        peers.destroy()
+    raise AssertionError("mismatched swiglu_limit did not raise")
+
+
+_TASKS["ep_mismatch"] = _task_ep_mismatch
+
+
+@pytest.mark.gpu
+def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
+    from kittenmoe.testing import routing_uniform
+
+    gen = torch.Generator().manual_seed(0)
+    w = make_weights(SMALL, dtype=torch.bfloat16, generator=gen)
+    payloads = []
+    for k in range(2):
+        x = torch.randn(32, SMALL.h, generator=gen).to(torch.bfloat16)
+        ids, wts = routing_uniform(32, SMALL.e, SMALL.k, generator=gen, device="cpu")
+        payloads.append(dict(x=x, ids=ids, w=wts, w13=w.w13_E2IH[k * 8:(k + 1) * 8], w2=w.w2_EHI[k * 8:(k + 1) * 8]))
+    for m in gpu_worlds(2).run_ok("ep_mismatch", payloads, timeout_s=EP_TIMEOUT_S):
+        assert "differs across ranks" in m and "7.0" in m, m
+

@@ -19,7 +19,9 @@ rank's tokens' contribution (the replicated weight's gradient is their sum over 
 reduction provides: ``LocalPeers`` runs sum them in rank order).
 
 Tensor shapes are the same on every rank (T tokens per rank); the first call with a shape allocates the
-symmetric buffers collectively, and ``SymmetricPeers.alloc`` raises on every rank when ranks disagree.
+symmetric buffers collectively, and ``SymmetricPeers.alloc`` raises on every rank when ranks disagree. The
+problem itself (T, H, I, K, experts per rank, shared width, ``swiglu_limit``, dtype) is compared across ranks
+by ``SymmetricPeers.agree`` (a host collective on the first call with a new combination only).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def all_gather_routing(peers: SymmetricPeers) -> torch.Tensor:
     return out
 
 
-def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, config):
+def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, swiglu_limit,
+           config):
     if not isinstance(peers, SymmetricPeers):
         raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
                         f"{type(peers).__name__}; for R virtual ranks in one process use "
@@ -74,6 +77,9 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
                             shared_w2_HS, expert_parallel=peers.num_ranks)
     if w13_L2IH.device != peers.device:
         raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
+    # What every rank must share; a mismatch raises on every rank (one host collective per new combination).
+    peers.agree("the EP problem (T, H, I, K, experts per rank, shared width, swiglu_limit, dtype)",
+                (dims.t, dims.h, dims.i, dims.k, dims.e, dims.s, swiglu_limit, str(w13_L2IH.dtype)))
     return dims
 
 
@@ -105,7 +111,7 @@ def megakernel_forward_ep(
     whose weights are ``w13_L2IH`` / ``w2_LHI`` here."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                  config)
+                  swiglu_limit, config)
     R, rank = peers.num_ranks, peers.rank
     T, H, K, L = dims.t, dims.h, dims.k, dims.e
     dtype = w13_L2IH.dtype
@@ -155,7 +161,7 @@ def megakernel_backward_ep(
     the single-process backward does."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                  config)
+                  swiglu_limit, config)
     R, rank = peers.num_ranks, peers.rank
     T, H, K, L = dims.t, dims.h, dims.k, dims.e
     dtype = w13_L2IH.dtype

@@ -193,6 +193,7 @@ class SymmetricPeers:
                 warnings.simplefilter("ignore", FutureWarning)
                 enable(self.group.group_name)
         self._buffers: dict[str, torch.Tensor] = {}
+        self._agreed: dict[str, object] = {}
         self._handles: dict[str, object] = {}
         self._ptrs: dict[str, torch.Tensor] = {}
         # The barrier's handle (its signal pads) lives as long as this object.
@@ -212,6 +213,18 @@ class SymmetricPeers:
         if any(v != values[0] for v in values):
             raise ValueError(f"SymmetricPeers (rank {self.rank}): {what} differs across ranks, in rank order: "
                              f"{values}; every rank must make the same allocations in the same order")
+
+    def agree(self, what: str, value) -> None:
+        """Raise ``ValueError`` on every rank unless every rank passes the same ``value`` for ``what``.
+
+        A host collective the first time (and whenever this rank's ``value`` changes); afterwards free. A rank
+        that passes a value it passed before while another passes a new one skips the collective, so the other
+        waits out the group's timeout and the first the device barrier's: an error on both, not a hang."""
+        self._check_alive()
+        if what in self._agreed and self._agreed[what] == value:
+            return
+        self._same_everywhere(what, value)
+        self._agreed[what] = value
 
     def _allocate(self, name: str, shape: tuple[int, ...], dtype: torch.dtype):
         """Collective: symmetric tensor, its rendezvous handle and its [R] int64 peer-address table."""
