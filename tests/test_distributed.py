@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kittenmoe.baselines import all_to_all_forward
-from kittenmoe.config import TEST_SHAPES, ModelShape
+from kittenmoe.config import TEST_SHAPES, KernelConfig, ModelShape
 from kittenmoe.distributed import moe_forward_distributed
 from kittenmoe.peers import PeerBufferNotAddressable, SymmetricPeers
 from kittenmoe.reference import moe_reference_multirank
@@ -691,6 +691,9 @@ def test_symmetric_peers_mismatched_alloc_raises_on_every_rank(gpu_worlds):
 
 # ---------------------------------------------------------------- the megakernels across processes (kittenmoe.ep)
 
+# 64-row tiles and 256-row minibatches: small problems still span several minibatches and tiles
+EP_CFG = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
+                     block_n=64, block_k=64, num_stages=3, num_warps=4)
 EP_TIMEOUT_S = 420  # a fresh GPU machine compiles the forward and backward megakernels in every process first
 
 
@@ -737,15 +740,13 @@ def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
     """R processes sharing the H200 through real symmetric memory give the outputs and gradients of the
     single-process LocalPeers run bit for bit (shared-expert gradients summed over ranks in rank order, as
     the single-process run does)."""
-    from kittenmoe.config import SEED_SHAPES, KernelConfig
+    from kittenmoe.config import SEED_SHAPES
     from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
     from kittenmoe.testing import routing_uniform
 
     shape, r, t = EP_CASES[name]
     if isinstance(shape, str):
         shape = SEED_SHAPES[shape].with_(e=6 * r)  # K=10 needs E >= 10
-    cfg = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
-                       block_n=64, block_k=64, num_stages=3, num_warps=4)
     gen = torch.Generator().manual_seed(11)
     w = make_weights(shape, dtype=torch.bfloat16, device="cpu", generator=gen)
     xs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
@@ -754,14 +755,14 @@ def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
     L = shape.e // r
     payloads = [dict(x=xs[k], ids=routes[k][0], w=routes[k][1], d_out=d_outs[k], w13=w.w13_E2IH[k * L:(k + 1) * L],
                      w2=w.w2_EHI[k * L:(k + 1) * L], sw13=w.shared_w13_2SH, sw2=w.shared_w2_HS,
-                     limit=shape.swiglu_limit, config=cfg) for k in range(r)]
+                     limit=shape.swiglu_limit, config=EP_CFG) for k in range(r)]
     got = gpu_worlds(r).run_ok("ep_forward_backward", payloads, timeout_s=EP_TIMEOUT_S)
 
     cu = lambda v: v.to("cuda") if v is not None else None  # noqa: E731
     a = ([cu(x) for x in xs], [cu(i) for i, _ in routes], [cu(v) for _, v in routes], cu(w.w13_E2IH),
          cu(w.w2_EHI), cu(w.shared_w13_2SH), cu(w.shared_w2_HS), shape.swiglu_limit)
-    fwd = megakernel_forward_multirank(*a, config=cfg)
-    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=cfg)
+    fwd = megakernel_forward_multirank(*a, config=EP_CFG)
+    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=EP_CFG)
     fwd.check_errors()
     bwd.check_errors()
     for k in range(r):
@@ -826,17 +827,14 @@ def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, r):
     the tokens: each rank's output and d_x rows, its experts' gradients, and the replicated router's and
     shared expert's gradients summed over ranks, at bf16 tolerance."""
     from kittenmoe import MoELayer
-    from kittenmoe.config import KernelConfig
 
-    cfg = KernelConfig(num_comm_programs_fwd=8, num_comm_programs_bwd=8, minibatch_size=256, block_m=64,
-                       block_n=64, block_k=64, num_stages=3, num_warps=4)
     t = 128
-    ref = MoELayer(SMALL, dtype=torch.bfloat16, device="cuda", config=cfg, generator=torch.Generator().manual_seed(3))
+    ref = MoELayer(SMALL, dtype=torch.bfloat16, device="cuda", config=EP_CFG, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
     d_outs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
     state = {k: v.cpu() for k, v in ref.state_dict().items()}
-    got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=cfg, state=state, x=xs[k], d_out=d_outs[k])
+    got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=EP_CFG, state=state, x=xs[k], d_out=d_outs[k])
                                             for k in range(r)], timeout_s=EP_TIMEOUT_S)
     x = torch.cat(xs).cuda().requires_grad_()
     out = ref(x)

@@ -166,8 +166,7 @@ def _workspace(x_TH: Tensor, k: int) -> tuple[_DeviceState, LocalPeers]:
             f"kittenmoe: first megakernel call with T={key[0]}, H={key[1]}, K={k}, {key[3]} on {dev} happens "
             f"inside CUDA-graph capture; run it once eagerly first (warm-up) so its workspace and pointer "
             f"tables exist outside the graph")
-    if st is None:
-        st = _device_state(dev)
+    st = _device_state(dev)
     if capturing:
         st.pinned.add(key)
     peers = st.workspaces.get(key)

@@ -195,7 +195,7 @@ class _MoEEP(torch.autograd.Function):
                 swiglu_limit, peers, config):
         from kittenmoe.autograd import report_device_errors
 
-        res = megakernel_forward_ep(x_TH, topk_ids_TK, topk_weights_TK.float(), w13_L2IH, w2_LHI,
+        res = megakernel_forward_ep(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI,
                                     shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config)
         report_device_errors(x_TH.device, [res.state.err])
         ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS)
@@ -207,7 +207,7 @@ class _MoEEP(torch.autograd.Function):
         from kittenmoe.autograd import report_device_errors
 
         x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
-        g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK.float(), w13_L2IH,
+        g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH,
                                    w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config)
         report_device_errors(x_TH.device, [g.err])
         return (g.d_x, None, g.d_topk_weights.to(topk_weights_TK.dtype), g.d_w13, g.d_w2, g.d_shared_w13,

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 @torch._dynamo.assume_constant_result
-def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: str, dtype: str) -> tuple:
+def auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: str, dtype: str) -> tuple:
     """``tune.config_for``'s choice as KernelConfig field values. Under ``torch.compile`` it runs once at trace
     time and its result is a constant of the graph (it reads the tune cache from disk, which dynamo cannot
     trace); eagerly it runs on every forward (a stat of the cache file, memoised by tune)."""
@@ -192,7 +192,7 @@ class MoELayer(nn.Module):
             return self.config
         sh = self.shape
         ranks = 1 if self.ep is None else self.ep.num_ranks
-        return KernelConfig(*_auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
+        return KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
                                                str(self.w13_E2IH.dtype).removeprefix("torch.")))
 
     def extra_repr(self) -> str:

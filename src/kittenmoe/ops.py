@@ -112,23 +112,26 @@ class ForwardState:
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
 
-def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
-    """TMA descriptors need a Hopper-or-newer GPU, 2-byte operands and tile-divisible widths (a gate tile
-    must not run into the up rows of the stacked [2I, H] weight)."""
+def _tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> bool:
+    """TMA descriptors are asked for (``config.tma``) and possible: a Hopper-or-newer GPU, 2-byte operands."""
     if not config.tma or dev.type != "cuda" or interpreting():
         return False
-    if torch.cuda.get_device_capability(dev)[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+    return torch.cuda.get_device_capability(dev)[0] >= 9 and dtype in (torch.bfloat16, torch.float16)
+
+
+def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
+    """The forward's TMA path: TMA capable, and tile-divisible widths (a gate tile must not run into the up
+    rows of the stacked [2I, H] weight)."""
+    if not _tma_capable(config, dev, dtype):
         return False
     bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
     return I % bn == 0 and S % bn == 0 and H % bn2 == 0 and H % bk == 0 and I % bk == 0 and S % bk == 0
 
 
 def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
-    """The backward's weight-gradient operands go through TMA on Hopper or newer with 2-byte operands whose
-    row strides (2I, H, I, 2S, S elements) are 16-byte multiples; out-of-range rows and columns load as zeros."""
-    if not config.tma or dev.type != "cuda" or interpreting():
-        return False
-    if torch.cuda.get_device_capability(dev)[0] < 9 or dtype not in (torch.bfloat16, torch.float16):
+    """The backward's TMA path: TMA capable, and row strides (2I, H, I, 2S, S elements) that are 16-byte
+    multiples; out-of-range rows and columns load as zeros."""
+    if not _tma_capable(config, dev, dtype):
         return False
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
@@ -438,10 +441,14 @@ def launch_rank_backward(
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
     if use_tma_a:
         bk = config.block_k
-        a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]), TD.from_tensor(bufs["xr"], [bm, bk]),
-                   TD.from_tensor(w2_LHI.view(L * H, I), [bk, bn]), TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
-                   TD.from_tensor(peers.buffer("d_out", rank), [bm, bk]), TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
-                   TD.from_tensor(sw2.reshape(-1, sw2.shape[-1]), [bk, bn]), TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
+        a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]),
+                   TD.from_tensor(bufs["xr"], [bm, bk]),
+                   TD.from_tensor(w2_LHI.view(L * H, I), [bk, bn]),
+                   TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
+                   TD.from_tensor(peers.buffer("d_out", rank), [bm, bk]),
+                   TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
+                   TD.from_tensor(sw2.reshape(-1, sw2.shape[-1]), [bk, bn]),
+                   TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
     else:
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
     num_comm = config.num_comm_programs_bwd
@@ -463,12 +470,12 @@ def launch_rank_backward(
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
         return mb.combine_mlp_swiglu_dispatch_bwd_kernel[grid](
-            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
+            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows,
             peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"],
-            w13_L2IH, w2_LHI, sw13, sw2, out["dw13"], out["dw2"], dsw13, dsw2, *b_descs, *a_descs, cnt, out["err"],
+            w13_L2IH, w2_LHI, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)

@@ -26,7 +26,7 @@ from torch import nn
 
 from kittenmoe.config import KernelConfig
 from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
-from kittenmoe.layer import _auto_config_args
+from kittenmoe.layer import auto_config_args
 
 IMPLEMENTATION_NAME = "kittenmoe"
 
@@ -89,7 +89,7 @@ def make_experts_forward(options: Options = Options()):
         if config is None and resolve_backend(options.backend, hidden_states.device) == "megakernel":
             # as MoELayer: the tune cache's entry for this call, else the heuristic (trace-time under compile)
             e, two_i, h = self.gate_up_proj.shape
-            config = KernelConfig(*_auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
+            config = KernelConfig(*auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
                                                      0, 1, str(hidden_states.device),
                                                      str(self.gate_up_proj.dtype).removeprefix("torch.")))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.

@@ -247,7 +247,6 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
     peer_tok_ptr,  # [C] int32, t*K + j on the source rank
     tile_expert_ptr,  # [C // BM] int32
-    expert_offsets_ptr,  # [L + 1] int32, padded segment starts
     num_rows_ptr,  # [1] int32
     # peers
     x_ptrs_ptr,  # [R] int64 -> x [T, H] of every rank
@@ -268,15 +267,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sdgu_ptr,  # [T, 2S] shared d(gate|up)
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
-    # weights of this rank and their gradients
+    # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
-    dw13_ptr,  # [L, 2I, H]
-    dw2_ptr,  # [L, H, I]
-    dsw13_ptr,  # [2S, H]
-    dsw2_ptr,  # [H, S]
     # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
     dgu_desc,  # dgu [NR, 2I], blocks [BM, BK]
     w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2]
