@@ -800,7 +800,8 @@ def _task_ep_layer(rank, world, p):
     dev = torch.device("cuda", 0)
     peers = SymmetricPeers()
     try:
-        layer = MoELayer(p["shape"], dtype=torch.bfloat16, device=dev, config=p["config"], ep=peers)
+        # device="cuda" (no index) must match the peers' cuda:0, as examples/ep_layer.py spells it
+        layer = MoELayer(p["shape"], dtype=torch.bfloat16, device="cuda", config=p["config"], ep=peers)
         n = layer.w13_E2IH.shape[0]
         assert layer.expert_offset == rank * n and "ep=rank" in repr(layer)
         full = p["state"]

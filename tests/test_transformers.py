@@ -164,25 +164,27 @@ def test_gpu_bf16_megakernel_matches_eager(name):
 
 @pytest.mark.gpu
 def test_gpu_training_trajectory_matches_grouped_mm():
-    """20 AdamW steps from the same weights and batches: kittenmoe's losses track grouped_mm's."""
+    """20 AdamW steps memorising one fixed batch from the same weights: kittenmoe's losses track grouped_mm's
+    and fall. (Fresh uniform tokens each step cannot be learned: the loss stays at ln(VOCAB) = 4.16.)"""
     losses = {}
+    ids = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(2)).cuda()
     for impl in ("grouped_mm", "kittenmoe"):
         torch.manual_seed(0)
         model = _deepseek_v3().to("cuda", torch.bfloat16)
         model.set_experts_implementation(impl)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses[impl] = []
         for _ in range(20):
-            ids = torch.randint(0, VOCAB, (4, 32), generator=gen).cuda()
             loss = model(ids, labels=ids).loss
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses[impl].append(loss.item())
     a, b = torch.tensor(losses["kittenmoe"]), torch.tensor(losses["grouped_mm"])
-    assert a[-1] < a[0], losses  # it trains
-    assert torch.allclose(a, b, rtol=2e-2, atol=2e-2), losses
+    # On CPU (eager experts) this falls 4.15 -> 0.40 in 20 steps; an fp32 and a bf16 run differ by <= 0.06
+    # (step 14: 1.19 vs 1.25), so two bf16 runs that differ only in rounding order stay within 5% + 0.05.
+    assert a[-1] < a[0] - 2.0, losses  # it learns
+    assert torch.allclose(a, b, rtol=5e-2, atol=5e-2), losses
 
 
 def test_hf_benchmark_smoke(tmp_path, monkeypatch):

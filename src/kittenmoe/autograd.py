@@ -46,6 +46,7 @@ from typing import Literal
 import torch
 
 from kittenmoe import ops
+from kittenmoe.checks import canonical_device
 from kittenmoe.config import KernelConfig
 from kittenmoe.peers import LocalPeers
 
@@ -130,7 +131,7 @@ def get_error_check() -> ErrorCheck:
 def check_errors(device: torch.device | str | None = None) -> None:
     """Raise ``kittenmoe.ops.MegakernelError`` if a megakernel op flagged a deferred error on ``device``
     (all devices when None) since the last check, and clear the flags. Reads a device value (a sync)."""
-    devs = list(_states) if device is None else [_canonical(torch.device(device))]
+    devs = list(_states) if device is None else [canonical_device(device)]
     for d in devs:
         st = _states.get(d)
         if st is None:
@@ -140,19 +141,13 @@ def check_errors(device: torch.device | str | None = None) -> None:
         ops.check_errors(flags)
 
 
-def _canonical(dev: torch.device) -> torch.device:
-    if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 def _capturing(dev: torch.device) -> bool:
     return dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _workspace(x_TH: Tensor, k: int) -> tuple[_DeviceState, LocalPeers]:
     """The device's error state and the ``LocalPeers`` workspace for this call's shapes."""
-    dev = _canonical(x_TH.device)
+    dev = canonical_device(x_TH.device)
     key = (x_TH.shape[0], x_TH.shape[1], k, x_TH.dtype)
     capturing = _capturing(dev)
     if capturing and _error_check == "sync":
@@ -188,7 +183,7 @@ def _device_state(dev: torch.device) -> _DeviceState:
 def report_device_errors(device: torch.device | str, flags: list[Tensor]) -> None:
     """Megakernel error flags of a call outside the custom ops (``kittenmoe.ep``): raised now under
     ``set_error_check("sync")`` (and on CPU), accumulated for :func:`check_errors` under "deferred"."""
-    _report(_device_state(_canonical(torch.device(device))), flags)
+    _report(_device_state(canonical_device(device)), flags)
 
 
 def _report(st: _DeviceState, flags: list[Tensor]) -> None:

@@ -16,6 +16,15 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+
+def canonical_device(device: torch.device | str) -> torch.device:
+    """``device`` with its index filled in: ``"cuda"`` means the current CUDA device, so that two spellings of
+    one device compare equal (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
 @dataclass(frozen=True)
 class MoEDims:
     """Dimensions read off validated inputs."""

@@ -30,6 +30,7 @@ from kittenmoe import ops
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, moe, resolve_backend
 from kittenmoe.autograd import config_to_args
+from kittenmoe.checks import canonical_device
 from kittenmoe.reference import route
 from kittenmoe.tune import config_for
 
@@ -94,7 +95,7 @@ class MoELayer(nn.Module):
             raise TypeError(f"MoELayer needs a kittenmoe.ModelShape, got {type(shape).__name__}")
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
-        device = torch.device("cpu") if device is None else torch.device(device)
+        device = torch.device("cpu") if device is None else canonical_device(device)
         check_backend_runs(backend, device)
         self.shape = shape
         self.backend = backend

@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from kittenmoe.checks import canonical_device
+
 
 class LocalPeers:
     """R virtual ranks in one process, each with its own copy of every buffer.
@@ -32,10 +34,7 @@ class LocalPeers:
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"LocalPeers: num_ranks must be a positive int, got {num_ranks!r}")
         self.num_ranks = num_ranks
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = canonical_device(device)
         self._buffers: dict[str, list[torch.Tensor]] = {}
         self._ptrs: dict[str, torch.Tensor] = {}
 
@@ -173,8 +172,7 @@ class SymmetricPeers:
         device = torch.device(device)
         if device.type != "cuda":
             raise RuntimeError(self._cpu_message(f"got device {device}"))
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = canonical_device(device)
         if device.index != torch.cuda.current_device():
             raise RuntimeError(f"SymmetricPeers: device {device} is not the current CUDA device "
                                f"(cuda:{torch.cuda.current_device()}); call torch.cuda.set_device({device.index}) "
