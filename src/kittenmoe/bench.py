@@ -2,6 +2,7 @@
 
     kittenmoe bench --model kimi-k2.7 --ep 8 --tokens 2048 --mode both
     kittenmoe bench --shape 4096,7168,2048,48,8 --routing zipf:1.2 --ranks 2 --plot bench.png
+    torchrun --nproc-per-node 8 -m kittenmoe.cli bench --model kimi-k2.7 --ep 8 --mode both
 
 Problem: ``--model NAME`` slices a registered shape to one EP rank (E_local =
 E / ep experts; default ep 8), ``--shape T,H,I,E,K`` gives the dimensions
@@ -26,6 +27,23 @@ On CPU the megakernel runs only under the Triton interpreter
 (``TRITON_INTERPRET=1``); this is for tests: times are ``time.perf_counter``
 medians of a few runs and rows carry ``"device": "cpu-interpreter"`` and
 ``"gpu": "cpu"`` so nobody mistakes them for GPU figures.
+
+Real ranks: under ``torchrun --nproc-per-node R -m kittenmoe.cli bench ...``
+(WORLD_SIZE set, or a process group the caller initialised) each process is
+one rank holding E_local experts and its own T tokens routed over all
+R * E_local: kittenmoe is ``kittenmoe.ep`` over ``SymmetricPeers``, the
+baseline NCCL + PyTorch under EP (``--ep-baseline``: ``all-to-all``,
+``baselines.all_to_all_forward``, the default; or ``distributed``,
+``distributed.moe_forward_distributed``), same weights and routing. Each
+iteration starts after an L2 flush and a barrier; its latency is the slowest
+rank's (CUDA events, all-reduce MAX), p20 / p50 / p80 over ``--reps``. The
+check is against the fp32 semantic model across the same processes
+(``moe_forward_distributed`` on fp32 copies). ``--ranks``, if given, must
+equal the world size; CUDA only (no CPU symmetric memory). One GPU per rank
+(``LOCAL_RANK``, NCCL group), or every rank on cuda:0 with
+``KITTENMOE_EP_SHARE_GPU=1`` (gloo group; times then test the tool, they are
+not EP figures). TFLOP/s there are the whole world's. Only rank 0 prints and
+writes; rows carry ``"ranks_mode": "processes"`` (``"virtual"`` otherwise).
 
 Output: a table on the terminal, one JSON file of rows (``bench-<date>.json``
 in ``--out``, the fields ``scripts/perf_table.py`` reads plus more), and
@@ -199,14 +217,15 @@ class Problem:
                 f"S={self.shared_width} {self.dtype} routing={self.routing}")
 
 
-def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: int | None, ranks: int,
+def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: int | None, ranks: int | None,
                   dtype: str, routing: str) -> list[Problem]:
     """Validate the shape arguments (clear ``ValueError`` on any mistake) and build the problems.
 
-    ``model`` may name several registered shapes, comma-separated.
+    ``model`` may name several registered shapes, comma-separated. ``ranks`` None (``--ranks`` not given) is 1.
     """
     if (model is None) == (shape is None):
         raise ValueError("give exactly one of --model NAME or --shape T,H,I,E,K")
+    ranks = 1 if ranks is None else ranks
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"--ranks must be a positive integer, got {ranks}")
     if ep is not None and ep < 1:
@@ -293,12 +312,14 @@ def command_line(argv: list[str] | None) -> str:
     return "kittenmoe " + " ".join(args)
 
 
-def skipped_baselines(log: Callable[[str], None] = print) -> list[str]:
-    """One line per optional baseline: skipped because not importable, or not run in one process."""
+def skipped_baselines(log: Callable[[str], None] = print, processes: bool = False) -> list[str]:
+    """One line per optional baseline: skipped because not importable, or not run here."""
     notes = []
     for mod in OPTIONAL_BASELINES:
         if importlib.util.find_spec(mod) is None:
             notes.append(f"skipped: {mod} not importable")
+        elif processes:
+            notes.append(f"skipped: {mod} is importable, but kittenmoe bench has no {mod} baseline yet")
         else:
             notes.append(f"skipped: {mod} is importable, but its baseline needs one process per rank "
                          f"(torchrun); this single-process bench does not run it")
@@ -472,12 +493,16 @@ class Runner:
         return max(rel_l1(o, r) for o, r in zip(outs, ref))
 
     def tolerance(self) -> float:
-        """Relative-L1 bar: bf16 1e-2; fp32 3e-3 on a GPU (tensor cores round to tf32), 1e-5 interpreted."""
-        from kittenmoe.testing import tolerance_for
+        return rel_l1_bar(self.problem, self.device)
 
-        if self.problem.dtype == "bf16":
-            return tolerance_for("bf16").rel_l1
-        return tolerance_for("tf32" if self.device.type == "cuda" else "fp32").rel_l1
+
+def rel_l1_bar(problem: Problem, device: torch.device) -> float:
+    """Relative-L1 bar: bf16 1e-2; fp32 3e-3 on a GPU (tensor cores round to tf32), 1e-5 interpreted."""
+    from kittenmoe.testing import tolerance_for
+
+    if problem.dtype == "bf16":
+        return tolerance_for("bf16").rel_l1
+    return tolerance_for("tf32" if device.type == "cuda" else "fp32").rel_l1
 
 
 def flops(problem: Problem, mode: str) -> tuple[float, float]:
@@ -526,10 +551,12 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
         t, h, i, e, k = problem.dims
         rows.append(dict(
             kind=KIND[mode], shape=problem.label, tokens=t, h=h, i=i, e=e, k=k, s=problem.shared_width,
-            experts_local=problem.experts_local, ep_slice=problem.ep, ranks=problem.ranks, dtype=problem.dtype,
-            routing=str(problem.routing),
+            experts_local=problem.experts_local, ep_slice=problem.ep, ranks=problem.ranks, ranks_mode="virtual",
+            dtype=problem.dtype, routing=str(problem.routing),
             ms_kittenmoe=tk.p50, ms_kittenmoe_p20=tk.p20, ms_kittenmoe_p80=tk.p80,
             ms_grouped_mm=tb.p50, ms_grouped_mm_p20=tb.p20, ms_grouped_mm_p80=tb.p80,
+            # the provider-neutral names every row has (under torchrun the baseline is not grouped_mm)
+            baseline="grouped_mm", ms_baseline=tb.p50, ms_baseline_p20=tb.p20, ms_baseline_p80=tb.p80,
             speedup=tb.p50 / tk.p50, routed_tflops=routed / tk.p50 / 1e9, effective_tflops=total / tk.p50 / 1e9,
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
@@ -542,20 +569,411 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
     return rows
 
 
+# ----------------------------------------------------------------------------- torchrun: one process per rank
+
+SHARE_GPU_ENV = "KITTENMOE_EP_SHARE_GPU"
+# --ep-baseline -> the function the rows name as their baseline
+EP_BASELINES = {"all-to-all": "all_to_all_forward", "distributed": "moe_forward_distributed"}
+DEFAULT_EP_BASELINE = "all-to-all"
+# The fp32 reference (moe_forward_distributed) gathers every row tile's expert weights in fp32; 128-row tiles
+# keep that to one gather per 128 routed rows (its default 16 would take 8x the memory at model sizes).
+REFERENCE_BLOCK_M = 128
+L2_FLUSH_BYTES = 256 << 20  # what triton.testing.do_bench zeroes before each run (the virtual-rank timings)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a multi-process bench: one EP rank."""
+
+    world_size: int
+    rank: int
+    local_rank: int | None  # torchrun's LOCAL_RANK; None in a group the caller made (its current device is used)
+    share_gpu: bool  # KITTENMOE_EP_SHARE_GPU=1: every rank on cuda:0, gloo group
+    owns_group: bool  # bench initialises (and at the end destroys) the process group itself
+
+    @property
+    def where(self) -> str:
+        return "WORLD_SIZE, from torchrun" if self.owns_group else "the process group the caller initialised"
+
+
+def share_gpu_requested(environ=None) -> bool:
+    """``KITTENMOE_EP_SHARE_GPU``: ``1`` every rank on cuda:0; ``0`` or unset one GPU per rank; else an error."""
+    environ = os.environ if environ is None else environ
+    v = environ.get(SHARE_GPU_ENV, "").strip()
+    if v in ("", "0"):
+        return False
+    if v == "1":
+        return True
+    raise ValueError(f"{SHARE_GPU_ENV}={v!r}: expected 1 (every rank on cuda:0, gloo group) or 0 / unset "
+                     f"(one GPU per rank, NCCL group)")
+
+
+def _env_int(environ, name: str, world: str | None) -> int:
+    v = environ.get(name)
+    if v is None:
+        raise ValueError(f"{name} is not set but WORLD_SIZE={world} is: launch the ranks with torchrun "
+                         f"(torchrun --nproc-per-node R -m kittenmoe.cli bench ...), which sets WORLD_SIZE, RANK "
+                         f"and LOCAL_RANK")
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not an integer (torchrun sets it to one)") from None
+
+
+def detect_launch(environ=None) -> Launch | None:
+    """This process's rank when it is one of several: a process group already initialised (by the caller), or
+    torchrun's ``WORLD_SIZE`` / ``RANK`` / ``LOCAL_RANK`` in ``environ`` (default ``os.environ``); else None
+    (one process, virtual ranks)."""
+    import torch.distributed as dist
+
+    environ = os.environ if environ is None else environ
+    if dist.is_available() and dist.is_initialized():
+        return Launch(dist.get_world_size(), dist.get_rank(), None, share_gpu_requested(environ), owns_group=False)
+    if "WORLD_SIZE" not in environ:
+        return None
+    raw = environ["WORLD_SIZE"]
+    world = _env_int(environ, "WORLD_SIZE", raw)
+    rank = _env_int(environ, "RANK", raw)
+    local = _env_int(environ, "LOCAL_RANK", raw)
+    if world < 1 or not 0 <= rank < world or local < 0:
+        raise ValueError(f"WORLD_SIZE={world}, RANK={rank}, LOCAL_RANK={local}: need WORLD_SIZE >= 1, "
+                         f"0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0")
+    if not dist.is_available():
+        raise ValueError(f"WORLD_SIZE={world} (torchrun), but this torch build has no torch.distributed")
+    return Launch(world, rank, local, share_gpu_requested(environ), owns_group=True)
+
+
+def check_world(ranks: int | None, launch: Launch) -> int:
+    """The number of EP ranks under torchrun: the world size; ``--ranks``, if given, must say the same."""
+    if ranks is not None and ranks != launch.world_size:
+        raise ValueError(f"--ranks {ranks} disagrees with world size {launch.world_size} ({launch.where}): "
+                         f"under torchrun every process is one EP rank; leave --ranks out or pass "
+                         f"--ranks {launch.world_size}")
+    return launch.world_size
+
+
+def resolve_ep_device(device: str | None, launch: Launch) -> torch.device:
+    """This rank's GPU: cuda:LOCAL_RANK, cuda:0 when ranks share it, the current one in the caller's group.
+
+    CUDA only: ``SymmetricPeers`` has no CPU form, and a CPU run is no stand-in for an EP measurement."""
+    why = ("under torchrun each process is one EP rank over kittenmoe.SymmetricPeers, which needs CUDA "
+           "(torch symmetric memory has no CPU backend); for virtual ranks on CPU run without torchrun "
+           "(--ranks R, TRITON_INTERPRET=1)")
+    dev = None
+    if device:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"--device {device!r} is not a device; under torchrun give cuda or leave it out") \
+                from None
+        if dev.type != "cuda":
+            raise ValueError(f"--device {device}: {why}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"CUDA is not available here: {why}")
+    if launch.local_rank is None:
+        want, source = torch.cuda.current_device(), "the current CUDA device of the caller's process group"
+    elif launch.share_gpu:
+        want, source = 0, f"{SHARE_GPU_ENV}=1 puts every rank on cuda:0"
+    else:
+        want, source = launch.local_rank, f"LOCAL_RANK={launch.local_rank}"
+        n = torch.cuda.device_count()
+        if want >= n:
+            raise ValueError(f"LOCAL_RANK={want}, but this machine has {n} CUDA device(s): one GPU per rank needs "
+                             f"--nproc-per-node <= {n}; set {SHARE_GPU_ENV}=1 to run every rank on cuda:0")
+    if dev is not None and dev.index is not None and dev.index != want:
+        raise ValueError(f"--device {device}: rank {launch.rank} runs on cuda:{want} ({source}); leave --device "
+                         f"out or pass cuda")
+    return torch.device("cuda", want)
+
+
+def init_world(launch: Launch, device: torch.device):
+    """``(group, backend, peers)`` for this rank: the process group (made here when bench owns it) and
+    ``SymmetricPeers`` over it. Collective."""
+    import torch.distributed as dist
+
+    from kittenmoe.peers import SymmetricPeers
+
+    if launch.share_gpu:  # symmetric memory refuses two ranks on one GPU unless told before the first allocation
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    torch.cuda.set_device(device)
+    if launch.owns_group:
+        # NCCL refuses two ranks on one GPU; symmetric memory only uses the group's store and rank numbering,
+        # and gloo moves the baseline's CUDA tensors through the host (slow, but it runs)
+        dist.init_process_group("gloo" if launch.share_gpu else "nccl")
+    group = dist.group.WORLD
+    return group, str(dist.get_backend(group)), SymmetricPeers(group)
+
+
+def _stream_seed(seed: int, stream: int, rank: int) -> int:
+    """One generator seed per (--seed, what is drawn, rank), so that no two streams coincide."""
+    return (((seed * 3 + stream) << 24) + rank) & ((1 << 63) - 1)
+
+
+def _scaled_randn(size: tuple[int, ...], fan_in: int, g: torch.Generator, device, dtype) -> torch.Tensor:
+    """std 1/sqrt(fan_in), as ``kittenmoe.testing.make_weights`` scales weights (outputs stay O(1))."""
+    return (torch.randn(size, generator=g, device=device) / fan_in ** 0.5).to(dtype)
+
+
+def _gather_or_raise(group, what: str, fn: Callable[[], object]) -> list:
+    """``fn()`` on every rank, its results in rank order on every rank; if it raised anywhere, every rank
+    raises (so that no rank waits in a later collective for one that has stopped). Collective."""
+    import torch.distributed as dist
+
+    err, value = None, None
+    try:
+        value = fn()
+    except Exception as e:  # re-raised below, once every rank has heard of it
+        err = e
+    got = [None] * dist.get_world_size(group)
+    mine = (None if err is None else f"{type(err).__name__}: {err}", value)
+    try:
+        dist.all_gather_object(got, mine, group=group)
+    except Exception as gather_err:
+        if err is None:
+            raise
+        raise err from gather_err
+    if err is not None:
+        raise err
+    failed = {r: m for r, (m, _) in enumerate(got) if m is not None}
+    if failed:
+        raise RuntimeError(f"{what} failed on rank(s) {sorted(failed)}: "
+                           + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+    return [v for _, v in got]
+
+
+def agree_config(group, config: KernelConfig) -> None:
+    """Every rank must run the same KernelConfig (the tune cache is per machine); raise on every rank if not."""
+    cfgs = _gather_or_raise(group, "reading the config", lambda: dataclasses.asdict(config))
+    if any(c != cfgs[0] for c in cfgs):
+        raise ValueError(f"the ranks chose different KernelConfigs (a tune cache that differs between machines? "
+                         f"pass --config or KITTENMOE_AUTOTUNE=0), in rank order: {cfgs}")
+
+
+def _barrier(group, device: torch.device) -> None:
+    """Host-visible barrier: this rank's queued work has finished and every rank has arrived."""
+    import torch.distributed as dist
+
+    torch.cuda.synchronize(device)
+    flag = torch.zeros(1, device=device)
+    dist.all_reduce(flag, group=group)  # an all-reduce every rank must join: works on gloo and NCCL alike
+    torch.cuda.synchronize(device)
+
+
+def measure_ranks(fn: Callable[[], object], device: torch.device, group, reps: int, warmup: int) -> Timing:
+    """Latency quantiles in ms of a collective ``fn``, each iteration's time being the slowest rank's.
+
+    Every iteration starts after an L2 flush and a barrier (so no rank's time includes waiting for a peer
+    still busy with the previous one) and is timed with CUDA events; the per-iteration times are max-reduced
+    across ranks once at the end. Collective."""
+    import torch.distributed as dist
+
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    for _ in range(warmup):
+        fn()
+    begin = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        _barrier(group, device)
+        begin[i].record()
+        fn()
+        end[i].record()
+    torch.cuda.synchronize(device)
+    ms = torch.tensor([b.elapsed_time(e) for b, e in zip(begin, end)], dtype=torch.float64, device=device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    return Timing(*_quantiles(ms.tolist()), reps)
+
+
+class EPRunner:
+    """One rank's inputs of a problem under torchrun, the timed callables and their checks.
+
+    Each rank makes only what it holds (the whole model may not fit one process): its E_local experts from its
+    own generator stream on the GPU, the replicated shared expert from a stream every rank shares, its T tokens,
+    routes over all E experts and output gradient from its own."""
+
+    def __init__(self, problem: Problem, device: torch.device, peers, group, seed: int = 0) -> None:
+        self.problem, self.device, self.peers, self.group = problem, device, peers, group
+        dt, rank = problem.torch_dtype, peers.rank
+        T, H, I, E, K = problem.dims
+        L, S = problem.experts_local, problem.shared_width
+        g_experts = torch.Generator(device=device).manual_seed(_stream_seed(seed, 0, rank))
+        g_shared = torch.Generator(device=device).manual_seed(_stream_seed(seed, 1, 0))
+        g_tokens = torch.Generator().manual_seed(_stream_seed(seed, 2, rank))
+        self.w13 = _scaled_randn((L, 2 * I, H), H, g_experts, device, dt)
+        self.w2 = _scaled_randn((L, H, I), I, g_experts, device, dt)
+        self.sw13 = _scaled_randn((2 * S, H), H, g_shared, device, dt) if S else None
+        self.sw2 = _scaled_randn((H, S), S, g_shared, device, dt) if S else None
+        self.x = torch.randn(T, H, generator=g_tokens).to(device, dt)
+        ids, w = problem.routing.generate(T, E, K, g_tokens, device)
+        self.ids, self.w = ids.contiguous(), w.float().contiguous()
+        self.d_out = torch.randn(T, H, generator=g_tokens).to(device, dt)
+        self._ref: dict | None = None
+
+    def _weights(self) -> list[torch.Tensor | None]:
+        return [self.w13, self.w2, self.sw13, self.sw2]
+
+    # kittenmoe -------------------------------------------------------------
+    def kittenmoe(self, mode: str, config: KernelConfig) -> Callable[[], object]:
+        from kittenmoe.ep import megakernel_backward_ep, megakernel_forward_ep
+
+        a = (self.x, self.ids, self.w, *self._weights(), self.problem.shape.swiglu_limit)
+        if mode == "forward":
+            return lambda: megakernel_forward_ep(*a, peers=self.peers, config=config)
+
+        def fwd_bwd():
+            f = megakernel_forward_ep(*a, peers=self.peers, config=config)
+            b = megakernel_backward_ep(self.d_out, *a, peers=self.peers, config=config)
+            return f, b
+
+        return fwd_bwd
+
+    # baseline --------------------------------------------------------------
+    def baseline(self, mode: str, name: str, config: KernelConfig, checked: bool) -> Callable[[], object]:
+        """``--ep-baseline`` ``name``; ``checked``: compare every rank's inputs first (a host all-gather that
+        all_to_all_forward can leave out of its timed calls; moe_forward_distributed always does it)."""
+        from kittenmoe.baselines import all_to_all_forward
+        from kittenmoe.distributed import moe_forward_distributed
+
+        lim, group = self.problem.shape.swiglu_limit, self.group
+        if name == "all-to-all":
+            def fn(x, w, ws):
+                return all_to_all_forward(x, self.ids, w, *ws, lim, group, check_ranks=checked)
+        else:  # the torch backend's semantic model, tiled like the megakernel
+            def fn(x, w, ws):
+                return moe_forward_distributed(x, self.ids, w, *ws, lim, group, block_m=config.block_m)
+        if mode == "forward":
+            return lambda: fn(self.x, self.w, self._weights())
+        wl = [None if t is None else t.detach().requires_grad_() for t in self._weights()]
+        xl, sl = self.x.detach().requires_grad_(), self.w.detach().requires_grad_()
+        leaves = [xl, sl] + [t for t in wl if t is not None]
+
+        def fwd_bwd():
+            out = fn(xl, sl, wl)
+            return out.detach(), torch.autograd.grad(out, leaves, self.d_out)
+
+        return fwd_bwd
+
+    # checks ----------------------------------------------------------------
+    def reference(self, grads: bool) -> dict:
+        """This rank's output (and with ``grads`` its gradients) from the fp32 semantic model run across the
+        same processes: ``moe_forward_distributed`` on fp32 copies of the same values. Collective."""
+        from kittenmoe.distributed import moe_forward_distributed
+
+        if self._ref is not None and (not grads or "d_x" in self._ref):
+            return self._ref
+
+        def f32(t):
+            return None if t is None else t.detach().float().requires_grad_(grads)
+
+        x, w, ws = f32(self.x), f32(self.w), [f32(t) for t in self._weights()]
+        with torch.set_grad_enabled(grads):
+            out = moe_forward_distributed(x, self.ids, w, *ws, self.problem.shape.swiglu_limit, self.group,
+                                          block_m=REFERENCE_BLOCK_M)
+        ref = {"out": out.detach()}
+        if grads:
+            named = [(n, t) for n, t in zip(("d_x", "d_topk_weights", "d_w13", "d_w2", "d_shared_w13",
+                                             "d_shared_w2"), [x, w, *ws]) if t is not None]
+            gs = torch.autograd.grad(out, [t for _, t in named], self.d_out.float())
+            ref.update({n: g for (n, _), g in zip(named, gs)})
+        self._ref = ref
+        return ref
+
+    def check_kittenmoe(self, mode: str, result) -> dict:
+        """This rank's device error flags, then the relative L1 of its output (and gradients) vs the reference;
+        keys carry the rank (``d_w13[r]``: rank r's experts; ``d_shared_w13[r]``: rank r's tokens' share)."""
+        from kittenmoe.testing import rel_l1
+
+        r, ref = self.peers.rank, self._ref
+        fwd = result if mode == "forward" else result[0]
+        fwd.check_errors()
+        errs = {f"out[{r}]": rel_l1(fwd.output, ref["out"])}
+        if mode != "forward":
+            bwd = result[1]
+            bwd.check_errors()
+            for name in ("d_x", "d_topk_weights", "d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+                if name in ref:
+                    errs[f"{name}[{r}]"] = rel_l1(getattr(bwd, name), ref[name])
+        return errs
+
+    def check_baseline(self, mode: str, result) -> float:
+        from kittenmoe.testing import rel_l1
+
+        return rel_l1(result if mode == "forward" else result[0], self._ref["out"])
+
+
+def bench_problem_ep(problem: Problem, config: KernelConfig, modes: list[str], device: torch.device, peers,
+                     group, baseline: str, reps: int, warmup: int, seed: int = 0,
+                     log: Callable[[str], None] = print) -> list[dict]:
+    """Time kittenmoe.ep and the EP baseline for each mode, every rank one process; the same rows on every
+    rank (errors gathered from all of them). Collective."""
+    run = EPRunner(problem, device, peers, group, seed)
+    rows = _bench_modes_ep(run, config, modes, baseline, reps, warmup, log)
+    del run  # the inputs and the callables holding them go before empty_cache
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], baseline: str, reps: int, warmup: int,
+                    log: Callable[[str], None]) -> list[dict]:
+    """The rows of ``bench_problem_ep``: per mode, reference, first call and check, then the timings."""
+    problem, device, group = run.problem, run.device, run.group
+    tol = rel_l1_bar(problem, device)
+    run.reference(grads="backward" in modes)  # before any kittenmoe call: collective, so every rank gets here
+    rows = []
+    for mode in modes:
+        k_fn = run.kittenmoe(mode, config)
+
+        def first_kittenmoe():
+            t0 = time.perf_counter()
+            errs = run.check_kittenmoe(mode, k_fn())  # first run: compile, error flags, accuracy
+            return errs, time.perf_counter() - t0
+
+        got = _gather_or_raise(group, f"kittenmoe.ep {KIND[mode]} (first call and check)", first_kittenmoe)
+        errs = {k: v for e, _ in got for k, v in e.items()}
+        first_s = max(s for _, s in got)
+        worst = max(errs.values())
+        if not worst <= tol:
+            log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
+                f"{tol:.0e}")
+        tk = measure_ranks(k_fn, device, group, reps, warmup)
+        b_first = run.baseline(mode, baseline, config, checked=True)
+        base_err = max(_gather_or_raise(group, f"the {EP_BASELINES[baseline]} baseline (first call and check)",
+                                        lambda: run.check_baseline(mode, b_first())))
+        tb = measure_ranks(run.baseline(mode, baseline, config, checked=False), device, group, reps, warmup)
+        routed, total = flops(problem, mode)
+        t, h, i, e, k = problem.dims
+        rows.append(dict(
+            kind=KIND[mode], shape=problem.label, tokens=t, h=h, i=i, e=e, k=k, s=problem.shared_width,
+            experts_local=problem.experts_local, ep_slice=problem.ep, ranks=problem.ranks, ranks_mode="processes",
+            dtype=problem.dtype, routing=str(problem.routing),
+            ms_kittenmoe=tk.p50, ms_kittenmoe_p20=tk.p20, ms_kittenmoe_p80=tk.p80,
+            baseline=EP_BASELINES[baseline], ms_baseline=tb.p50, ms_baseline_p20=tb.p20, ms_baseline_p80=tb.p80,
+            speedup=tb.p50 / tk.p50, routed_tflops=routed / tk.p50 / 1e9, effective_tflops=total / tk.p50 / 1e9,
+            baseline_routed_tflops=routed / tb.p50 / 1e9,
+            rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
+            baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
+            config=dataclasses.asdict(config),
+        ))
+    return rows
+
+
 # ----------------------------------------------------------------------------- output
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'pass':<17}{'shape':<20}{'T':>6}{'R':>3}{'E_loc':>6}{'routing':>10}{'dtype':>6}"
-            f"{'kmoe ms p50 [p20-p80]':>32}{'grouped_mm ms':>15}{'x':>8}{'routed TF/s':>12}{'base TF/s':>10}"
-            f"{'rel L1':>9}")
+    """One line per row; R is suffixed ``p`` when the ranks were processes (torchrun), not virtual."""
+    head = (f"{'pass':<17}{'shape':<20}{'T':>6}{'R':>4}{'E_loc':>6}{'routing':>10}{'dtype':>6}"
+            f"{'kmoe ms p50 [p20-p80]':>32}{'baseline':>25}{'base ms':>9}{'x':>8}{'routed TF/s':>12}"
+            f"{'base TF/s':>10}{'rel L1':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         rng = f"{r['ms_kittenmoe']:.3f} [{r['ms_kittenmoe_p20']:.3f}-{r['ms_kittenmoe_p80']:.3f}]"
         flag = "" if r.get("rel_l1_ok", True) else " !"
-        lines.append(f"{r['kind']:<17}{r['shape']:<20}{r['tokens']:>6}{r['ranks']:>3}{r['experts_local']:>6}"
-                     f"{r['routing']:>10}{r['dtype']:>6}{rng:>32}{r['ms_grouped_mm']:>15.3f}{r['speedup']:>7.2f}x"
-                     f"{r['routed_tflops']:>12.4g}{r['baseline_routed_tflops']:>10.4g}{r['rel_l1']:>9.1e}{flag}")
+        ranks = f"{r['ranks']}{'p' if r.get('ranks_mode') == 'processes' else ''}"
+        lines.append(f"{r['kind']:<17}{r['shape']:<20}{r['tokens']:>6}{ranks:>4}{r['experts_local']:>6}"
+                     f"{r['routing']:>10}{r['dtype']:>6}{rng:>32}{r['baseline']:>25}{r['ms_baseline']:>9.3f}"
+                     f"{r['speedup']:>7.2f}x{r['routed_tflops']:>12.4g}{r['baseline_routed_tflops']:>10.4g}"
+                     f"{r['rel_l1']:>9.1e}{flag}")
     return "\n".join(lines)
 
 
@@ -589,17 +1007,20 @@ def plot_rows(rows: list[dict], path: str, log: Callable[[str], None] = print) -
     except ImportError:
         log(f"plot skipped: matplotlib is not installed (pip install matplotlib), so {path} was not written")
         return False
-    labels = [f"{r['kind']}\n{r['shape']}\nT={r['tokens']} R={r['ranks']} {r['routing']}" for r in rows]
+    labels = [f"{r['kind']}\n{r['shape']}\nT={r['tokens']} R={r['ranks']}"
+              f"{'p' if r.get('ranks_mode') == 'processes' else ''} {r['routing']}" for r in rows]
     xs = list(range(len(rows)))
     width = 0.38
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8.0, 2.6 * len(rows) + 4), 4.8))
-    for off, prov, color in ((-width / 2, "kittenmoe", "tab:orange"), (width / 2, "grouped_mm", "tab:blue")):
+    base_name = "/".join(sorted({r["baseline"] for r in rows}))
+    for off, prov, label, color in ((-width / 2, "kittenmoe", "kittenmoe", "tab:orange"),
+                                    (width / 2, "baseline", base_name, "tab:blue")):
         p50 = [r[f"ms_{prov}"] for r in rows]
         lo = [r[f"ms_{prov}"] - r[f"ms_{prov}_p20"] for r in rows]
         hi = [r[f"ms_{prov}_p80"] - r[f"ms_{prov}"] for r in rows]
-        ax1.bar([x + off for x in xs], p50, width, yerr=[lo, hi], capsize=3, label=prov, color=color)
+        ax1.bar([x + off for x in xs], p50, width, yerr=[lo, hi], capsize=3, label=label, color=color)
         tf = [r["routed_tflops"] if prov == "kittenmoe" else r["baseline_routed_tflops"] for r in rows]
-        ax2.bar([x + off for x in xs], tf, width, label=prov, color=color)
+        ax2.bar([x + off for x in xs], tf, width, label=label, color=color)
     for ax, title in ((ax1, "latency, ms (p50, whiskers p20-p80)"), (ax2, "routed TFLOP/s")):
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, fontsize=7)
@@ -629,8 +1050,11 @@ def add_problem_args(p: argparse.ArgumentParser) -> None:
                    help=f"EP degree the experts are split over (default {DEFAULT_EP_MODEL} with --model, "
                    f"1 with --shape)")
     g.add_argument("--tokens", type=int, default=None, help="tokens per rank with --model (default 2048)")
-    g.add_argument("--ranks", type=int, default=1,
-                   help="virtual EP ranks on one device (LocalPeers), each holding E/ep experts (default 1)")
+    # default None, not 1: under torchrun an explicit --ranks must equal the world size, an absent one may not
+    g.add_argument("--ranks", type=int, default=None,
+                   help="virtual EP ranks on one device (LocalPeers), each holding E/ep experts (default 1); "
+                   "bench under torchrun: every process is one rank and --ranks, if given, must equal the "
+                   "world size")
     g.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
     g.add_argument("--routing", default="uniform", help="uniform | zipf[:alpha] (default alpha 1.2) | one-hot")
     g.add_argument("--config", default="", help="KernelConfig overrides k=v,..., e.g. minibatch_size=1024,block_m=64")
@@ -656,15 +1080,29 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="forward, backward (forward + backward together) or both (default forward)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON rows (default %(default)s)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="also draw a PNG (needs matplotlib)")
+    p.add_argument("--ep-baseline", default=None, choices=tuple(EP_BASELINES),
+                   help="under torchrun: the NCCL + PyTorch baseline, all-to-all (baselines.all_to_all_forward, "
+                   "grouped_mm experts; the default) or distributed (distributed.moe_forward_distributed, the "
+                   "torch backend's semantic model)")
 
 
 def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
-    """``kittenmoe bench``; returns the exit status (1 if a result failed its accuracy check)."""
+    """``kittenmoe bench``; returns the exit status (1 if a result failed its accuracy check).
+
+    Under torchrun (or in a process group the caller made) this process is one rank: ``run_bench_ranks``."""
+    launch = detect_launch()
+    if launch is not None:
+        return run_bench_ranks(args, launch, argv, log)
+    if args.ep_baseline is not None:
+        raise ValueError(f"--ep-baseline {args.ep_baseline} applies under torchrun (one process per rank); this "
+                         f"run has virtual ranks in one process, timed against grouped_mm")
     problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing)
     overrides = parse_config_overrides(args.config)
     if args.plot is not None and not str(args.plot).lower().endswith(".png"):
         raise ValueError(f"--plot must name a .png file, got {args.plot!r}")
     device = resolve_device(args.device)
+    if share_gpu_requested():
+        log(f"note: {SHARE_GPU_ENV}=1 applies under torchrun only; this run has virtual ranks in one process")
     reps, warmup = resolve_reps(args, device)
     modes = ["forward", "backward"] if args.mode == "both" else [args.mode]
     env = environment(device)
@@ -680,6 +1118,11 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
         for row in bench_problem(prob, cfg, modes, device, reps, warmup, args.seed, log):
             row.update(stamp, config_source=source, skipped_baselines=skipped)
             rows.append(row)
+    return _finish(rows, args, log)
+
+
+def _finish(rows: list[dict], args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """Table, JSON rows, plot; the exit status (1 if a result failed its accuracy check)."""
     log("")
     log(format_table(rows))
     day = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -687,8 +1130,60 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
     log(f"rows: {path}")
     if args.plot:
         plot_rows(rows, args.plot, log)
+    return _status(rows, log)
+
+
+def _status(rows: list[dict], log: Callable[[str], None]) -> int:
     bad = [r for r in rows if not r["rel_l1_ok"]]
     if bad:
         log(f"FAIL: {len(bad)} result(s) above the accuracy bar (marked !)")
         return 1
     return 0
+
+
+def run_bench_ranks(args: argparse.Namespace, launch: Launch, argv: list[str] | None = None,
+                    log: Callable[[str], None] = print) -> int:
+    """``kittenmoe bench`` as one rank of ``launch``: every rank times, rank 0 prints and writes the rows.
+
+    The arguments are checked before the process group exists (every rank raises the same ValueError);
+    every rank returns the same exit status."""
+    problems = make_problems(args.model, args.shape, args.ep, args.tokens, check_world(args.ranks, launch),
+                             args.dtype, args.routing)
+    overrides = parse_config_overrides(args.config)
+    if args.plot is not None and not str(args.plot).lower().endswith(".png"):
+        raise ValueError(f"--plot must name a .png file, got {args.plot!r}")
+    device = resolve_ep_device(args.device, launch)
+    reps, warmup = resolve_reps(args, device)
+    baseline = args.ep_baseline or DEFAULT_EP_BASELINE
+    modes = ["forward", "backward"] if args.mode == "both" else [args.mode]
+    say = log if launch.rank == 0 else (lambda _line: None)
+    group, backend, peers = init_world(launch, device)
+    env = environment(device)
+    stamp = dict(**env, date=now_iso(), command=command_line(argv), process_group=backend,
+                 share_gpu=launch.share_gpu)
+    say(f"kittenmoe bench on {env['gpu']} ({env['device']}), torch {env['torch']}, triton {env['triton']}: "
+        f"{launch.world_size} processes, one EP rank each ({backend} group"
+        f"{', every rank on cuda:0' if launch.share_gpu else ', one GPU per rank'}), baseline "
+        f"{EP_BASELINES[baseline]}")
+    if launch.share_gpu:
+        say("note: the ranks share one GPU: these times test the tool, they are not EP figures")
+    skipped = skipped_baselines(say, processes=True)
+    rows = []
+    for prob in problems:
+        cfg, source = config_for_problem(prob, device, overrides)
+        agree_config(group, cfg)
+        say(f"{prob.describe()} as {launch.world_size} processes\n  config ({source}): {cfg}")
+        for row in bench_problem_ep(prob, cfg, modes, device, peers, group, baseline, reps, warmup, args.seed,
+                                    say):
+            row.update(stamp, config_source=source, skipped_baselines=skipped)
+            rows.append(row)
+    # Clean up on success only: after an error on one rank a collective here would wait for it.
+    peers.destroy()
+    if launch.owns_group:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    if launch.rank != 0:
+        return _status(rows, say)
+    return _finish(rows, args, log)
+

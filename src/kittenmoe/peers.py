@@ -21,6 +21,20 @@ import torch
 from kittenmoe.checks import canonical_device
 
 
+# The megakernels' copy loops tell Triton every peer buffer starts on a 16-byte boundary
+# (``tl.multiple_of(base, 16)``) so that rows move as 16-byte vectors instead of 2-byte scalars (8x fewer
+# memory instructions; the communication programs were capped at ~32 GB/s per SM by issue). Every table
+# entry is checked against that promise where it is built.
+PEER_ALIGN_BYTES = 16
+
+
+def check_peer_alignment(name: str, addrs: list[int]) -> None:
+    bad = [hex(a) for a in addrs if a % PEER_ALIGN_BYTES]
+    if bad:
+        raise RuntimeError(f"peer buffer {name!r}: base addresses {bad} are not {PEER_ALIGN_BYTES}-byte aligned; the "
+                           f"megakernels' vectorised copies need that (torch and symmetric-memory allocations are)")
+
+
 class LocalPeers:
     """R virtual ranks in one process, each with its own copy of every buffer.
 
@@ -46,6 +60,7 @@ class LocalPeers:
         else:
             bufs = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_ranks)]
             self._buffers[name] = bufs
+            check_peer_alignment(name, [b.data_ptr() for b in bufs])
             self._ptrs[name] = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=self.device)
         if fill is not None:
             for b in bufs:
@@ -242,6 +257,7 @@ class SymmetricPeers:
         # rank allocates the same sizes in the same order); check rather than assume.
         self._same_everywhere(f"the offset of {name!r} in its symmetric block", offset)
         addrs = [b + offset for b in base]
+        check_peer_alignment(name, addrs)
         addrs = [a - (1 << 64) if a >= 1 << 63 else a for a in addrs]  # uint64 bits as int64
         ptrs = torch.tensor(addrs, dtype=torch.int64, device=self.device)
         return t, handle, ptrs

@@ -46,7 +46,7 @@ gate|up GEMM rather than reading forward activations.
 import triton
 import triton.language as tl
 
-from kittenmoe.kernels.megakernel_fwd import _signal, _wait_geq
+from kittenmoe.kernels.megakernel_fwd import _peer_rows, _signal, _wait_geq
 
 # phase bits
 PB_SHARED_A = 1
@@ -323,8 +323,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         ok = pr >= 0
                         tok = (pt // K).to(tl.int64) * H
                         dst = r.to(tl.int64) * H
-                        xb = tl.load(x_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
-                        db = tl.load(dout_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + tok
+                        xb = _peer_rows(x_ptrs_ptr, pr, ok, DT) + tok
+                        db = _peer_rows(dout_ptrs_ptr, pr, ok, DT) + tok
                         # Padding rows are written as zeros: their d(gate|up) and w*h come out exactly zero
                         # and the weight-gradient sums need no row mask.
                         for h0 in range(0, H, BLOCK_H):
@@ -349,7 +349,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
                         ok = pr >= 0
                         src = r.to(tl.int64) * H
-                        db = tl.load(dxc_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(DT)) + \
+                        db = _peer_rows(dxc_ptrs_ptr, pr, ok, DT) + \
                             pt.to(tl.int64) * H
                         for h0 in range(0, H, BLOCK_H):
                             cols = h0 + tl.arange(0, BLOCK_H)
