@@ -1,6 +1,7 @@
 """``kittenmoe bench`` / ``kittenmoe tune`` on CPU: argument validation, tiny end-to-end runs under the
 Triton interpreter, the tuned-config cache (round trip, stale, corrupt, KITTENMOE_AUTOTUNE=0), grid
-pruning and the heuristic default config.
+pruning and the heuristic default config; bench under torchrun: its argument and environment checks on CPU,
+two real processes sharing one GPU in a GPU test.
 
 The end-to-end runs use fp32 (the interpreter computes it exactly enough for the 1e-5 bar) on the
 smallest shape the kernels accept; every file they write goes to tmp_path, and KITTENMOE_CACHE_DIR
@@ -12,7 +13,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
@@ -461,3 +465,162 @@ def test_layer_uses_tuned_config_else_heuristic(monkeypatch, compiled):
     explicit = tuned.with_(minibatch_size=32)
     assert run(MoELayer(shape, backend="megakernel", config=explicit)) == explicit
     assert MoELayer(shape, backend="torch").config_for_tokens(t, x.device) is None  # no knobs there
+
+
+# ----------------------------------------------------------------------------- bench under torchrun (real ranks)
+
+TORCHRUN_ENV = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def _fake_torchrun(monkeypatch, **extra):
+    """This process looks like rank 0 of a 2-process torchrun world (no process group is made)."""
+    for k, v in {**TORCHRUN_ENV, **extra}.items():
+        monkeypatch.setenv(k, v)
+
+
+def _fake_cuda(monkeypatch, count: int):
+    """torch.cuda says ``count`` devices exist; resolve_ep_device asks nothing more of it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_bench_torchrun_ranks_disagree_with_world_size(monkeypatch, capsys, tmp_path):
+    # Edge: --ranks 4 under a 2-process torchrun world is refused, naming both numbers, before any process
+    # group or file exists (every rank raises the same error, so none hangs waiting for another).
+    _fake_torchrun(monkeypatch)
+    rc = cli.main(["bench", "--shape", TINY, "--ranks", "4", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "--ranks 4" in err and "world size 2" in err and "--ranks 2" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv,cuda,message", [
+    # --device cpu under torchrun: SymmetricPeers has no CPU form; no silent fallback to virtual ranks
+    (["--device", "cpu"], True, "--device cpu: under torchrun each process is one EP rank"),
+    # no --device and no CUDA: the same reason, not a CPU run (TRITON_INTERPRET=1 is set in these tests)
+    ([], False, "CUDA is not available here: under torchrun"),
+])
+def test_bench_torchrun_needs_cuda(monkeypatch, capsys, tmp_path, argv, cuda, message):
+    _fake_torchrun(monkeypatch)
+    if cuda:
+        _fake_cuda(monkeypatch, 1)
+    else:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = cli.main(["bench", "--shape", TINY, "--out", str(tmp_path / "out")] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and "SymmetricPeers, which needs CUDA" in err and "no CPU backend" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_ep_baseline_without_torchrun_is_an_error(monkeypatch, capsys, tmp_path):
+    # Edge: --ep-baseline chooses the baseline of real ranks; in the one-process virtual mode (no WORLD_SIZE)
+    # it would be ignored, so it is refused instead.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    rc = cli.main(["bench", "--shape", TINY, "--ep-baseline", "distributed", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--ep-baseline distributed applies under torchrun" in err, err
+
+
+def test_detect_launch_reads_torchrun_environment():
+    # Edge: the seam between the environment and the bench: no WORLD_SIZE is one process (virtual ranks);
+    # torchrun's variables give this rank; KITTENMOE_EP_SHARE_GPU=1 puts every rank on one GPU.
+    from kittenmoe.bench import Launch, detect_launch
+
+    assert detect_launch({}) is None
+    assert detect_launch({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == Launch(4, 3, 1, False, True)
+    assert detect_launch({**TORCHRUN_ENV, "KITTENMOE_EP_SHARE_GPU": "1"}).share_gpu
+    assert not detect_launch({**TORCHRUN_ENV, "KITTENMOE_EP_SHARE_GPU": "0"}).share_gpu
+
+
+@pytest.mark.parametrize("environ,message", [
+    # WORLD_SIZE without RANK: not a torchrun launch; say how to launch
+    ({"WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK is not set but WORLD_SIZE=2 is"),
+    # a variable that is not an integer
+    ({"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
+    # RANK outside [0, WORLD_SIZE)
+    ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}, "0 <= RANK < WORLD_SIZE"),
+    # KITTENMOE_EP_SHARE_GPU neither 0 nor 1 (a typo must not silently mean "one GPU per rank")
+    ({**TORCHRUN_ENV, "KITTENMOE_EP_SHARE_GPU": "yes"}, "KITTENMOE_EP_SHARE_GPU='yes'"),
+])
+def test_detect_launch_rejects_broken_environment(environ, message):
+    from kittenmoe.bench import detect_launch
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        detect_launch(environ)
+
+
+def test_check_world_and_device_under_torchrun(monkeypatch):
+    # Edge: an absent or equal --ranks gives the world size; each rank's GPU is cuda:LOCAL_RANK, cuda:0 when
+    # the ranks share it; LOCAL_RANK past the GPUs and a --device naming another GPU are clear errors.
+    from kittenmoe.bench import check_world, detect_launch, resolve_ep_device
+
+    _fake_cuda(monkeypatch, 2)
+    launch = detect_launch({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
+    assert check_world(None, launch) == 2 and check_world(2, launch) == 2
+    assert resolve_ep_device(None, launch) == torch.device("cuda", 1)
+    assert resolve_ep_device("cuda", launch) == torch.device("cuda", 1)
+    assert resolve_ep_device("cuda:1", launch) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=re.escape("--device cuda:0: rank 1 runs on cuda:1 (LOCAL_RANK=1)")):
+        resolve_ep_device("cuda:0", launch)
+    shared = detect_launch({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3", "KITTENMOE_EP_SHARE_GPU": "1"})
+    assert resolve_ep_device(None, shared) == torch.device("cuda", 0)
+    beyond = detect_launch({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "3"})
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=3, but this machine has 2 CUDA device\(s\).*"
+                                         r"KITTENMOE_EP_SHARE_GPU=1"):
+        resolve_ep_device(None, beyond)
+    with pytest.raises(ValueError, match="'nope' is not a device"):
+        resolve_ep_device("nope", launch)
+
+
+def test_table_marks_process_ranks():
+    # Edge: rows of real ranks and of virtual ranks look alike in the table except for R ("2p" = processes)
+    # and the baseline's name.
+    from kittenmoe.bench import format_table
+
+    row = dict(kind="forward", shape="H32-I16-E8-K2", tokens=20, ranks=2, experts_local=4, routing="uniform",
+               dtype="bf16", ms_kittenmoe=1.0, ms_kittenmoe_p20=0.9, ms_kittenmoe_p80=1.1, ms_baseline=2.0,
+               speedup=2.0, routed_tflops=1.0, baseline_routed_tflops=0.5, rel_l1=1e-3, rel_l1_ok=True)
+    lines = format_table([dict(row, ranks_mode="virtual", baseline="grouped_mm"),
+                          dict(row, ranks_mode="processes", baseline="all_to_all_forward")]).splitlines()
+    assert re.search(r"20\s+2\s+4\s+uniform", lines[2]) and "grouped_mm" in lines[2]
+    assert re.search(r"20\s+2p\s+4\s+uniform", lines[3]) and "all_to_all_forward" in lines[3]
+
+
+# A small problem two processes on one GPU compile and run quickly: 96 tokens a rank, H=128, I=64, K=4, 8 experts
+# per rank (E=16 over 2 ranks), the tiles the EP GPU tests in test_distributed.py run.
+EP_SMOKE_SHAPE = "96,128,64,16,4"
+EP_SMOKE_CONFIG = ("num_comm_programs_fwd=8,num_comm_programs_bwd=8,minibatch_size=256,block_m=64,block_n=64,"
+                   "block_k=64,num_stages=3,num_warps=4")
+
+
+@pytest.mark.gpu
+def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
+    # Edge: real ranks. torchrun starts 2 processes on one GPU (KITTENMOE_EP_SHARE_GPU=1: gloo group, symmetric
+    # memory allowed to overlap); each is one EP rank of kittenmoe.ep over SymmetricPeers, timed against the
+    # NCCL + PyTorch EP baseline in the same run; rank 0 alone prints and writes one JSON file.
+    out = tmp_path / "results"
+    env = dict(os.environ, KITTENMOE_EP_SHARE_GPU="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p))
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "kittenmoe.cli", "bench", "--shape", EP_SMOKE_SHAPE, "--ep", "2", "--mode", "both",
+           "--config", EP_SMOKE_CONFIG, "--reps", "5", "--warmup", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    files = list(out.glob("bench-*.json"))
+    assert len(files) == 1, files
+    rows = json.loads(files[0].read_text())
+    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    for r in rows:
+        assert r["ranks"] == 2 and r["ranks_mode"] == "processes" and r["share_gpu"] and r["process_group"] == "gloo"
+        assert (r["e"], r["experts_local"], r["device"]) == (16, 8, "cuda")
+        assert r["baseline"] == "all_to_all_forward"
+        for f in ("ms_kittenmoe", "ms_baseline", "speedup", "routed_tflops", "baseline_routed_tflops"):
+            assert math.isfinite(r[f]) and r[f] > 0, f
+        assert r["ms_kittenmoe_p20"] <= r["ms_kittenmoe"] <= r["ms_kittenmoe_p80"]
+        assert r["rel_l1_ok"] and r["baseline_rel_l1"] <= r["rel_l1_tolerance"], r
+        assert "out[0]" in r["rel_l1_per_tensor"] and "out[1]" in r["rel_l1_per_tensor"]
+    assert "d_w13[1]" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    assert proc.stdout.count("kmoe ms p50 [p20-p80]") == 1  # one table: rank 0's
