@@ -235,7 +235,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     each rank, ``n_e = t * k * ranks / e`` to each expert.
 
     On CUDA (measured on the H200 for the seed shapes sliced to one EP8 rank,
-    where ``KernelConfig()``'s values won the sweeps in docs/perf-notes.md;
+    where these values won the sweeps in docs/perf-notes.md;
     elsewhere a guess the tuner replaces):
 
     - ``block_m`` 128, or 64 when experts average under 96 rows (the padding of
@@ -243,8 +243,12 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     - ``minibatch_size`` 2048 (the seed slices' optimum at ``n`` = 12-40 K
       rows); smaller problems use ``n / 4`` rounded down to a power of two
       (at least ``block_m``) so the comm/compute pipeline still has ~4 steps;
-    - ``num_comm_programs_fwd/bwd`` 16 (8 starved the GEMMs' pull, 20 did not
-      help), or an eighth of the SMs on GPUs with fewer than 100 SMs;
+    - ``num_comm_programs_fwd`` by bytes per FLOP, which fall as ``I`` grows (a
+      routed row moves ``H`` elements for ``6*H*I`` FLOPs): 16 for ``I`` <= 1024,
+      12 up to 2048, 8 above (H200 sweep after the vectorised copies, 2026-11-29:
+      Qwen I=1024 best at 16, Kimi/GLM I=2048 at 12, DeepSeek I=3072 at 8);
+      ``num_comm_programs_bwd`` 16 (the backward moves x and d_out, flat between
+      8 and 16). An eighth of the SMs for both on GPUs with fewer than 100 SMs;
     - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
       most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
       memory (``gate_up_smem_bytes``);
@@ -280,10 +284,11 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     props = torch.cuda.get_device_properties(dev)
     sms = props.multi_processor_count
     comm = 16 if sms >= 100 else max(1, sms // 8)
+    comm_fwd = (16 if i <= 1024 else 12 if i <= 2048 else 8) if sms >= 100 else comm
     bm = 128 if n * ranks / e >= 96 else 64
     mb = 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4))
     bn, bk = 128, (64 if elem <= 2 else 32)
-    cfg = KernelConfig(num_comm_programs_fwd=comm, num_comm_programs_bwd=comm, minibatch_size=mb, block_m=bm,
+    cfg = KernelConfig(num_comm_programs_fwd=comm_fwd, num_comm_programs_bwd=comm, minibatch_size=mb, block_m=bm,
                        block_n=bn, block_k=bk, num_stages=1)
     stages = next((s for s in (4, 3, 2) if gate_up_smem_bytes(cfg.with_(num_stages=s), elem) <= SHARED_MEMORY_LIMIT), 1)
     cfg = cfg.with_(num_stages=stages)
