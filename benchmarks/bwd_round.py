@@ -42,10 +42,12 @@ def case(shape, R, T, dev, seed=0):
 def check(name, shape, R, T, cfg, dev):
     w, xs, ids, ws, gos = case(shape, R, T, dev)
     args = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
-    res = megakernel_backward_multirank(gos, *args, config=cfg)
+    # The path autograd takes: the forward keeps its activations (cfg.keep_activations), the backward reads them.
+    fwd = megakernel_forward_multirank(*args, config=cfg, save_for_backward=cfg.keep_activations)
+    res = megakernel_backward_multirank(gos, *args, config=cfg, saved=fwd.saved())
     res.check_errors()
     got = res.d_x + res.d_topk_weights + [res.d_w13, res.d_w2, res.d_shared_w13, res.d_shared_w2]
-    res2 = megakernel_backward_multirank(gos, *args, config=cfg)
+    res2 = megakernel_backward_multirank(gos, *args, config=cfg, saved=fwd.saved())
     got2 = res2.d_x + res2.d_topk_weights + [res2.d_w13, res2.d_w2, res2.d_shared_w13, res2.d_shared_w2]
     det = all(torch.equal(a, b) for a, b in zip(got, got2))
     leaves = [x.float().requires_grad_() for x in xs] + [v.float().requires_grad_() for v in ws] + \
@@ -93,9 +95,13 @@ def main() -> int:
         peers = LocalPeers(1, dev)
         a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
 
-        def mk():
-            megakernel_forward_multirank(*a, config=cfg, peers=peers)
-            megakernel_backward_multirank(gos, *a, config=cfg, peers=peers)
+        def mk(keep=cfg.keep_activations):
+            f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=keep)
+            megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, saved=f.saved())
+
+        # The replaying backward (keep_activations=False) in the same run, for the comparison.
+        row["ms_kittenmoe_replay"] = triton.testing.do_bench(lambda: mk(False), warmup=20, rep=args.reps * 20,
+                                                             return_mode="median")
 
         if args.breakdown:
             from kittenmoe.kernels import megakernel_bwd as mb
@@ -104,9 +110,12 @@ def main() -> int:
                      "+B+push": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH,
                      "+wgrad": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH | mb.PB_WGRAD, "all": mb.PB_ALL}
             row["phase_ms"] = {}
+            saved_fwd = megakernel_forward_multirank(*a, config=cfg, peers=peers,
+                                                     save_for_backward=cfg.keep_activations)
             for label, m in masks.items():
                 row["phase_ms"][label] = triton.testing.do_bench(
-                    lambda m=m: megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, phases=m),
+                    lambda m=m: megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, phases=m,
+                                                              saved=saved_fwd.saved()),
                     warmup=20, rep=args.reps * 10, return_mode="median")
                 print(f"  backward phases {label:<8} {row['phase_ms'][label]:.3f} ms", flush=True)
         torch.cuda.synchronize()
@@ -142,10 +151,11 @@ def main() -> int:
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     with open(os.path.join(args.out, f"fwdbwd-{stamp}.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print(f"\n{'shape':<20}{'kmoe ms':>9}{'base ms':>9}{'x':>6}{'routed TF':>10}{'relL1':>9}{'cos':>10}{'det':>6}"
+    print(f"\n{'shape':<20}{'kmoe ms':>9}{'replay':>8}{'base ms':>9}{'x':>6}{'routed TF':>10}{'relL1':>9}{'cos':>10}{'det':>6}"
           f"{'MB k':>8}{'MB base':>9}")
     for r in rows:
-        print(f"{r['shape']:<20}{r['ms_kittenmoe']:>9.3f}{r.get('ms_grouped_mm', float('nan')):>9.3f}"
+        print(f"{r['shape']:<20}{r['ms_kittenmoe']:>9.3f}{r['ms_kittenmoe_replay']:>8.3f}"
+              f"{r.get('ms_grouped_mm', float('nan')):>9.3f}"
               f"{r.get('speedup', float('nan')):>6.2f}{r['routed_tflops']:>10.0f}{r['worst_rel_l1']:>9.1e}"
               f"{r['min_cosine']:>10.6f}{str(r['deterministic']):>6}{r['peak_mb_kittenmoe']:>8.0f}"
               f"{r.get('peak_mb_grouped_mm', float('nan')):>9.0f}")

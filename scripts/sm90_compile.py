@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--shape", default="kimi-k2.7")
     ap.add_argument("--config", default="", help="KernelConfig overrides, e.g. block_n=64,num_stages=3")
+    ap.add_argument("--resident", action="store_true",
+                    help="the variants that keep the forward's activations for the backward (SAVE_GU / RESIDENT)")
     args = ap.parse_args()
     shape = {**SEED_SHAPES, **TEST_SHAPES}[args.shape]
     kw = {}
@@ -115,9 +117,15 @@ def main() -> int:
             compiled.clear()
             try:
                 if which == "fwd":
-                    ops.megakernel_forward_multirank(*a, config=cfg)
+                    ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=args.resident)
                 else:
-                    ops.megakernel_backward_multirank(d_out, *a, config=cfg)
+                    fwd = None
+                    if args.resident:  # the forward's states (its launch is compile-only here) carry the buffers
+                        JITFunction.run = lambda self, *a_, grid, warmup, **k_: _orig_run(self, *a_, grid=grid,
+                                                                                        warmup=True, **k_)
+                        fwd = ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=True)
+                        JITFunction.run = _compile_only
+                    ops.megakernel_backward_multirank(d_out, *a, config=cfg, saved=fwd.saved() if fwd else None)
             except Exception as exc:  # the launcher reads results after the fake launch; compiles are done
                 if not compiled:
                     raise

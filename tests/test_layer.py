@@ -166,6 +166,49 @@ def test_megakernel_op_bad_expert_id_raises():
         kag.check_errors()
 
 
+@pytest.mark.parametrize("limit", [None, 0.7])  # plain SwiGLU, and the clamp whose masks read gate|up
+def test_kept_activations_give_the_replays_gradients(limit):
+    """Autograd through the op with keep_activations (the forward returns x_routed and fp32 gate|up, the backward
+    reads them) against keep_activations=False (the backward replays both): the same gradients, bit for bit under
+    the interpreter, within fp32 tolerance on a GPU (forward and replay tiles differ there)."""
+    import dataclasses
+
+    case = dataclasses.replace(Case(TINY_SIG, t=9), swiglu_limit=limit)
+    grads = {}
+    for keep in (True, False):
+        args, d_out = _op_args(case, DEV, requires_grad=True)
+        out = kag.moe_megakernel(*args, config=CFG.with_(keep_activations=keep))
+        leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        grads[keep] = torch.autograd.grad(out, leaves, d_out)
+    for i, (a, b) in enumerate(zip(grads[True], grads[False], strict=True)):
+        if HAS_CUDA:
+            assert_close(a, b, torch.float32, f"grad {i}")
+        else:
+            assert_bitwise_equal(a, b, f"grad {i}")
+
+
+def test_no_activations_kept_without_grad():
+    """Under no_grad (or with no input requiring grad) the op keeps nothing: no [NR, 2I] fp32 buffer lives on."""
+    args, _ = _op_args(Case(TINY, t=5), DEV, requires_grad=False)
+    assert kag._kept_rows(args[0], args[1], args[3], CFG) > 0  # CFG would keep them for a backward
+    seen = []
+    real = torch.ops.kittenmoe.moe_forward
+
+    class Spy:
+        def __call__(self, *a):
+            res = real(*a)
+            seen.append(res[2].shape[0])
+            return res
+
+    orig = torch.ops.kittenmoe.moe_forward
+    try:
+        torch.ops.kittenmoe.moe_forward = Spy()
+        kag.moe_megakernel(*args, config=CFG)
+    finally:
+        torch.ops.kittenmoe.moe_forward = orig
+    assert seen == [0]
+
+
 # ----------------------------------------------------------------------------- custom ops: opcheck / fake
 
 
@@ -198,11 +241,16 @@ def test_ops_fake_impls(shared):
     cfg = kag.config_to_args(CFG)
     expect = [(tuple(args[0].shape), args[0].dtype), (tuple(args[2].shape), torch.float32)]
     expect += [(tuple(t.shape), t.dtype) if t is not None else ((0,), args[3].dtype) for t in args[3:7]]
+    x, w13 = args[0], args[3]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out = fwd(*fargs, *cfg)
-        grads = bwd(mode.from_tensor(d_out), *fargs, *cfg)
-    assert (tuple(out.shape), out.dtype, out.device) == (tuple(args[0].shape), args[0].dtype, args[0].device)
+        out, x_routed, gate_up = fwd(*fargs, *cfg)
+        grads = bwd(mode.from_tensor(d_out), *fargs[:8], x_routed, gate_up, *cfg)
+    real = fwd(*args, *cfg)  # the kept activations' shapes come from shapes and config alone: compare
+    assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in (out, x_routed, gate_up)]
+    assert real[1].shape[0] > 0 and real[2].dtype == torch.float32  # CFG keeps them (resident ring)
+    assert (tuple(out.shape), out.dtype, out.device) == (tuple(x.shape), x.dtype, x.device)
+    assert gate_up.shape[1] == w13.shape[1]
     assert [(tuple(g.shape), g.dtype) for g in grads] == expect
     assert all(g.device == args[0].device for g in grads)
 

@@ -396,6 +396,103 @@ def test_scratch_buffers_poisoned_with_nan(name, monkeypatch):
         _assert_grad_close(gname, g, ref[gname], "fp32", rescale=False)
 
 
+# ----------------------------------------------------------------------------- resident forward activations
+
+RESIDENT_CASES = {
+    # R=1 with a shared expert, fp32: the plainest resident path
+    "r1": Case(TINY, r=1, t=24),
+    # R=2, clamp, two I tiles of which the second is partial (TINY_SIG's I=24): gate|up read back per tile
+    "r2-sig-limit": Case(TINY_SIG, r=2, t=20, swiglu_limit=0.5),
+    # R=4, experts 0..2 only: ranks that receive no row, zero-token experts, padding-heavy tiles
+    "r4-few": Case(TINY, r=4, t=12, routing="few_experts"),
+    # bf16 rows (gate|up kept in fp32, as the accumulators hold them)
+    "bf16": Case(TINY_SIG, r=2, t=20, dtype=torch.bfloat16),
+}
+
+
+def _forward_saved(case: Case, inp: Inputs, config: KernelConfig, peers: LocalPeers):
+    f = megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit, config=config,
+                                     peers=peers, save_for_backward=True)
+    f.check_errors()
+    return f
+
+
+@pytest.mark.parametrize("name", list(RESIDENT_CASES))
+def test_resident_backward_matches_replay(name, monkeypatch):
+    """forward(save_for_backward=True) then backward(saved=forward.saved()) reads the forward's routed x rows and gate|up
+    pre-activations instead of pulling x again and replaying the GEMM. Every float buffer either launcher
+    allocates starts NaN, so padding rows of x_routed the forward left unwritten (the weight gradients sum them)
+    or a gate|up tile it did not store show up. Gradients: equal to the replaying backward (bit for bit under the
+    interpreter, whose fp32 accumulators agree; within tolerance on a GPU, whose forward and replay tiles
+    differ) and close to the fp64 reference."""
+    case = RESIDENT_CASES[name]
+    inp = _make_inputs(case, seed=5)
+    cfg = case.config()
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+    peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
+    fwd = _forward_saved(case, inp, cfg, peers)
+    assert all(st.ring.resident and st.gate_up is not None for st in fwd.states)
+    _poison(peers, case.t, case.shape.k, case.shape.h, case.dtype)
+    res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
+                                        config=cfg, peers=peers, saved=fwd.saved())
+    res.check_errors()
+    monkeypatch.undo()
+    got = _named(res)
+    replay = _named(_backward(case, inp))
+    tol = "fp32" if case.dtype == torch.float32 else "bf16"
+    ref = _reference_grads64(case, inp)
+    for gname, g in got.items():
+        assert torch.isfinite(g).all(), f"{gname}: NaN from an unwritten row"
+        if not HAS_CUDA:
+            assert_bitwise_equal(g, replay[gname], f"{gname}: resident vs replay")
+        _assert_grad_close(gname, g, replay[gname].double(), tol, rescale=tol != "fp32")
+        _assert_grad_close(gname, g, ref[gname], tol, rescale=tol != "fp32")
+
+
+def test_wrapping_ring_saves_nothing_and_replays():
+    """With a ring that wraps (macrobatch 16 rows < the capacity) the forward's rows are overwritten: nothing is
+    saved, and backward(saved=...) replays, giving exactly the plain backward's gradients."""
+    case = Case(TINY, r=2, t=16)
+    inp = _make_inputs(case, seed=6)
+    cfg = case.config().with_(macrobatch_size=16)
+    peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
+    fwd = _forward_saved(case, inp, cfg, peers)
+    assert all(not st.ring.resident and st.gate_up is None for st in fwd.states)
+    _poison(peers, case.t, case.shape.k, case.shape.h, case.dtype)
+    res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg,
+                                        peers=peers, saved=fwd.saved())
+    res.check_errors()
+    plain = _named(_backward(case, inp, config=cfg))
+    for gname, g in _named(res).items():
+        assert_bitwise_equal(g, plain[gname], gname)
+
+
+def test_saved_activations_of_another_config_rejected():
+    """A forward run with another minibatch has routed buffers of another height: the backward refuses them with
+    the expected shape instead of reading rows that do not line up."""
+    case = Case(TINY, r=1, t=24)
+    inp = _make_inputs(case, seed=7)
+    peers = LocalPeers(1, DEV)
+    fwd = _forward_saved(case, inp, case.config().with_(minibatch_size=32), peers)
+    # capacity 24*2 routes + 8 experts * 15 padding rows = 168 -> 176 rows in 16-row minibatches (192 in 32-row)
+    with pytest.raises(ValueError, match=r"saved x_routed must be .* shape \(176, 32\)"):
+        megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), None,
+                                      config=case.config(), peers=peers, saved=fwd.saved())
+    with pytest.raises(ValueError, match="saved holds 1 ranks' activations, the backward runs 2 ranks"):
+        two = Case(TINY, r=2, t=24)
+        inp2 = _make_inputs(two, seed=7)
+        megakernel_backward_multirank(inp2.d_outs, inp2.xs, inp2.ids, inp2.ws, *inp2.weights(), None,
+                                      config=two.config(), peers=LocalPeers(2, DEV), saved=fwd.saved())
+
+
 # ----------------------------------------------------------------------------- bitwise determinism
 
 BITWISE_BASE = Case(TINY, r=2, t=16, routing="zipf", swiglu_limit=0.5)

@@ -6,11 +6,15 @@ Layering (DESIGN.md "Where code lives"): launcher (``kittenmoe.ops``) -> the cus
 Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
-  swiglu_limit?, <KernelConfig fields>) -> out_TH``: the forward megakernel.
-- ``moe_backward(d_out_TH, <the same inputs>) -> (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI,
-  d_shared_w13_2SH, d_shared_w2_HS)``: the backward megakernel (it replays the dispatch and gate|up GEMM, so
-  autograd saves only the inputs). Without a shared expert the last two are empty ``[0]`` placeholders
-  (a custom op cannot return an optional tensor); autograd turns them into ``None``.
+  swiglu_limit?, <KernelConfig fields>) -> (out_TH, x_routed, gate_up)``: the forward megakernel. With
+  ``keep_activations`` on a resident ring it also returns the routed x rows ``[NR, H]`` and the fp32 gate|up
+  pre-activations ``[NR, 2I]`` for the backward; otherwise ``[0, H]`` / ``[0, 2I]`` (``moe_megakernel``
+  turns the knob off when no gradient is needed).
+- ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, <KernelConfig fields>) -> (d_x_TH,
+  d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
+  megakernel. It replays the dispatch, and the gate|up GEMM unless ``x_routed`` has rows. Without a shared
+  expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
+  autograd turns them into ``None``.
 
 The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
 assert under ``torch.compile``, ``kittenmoe.checks.raise_if_invalid_routes``).
@@ -47,7 +51,7 @@ import torch
 
 from kittenmoe import ops
 from kittenmoe.checks import canonical_device
-from kittenmoe.config import KernelConfig
+from kittenmoe.config import KernelConfig, routed_capacity
 from kittenmoe.peers import LocalPeers
 
 Tensor = torch.Tensor
@@ -92,8 +96,12 @@ _INPUTS = ("Tensor x_TH, Tensor topk_ids_TK, Tensor topk_weights_TK, Tensor w13_
 _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_w2_EHI, " \
          "Tensor d_shared_w13_2SH, Tensor d_shared_w2_HS)"
 
-torch.library.define("kittenmoe::moe_forward", f"({_INPUTS}, {_config_schema()}) -> Tensor")
-torch.library.define("kittenmoe::moe_backward", f"(Tensor d_out_TH, {_INPUTS}, {_config_schema()}) -> {_GRADS}")
+# The forward also returns what it kept for the backward (KernelConfig.keep_activations on a resident ring):
+# x_routed [NR, H] and fp32 gate_up [NR, 2I], or [0, H] / [0, 2I] when it kept nothing (the backward replays).
+torch.library.define("kittenmoe::moe_forward",
+                     f"({_INPUTS}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
+torch.library.define("kittenmoe::moe_backward",
+                     f"(Tensor d_out_TH, {_INPUTS}, Tensor x_routed, Tensor gate_up, {_config_schema()}) -> {_GRADS}")
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
@@ -207,21 +215,26 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
     res = ops.megakernel_forward_multirank(
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        swiglu_limit, config=config, peers=peers)
+        swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations)
     _report(st, [state.err for state in res.states])
-    return res.outputs[0]
+    kept = res.saved()[0]
+    if kept is None:
+        H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
+        kept = (x_TH.new_empty(0, H), x_TH.new_empty(0, two_i, dtype=torch.float32))
+    return res.outputs[0], kept[0], kept[1]
 
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                       shared_w2_HS, swiglu_limit, *config_args):
+                       shared_w2_HS, swiglu_limit, x_routed, gate_up, *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
     res = ops.megakernel_backward_multirank(
         d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
-        shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers)
+        shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
+        saved=[(x_routed, gate_up) if x_routed.shape[0] else None])
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
@@ -233,13 +246,24 @@ def _pack_grads(d_x, d_w, d_w13, d_w2, d_sw13, d_sw2, w13_E2IH):
             w13_E2IH.new_empty(0) if d_sw13 is None else d_sw13, w13_E2IH.new_empty(0) if d_sw2 is None else d_sw2)
 
 
+def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
+    """Rows of the activations the forward keeps (from shapes and config only, as the fake impl needs)."""
+    if not config.keep_activations:
+        return 0
+    ring = ops.RingGeometry.make(
+        routed_capacity(1, x_TH.shape[0], topk_ids_TK.shape[1], w13_E2IH.shape[0], config.block_m), config)
+    return ring.macrobatch if ring.resident else 0
+
+
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                  swiglu_limit, *rest):
-    return torch.empty_like(x_TH)
+                  swiglu_limit, *config_args):
+    n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
+    return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1]),
+            x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                   shared_w2_HS, swiglu_limit, *rest):
+                   shared_w2_HS, swiglu_limit, x_routed, gate_up, *rest):
     return (
         torch.empty_like(x_TH),
         topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
@@ -258,15 +282,24 @@ torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
-    ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)
+    _, x_routed, gate_up = output
+    ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                          x_routed, gate_up)
     ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields
+    # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
+    # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
+    ctx.mark_non_differentiable(x_routed, gate_up)
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, d_out_TH):
-    x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
+def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up):
+    (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
+     gate_up) = ctx.saved_tensors
+    if d_out_TH is None:  # the output did not reach the loss
+        d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, *ctx.rest)
+        shared_w2_HS, ctx.rest[0], x_routed, gate_up, *ctx.rest[1:])
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None
     # topk_ids and every non-tensor argument get no gradient.
@@ -283,6 +316,10 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
                    config: KernelConfig | None = None) -> Tensor:
     """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward``."""
     config = KernelConfig() if config is None else config
+    if config.keep_activations and not (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad
+            for t in (x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS))):
+        config = config.with_(keep_activations=False)  # no backward will read them
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), *config_to_args(config))
+        None if swiglu_limit is None else float(swiglu_limit), *config_to_args(config))[0]

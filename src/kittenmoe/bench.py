@@ -407,8 +407,10 @@ class Runner:
             return lambda: megakernel_forward_multirank(*a, config=config, peers=self.peers)
 
         def fwd_bwd():
-            f = megakernel_forward_multirank(*a, config=config, peers=self.peers)
-            b = megakernel_backward_multirank(self.d_out, *a, config=config, peers=self.peers)
+            # as autograd runs them: the forward keeps its activations for the backward (keep_activations)
+            f = megakernel_forward_multirank(*a, config=config, peers=self.peers,
+                                             save_for_backward=config.keep_activations)
+            b = megakernel_backward_multirank(self.d_out, *a, config=config, peers=self.peers, saved=f.saved())
             return f, b
 
         return fwd_bwd

@@ -118,6 +118,13 @@ class KernelConfig:
         Hopper-or-newer GPU, bf16/fp16, I, S multiples of block_n, H a
         multiple of 2*block_n, widths multiples of block_k); otherwise, and
         always under the interpreter, pointer loads.
+    keep_activations: a forward that autograd will differentiate keeps each
+        routed row's x and fp32 gate|up pre-activations (H x dtype + 8 I
+        bytes a row; Kimi EP8 slice: ~0.58 GB a layer) for the backward,
+        which then skips the gate|up replay (4 of phase A's 6 FLOPs per
+        element) and the x pull. Needs a resident ring (no wrap: macrobatch
+        None or at least the capacity); with a wrapping ring the backward
+        replays what the ring overwrote. False: always replay.
     """
 
     num_comm_programs_fwd: int = 16
@@ -131,13 +138,14 @@ class KernelConfig:
     num_warps: int = 8
     push_in_epilogue: bool = False
     tma: bool = True
+    keep_activations: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
                 continue
-            if field.name in ("push_in_epilogue", "tma"):
+            if field.name in ("push_in_epilogue", "tma", "keep_activations"):
                 if not isinstance(v, bool):
                     raise TypeError(f"KernelConfig.{field.name} must be a bool, got {v!r}")
                 continue

@@ -85,6 +85,12 @@ class RingGeometry:
         slots = mac // mb
         return RingGeometry(capacity, mb, mac, slots, triton.cdiv(capacity, mac) * slots)
 
+    @property
+    def resident(self) -> bool:
+        """The ring never wraps: every routed row keeps its own slot until the forward ends, so the backward
+        can read the forward's routed activations instead of replaying them."""
+        return self.macrobatch >= self.capacity
+
     def live_minibatches(self, num_rows: int) -> list[int]:
         """Processing indices that hold rows (host mirror of the kernel's ``_mb_rows``)."""
         nmac = triton.cdiv(num_rows, self.macrobatch)
@@ -109,6 +115,8 @@ class ForwardState:
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
     err: torch.Tensor  # [1] int32
+    # [MAC, 2I] fp32 gate|up pre-activations, kept for the backward (save_for_backward on a resident ring), else None
+    gate_up: torch.Tensor | None = None
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
 
@@ -157,8 +165,14 @@ def launch_rank_forward(
     config: KernelConfig,
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int = mk.PH_ALL,
+    save_for_backward: bool = False,
 ) -> ForwardState:
-    """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine)."""
+    """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
+
+    ``save_for_backward``: when the ring is resident (``macrobatch_size`` None or at least the capacity), also
+    keep each routed row's gate|up pre-activations (``state.gate_up``) and write padding rows of
+    ``state.x_routed`` as zeros, so that ``launch_rank_backward(saved=...)`` skips the gate|up replay and
+    the x pull. Ignored (nothing saved, the backward replays) when the ring wraps."""
     R, T, K = ids_all_RTK.shape
     L, two_i, H = w13_L2IH.shape
     I = two_i // 2
@@ -182,6 +196,11 @@ def launch_rank_forward(
         counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
         err=torch.zeros(1, dtype=torch.int32, device=dev),
     )
+    save_gu = save_for_backward and ring.resident
+    if save_gu:
+        # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
+        # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
+        st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=torch.float32, device=dev)
     has_shared = S > 0
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
@@ -211,7 +230,7 @@ def launch_rank_forward(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
-        USE_TMA=use_tma,
+        USE_TMA=use_tma, SAVE_GU=save_gu,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
     )
     if not interp:
@@ -222,8 +241,8 @@ def launch_rank_forward(
         return mk.dispatch_mlp_swiglu_combine_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
-            st.x_routed, st.hidden, st.y_routed, st.shared_hidden, st.y_shared,
-            w13_L2IH, w2_LHI, sw13, sw2, *descs, st.counters, st.err,
+            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed, st.shared_hidden,
+            st.y_shared, w13_L2IH, w2_LHI, sw13, sw2, *descs, st.counters, st.err,
             T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
             phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
             **meta,
@@ -283,6 +302,11 @@ class MultirankForward:
         for st in self.states:
             check_errors(st.err)
 
+    def saved(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up) when this
+        forward kept them (``save_for_backward`` on a resident ring), else None (the backward replays)."""
+        return [None if st.gate_up is None else (st.x_routed, st.gate_up) for st in self.states]
+
 
 def megakernel_forward_multirank(
     x_RTH: list[torch.Tensor],
@@ -297,11 +321,14 @@ def megakernel_forward_multirank(
     peers: LocalPeers | None = None,
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int = mk.PH_ALL,
+    save_for_backward: bool = False,
 ) -> MultirankForward:
     """Forward of R virtual ranks on one device through the megakernel (no autograd).
 
     ``phases`` (a mask of ``megakernel_fwd.PH_*``, default all) runs a subset of
-    the roles, for timing one phase against another.
+    the roles, for timing one phase against another. ``save_for_backward``: keep
+    the routed activations for the backward (``result.saved()``; see
+    ``launch_rank_forward``).
 
     Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
     x's dtype. Call ``.check_errors()`` on the result to surface device-side
@@ -319,7 +346,8 @@ def megakernel_forward_multirank(
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
-                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases)
+                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
+                            save_for_backward)
         for d in range(R)
     ]
     outs = []
@@ -364,11 +392,15 @@ def launch_rank_backward(
     phases: int | None = None,
     dw13_out: torch.Tensor | None = None,
     dw2_out: torch.Tensor | None = None,
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
     """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers.
 
     ``dw13_out`` / ``dw2_out`` ([L, 2I, H] / [L, H, I], contiguous): where to write this rank's expert weight
-    gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice)."""
+    gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice).
+    ``saved``: ``(x_routed [NR, H], gate_up [NR, 2I] fp32)`` of this rank's forward with the same routing and
+    config (``launch_rank_forward(save_for_backward=True)`` on a resident ring): phase A then runs the down
+    dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips x rows."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -399,13 +431,19 @@ def launch_rank_backward(
                               or t.device != dev):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+    if saved is not None:
+        for name, t, shape, dt in (("saved x_routed", saved[0], (NR, H), dtype),
+                                   ("saved gate_up", saved[1], (NR, 2 * I), torch.float32)):
+            if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
+                raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
+                                 f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
         err=torch.zeros(1, dtype=torch.int32, device=dev),
     )
     bufs = dict(
-        xr=e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
+        xr=e(NR, H) if saved is None else saved[0], dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
     )
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
@@ -458,7 +496,8 @@ def launch_rank_backward(
     meta = dict(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a, **dot,
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
+        RESIDENT=saved is not None, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).
@@ -474,7 +513,7 @@ def launch_rank_backward(
             peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
-            bufs["sdgu"], bufs["sh"], bufs["sdx"],
+            bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
             w13_L2IH, w2_LHI, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, **meta)
 
@@ -540,11 +579,14 @@ def megakernel_backward_multirank(
     peers: LocalPeers | None = None,
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int | None = None,
+    saved: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> MultirankBackward:
     """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
 
-    Recomputes (replays) the schedule, the dispatch and the gate|up GEMM; the
-    forward's buffers are not read. ``phases`` (a mask of ``megakernel_bwd.PB_*``,
+    Recomputes (replays) the schedule, the dispatch and the gate|up GEMM, except
+    for ranks whose entry of ``saved`` (``MultirankForward.saved()`` of this
+    call's forward: same inputs and config, run with ``save_for_backward=True``)
+    holds their routed x rows and gate|up pre-activations: those are read instead. ``phases`` (a mask of ``megakernel_bwd.PB_*``,
     default all) runs a subset of the roles, for timing one phase against
     another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
     over ranks in rank order (the replicated weight's total gradient).
@@ -569,10 +611,13 @@ def megakernel_backward_multirank(
     # each rank writes its experts' slice
     d_w13 = torch.empty(w13_E2IH.shape, dtype=dtype, device=dev)
     d_w2 = torch.empty(w2_EHI.shape, dtype=dtype, device=dev)
+    if saved is not None and len(saved) != R:
+        raise ValueError(f"saved holds {len(saved)} ranks' activations, the backward runs {R} ranks")
+    saved = [None] * R if saved is None else saved
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
-                             dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L])
+                             dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L], saved=saved[d])
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None

@@ -5,7 +5,7 @@ rank for dispatch, data gradients and combine; programs [0, C) communicate,
 the rest compute. The weight gradients follow as a second launch.
 
 Per routed row n (expert e, origin token t, slot j, router weight w):
-    g, u = x_n W13[e]^T (replayed: recomputed from the pulled x row)
+    g, u = x_n W13[e]^T (the forward's, kept; or replayed from the pulled x row)
     h = silu(gc) * uc            gc = min(g, L), uc = clamp(u, -L, L)
     dh_u = dO[t] W2[e]           unscaled down dgrad
     d_w[t, j] = <dh_u, h>        router-weight gradient; y is never stored
@@ -39,8 +39,11 @@ reproducible; no atomics touch data. The d_w row-sum over I is split across
 phase-A tiles into ``dw_part[row, n_tile]`` and reduced in n-tile order by the
 push.
 
-No ring in the backward yet (every routed row resident); it always replays the
-gate|up GEMM rather than reading forward activations.
+No ring in the backward yet (every routed row resident). RESIDENT: the forward
+kept its routed x rows (padding rows zeroed) and fp32 gate|up pre-activations
+(``KernelConfig.keep_activations``, a ring that did not wrap); phase A is then
+the down dgrad alone, reading g and u, and the pull skips x. Otherwise phase A
+replays the gate|up GEMM from the pulled x rows.
 """
 
 import triton
@@ -257,7 +260,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     # local buffers
     x_local_ptr,  # [T, H] this rank's x
     dout_local_ptr,  # [T, H] this rank's d_out
-    xr_ptr,  # [NR, H] pulled x rows
+    xr_ptr,  # [NR, H] pulled x rows (RESIDENT: the forward's x_routed, not pulled again)
     dor_ptr,  # [NR, H] pulled d_out rows (unscaled)
     wr_ptr,  # [NR] fp32 pulled router weights
     dgu_ptr,  # [NR, 2I] d(gate|up)
@@ -267,6 +270,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sdgu_ptr,  # [T, 2S] shared d(gate|up)
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
+    gu_ptr,  # [NR, 2I] fp32, the forward's gate|up pre-activations (RESIDENT; else a placeholder)
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
@@ -295,7 +299,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    RESIDENT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -331,8 +335,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             cols = h0 + tl.arange(0, BLOCK_H)
                             m = ok[:, None] & (cols < H)[None, :]
                             mc = (cols < H)[None, :]
-                            tl.store(xr_ptr + dst[:, None] + cols[None, :],
-                                     tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
+                            if not RESIDENT:  # else the forward's x_routed holds these rows, padding zeroed
+                                tl.store(xr_ptr + dst[:, None] + cols[None, :],
+                                         tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
                             tl.store(dor_ptr + dst[:, None] + cols[None, :],
                                      tl.load(db[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
                         wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
@@ -404,7 +409,20 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if USE_TMA_A:
+                                if RESIDENT:
+                                    # Down dgrad only; gate|up as the forward's fp32 accumulators held them.
+                                    if USE_TMA_A:
+                                        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
+                                    else:
+                                        acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I,
+                                                         nt * BN, I, H, BM, BN, BK, DOT_FP32, PRECISION)
+                                    rn = nt * BN + tl.arange(0, BN)
+                                    gu_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
+                                    acc_g = tl.load(gu_rows + rn[None, :], mask=(rn < I)[None, :],
+                                                    other=0.0).to(tl.float32)
+                                    acc_u = tl.load(gu_rows + I + rn[None, :], mask=(rn < I)[None, :],
+                                                    other=0.0).to(tl.float32)
+                                elif USE_TMA_A:
                                     acc_dh, acc_g, acc_u = _bwd_a_acc_tma(
                                         dor_desc, xr_desc, row0, w2_desc, e * H, w13a_desc, e * (2 * I) + nt * BN,
                                         e * (2 * I) + I + nt * BN, nt * BN, H, BM, BN, BK)

@@ -96,13 +96,17 @@ def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
 
 
 @triton.jit
-def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr):
-    """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors."""
+def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr):
+    """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors. ZERO_INVALID:
+    invalid rows are written as zeros (every dst row must then be writable)."""
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         m = valid[:, None] & (cols < H)[None, :]
-        v = tl.load(src_base[:, None] + cols[None, :], mask=m)
-        tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
+        v = tl.load(src_base[:, None] + cols[None, :], mask=m, other=0.0)
+        if ZERO_INVALID:
+            tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
+        else:
+            tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
 
 
 @triton.jit
@@ -228,6 +232,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     xr_ptr,  # [MAC, H] routed x ring
     hid_ptr,  # [MAC, I] routed hidden ring
     yr_ptr,  # [MAC, H] routed y ring
+    gu_ptr,  # [MAC, 2I] fp32 gate|up pre-activations kept for the backward (SAVE_GU; else a placeholder)
     sh_hid_ptr,  # [T, S] shared-expert hidden
     y_shared_ptr,  # [T, H] shared-expert output
     # weights of this rank
@@ -255,7 +260,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SAVE_GU: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -296,7 +301,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                         ok = pr >= 0
                         src = _peer_rows(x_ptrs_ptr, pr, ok, DT) + (pt // K).to(tl.int64) * H
                         dst = xr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        _copy_rows(src, dst, ok, H, BLOCK_H)
+                        # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
+                        _copy_rows(src, dst, ok, H, BLOCK_H, SAVE_GU)
                     _signal(x_ready + p)
             pp = it - pull_ahead
             if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
@@ -311,7 +317,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         ok = pr >= 0
                         dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
                         src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        _copy_rows(src, dst, ok, H, BLOCK_H)
+                        _copy_rows(src, dst, ok, H, BLOCK_H, False)
                     _signal(done + pp)
     else:
         # ------------------------------------------------ compute program
@@ -369,6 +375,11 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                                    H, I, BM, BN, BK, DOT_FP32, PRECISION)
                                     _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
                                                   HAS_LIMIT, BM, BN)
+                                    if SAVE_GU:  # the backward reads these instead of replaying the GEMM
+                                        _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I),
+                                                    tl.arange(0, BM) >= 0, acc_g, nt * BN, I, BN)
+                                        _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I) + I,
+                                                    tl.arange(0, BM) >= 0, acc_u, nt * BN, I, BN)
                                 _signal(hid_ready + p)
                     else:
                         p = rnd - LAG
