@@ -792,13 +792,20 @@ def test_ep_needs_symmetric_peers():
                               w.shared_w2_HS, None, peers=LocalPeers(2))
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])  # zero, negative, float, bool: not a positive int
+def test_symmetric_peers_rejects_bad_max_tokens(bad):
+    """max_tokens is checked before anything distributed happens (so this runs on CPU without a group)."""
+    with pytest.raises(ValueError, match="max_tokens must be a positive int or None"):
+        SymmetricPeers(max_tokens=bad)
+
+
 def _task_ep_layer(rank, world, p):
     """One rank of an expert-parallel MoELayer: loads the full layer's router, shared expert and its own
     experts, runs forward and backward on its tokens; returns its output and gradients on the CPU."""
     from kittenmoe import MoELayer
 
     dev = torch.device("cuda", 0)
-    peers = SymmetricPeers()
+    peers = SymmetricPeers(max_tokens=p.get("max_tokens"))
     try:
         # device="cuda" (no index) must match the peers' cuda:0, as examples/ep_layer.py spells it
         layer = MoELayer(p["shape"], dtype=torch.bfloat16, device="cuda", config=p["config"], ep=peers)
@@ -822,27 +829,33 @@ _TASKS["ep_layer"] = _task_ep_layer
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("r", [2, 4])
-def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, r):
-    """MoELayer(ep=SymmetricPeers) over r processes sharing the H200 against one process's MoELayer on all
-    the tokens: each rank's output and d_x rows, its experts' gradients, and the replicated router's and
-    shared expert's gradients summed over ranks, at bf16 tolerance."""
+@pytest.mark.parametrize("ts,max_tokens", [
+    ([128, 128], None),  # 2 ranks, the same T
+    ([128] * 4, None),  # 4 ranks, the same T
+    ([128, 72], 128),  # 2 ranks with different T: rank 1 pads 56 tokens (NO_ROUTE) up to max_tokens
+    ([40, 128, 1, 96], 160),  # 4 ranks, every rank padded, one with a single token
+])
+def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, ts, max_tokens):
+    """MoELayer(ep=SymmetricPeers(max_tokens)) over len(ts) processes sharing the H200 against one process's
+    MoELayer on all the tokens: each rank's output and d_x rows, its experts' gradients, and the replicated
+    router's and shared expert's gradients summed over ranks, at bf16 tolerance."""
     from kittenmoe import MoELayer
 
-    t = 128
+    r = len(ts)
     ref = MoELayer(SMALL, dtype=torch.bfloat16, device="cuda", config=EP_CFG, generator=torch.Generator().manual_seed(3))
     gen = torch.Generator().manual_seed(4)
-    xs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
-    d_outs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
+    xs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for t in ts]
+    d_outs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for t in ts]
     state = {k: v.cpu() for k, v in ref.state_dict().items()}
-    got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=EP_CFG, state=state, x=xs[k], d_out=d_outs[k])
-                                            for k in range(r)], timeout_s=EP_TIMEOUT_S)
+    got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=EP_CFG, state=state, x=xs[k], d_out=d_outs[k],
+                                                 max_tokens=max_tokens) for k in range(r)], timeout_s=EP_TIMEOUT_S)
     x = torch.cat(xs).cuda().requires_grad_()
     out = ref(x)
     out.backward(torch.cat(d_outs).cuda())
     n = SMALL.e // r
+    starts = [sum(ts[:k]) for k in range(r)]
     for k in range(r):
-        rows = slice(k * t, (k + 1) * t)
+        rows = slice(starts[k], starts[k] + ts[k])
         assert_close(got[k]["out"], out[rows].detach().cpu(), torch.bfloat16, f"rank {k} out")
         assert_close(got[k]["d_x"], x.grad[rows].cpu(), torch.bfloat16, f"rank {k} d_x")
         for name in ("w13_E2IH", "w2_EHI"):

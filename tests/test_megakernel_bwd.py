@@ -493,6 +493,41 @@ def test_saved_activations_of_another_config_rejected():
                                       config=two.config(), peers=LocalPeers(2, DEV), saved=fwd.saved())
 
 
+def test_no_route_entries_are_padding():
+    """Routing entries equal to NO_ROUTE (an EP rank's padding tokens: SymmetricPeers(max_tokens=...)) are no
+    route: no error flag, no row computed, output and gradients those of the same routes with weight 0, and a
+    router-weight gradient of exactly 0. Rank 1's last four tokens are all padding; one route of rank 0 too."""
+    from kittenmoe.schedule import NO_ROUTE
+
+    case = Case(TINY, r=2, t=12, swiglu_limit=0.5)
+    inp = _make_inputs(case, seed=8)
+    pad = [torch.zeros_like(i, dtype=torch.bool) for i in inp.ids]
+    pad[1][8:] = True
+    pad[0][3, 1] = True
+    ids = [torch.where(p, NO_ROUTE, i) for p, i in zip(pad, inp.ids, strict=True)]
+    padded = dataclasses.replace(inp, ids=ids)
+    # the same problem without NO_ROUTE: any valid expert with router weight 0
+    ref_inp = dataclasses.replace(inp, ids=[torch.where(p, 0, i) for p, i in zip(pad, inp.ids, strict=True)],
+                                  ws=[torch.where(p, 0.0, w) for p, w in zip(pad, inp.ws, strict=True)])
+    fwd = megakernel_forward_multirank(padded.xs, padded.ids, padded.ws, *padded.weights(), case.swiglu_limit,
+                                       config=case.config())
+    fwd.check_errors()  # NO_ROUTE is not an invalid expert id
+    want = moe_reference_multirank([x.double() for x in ref_inp.xs], ref_inp.ids, [w.double() for w in ref_inp.ws],
+                                   *[t.double() for t in ref_inp.weights()], swiglu_limit=case.swiglu_limit,
+                                   compute_dtype=torch.float64)
+    for r in range(case.r):
+        assert_close(fwd.outputs[r].double(), want[r], "fp32", f"out[{r}]")
+    got = _named(_backward(case, dataclasses.replace(padded, ws=ref_inp.ws)))
+    ref = _reference_grads64(case, ref_inp)
+    for gname, g in got.items():
+        if gname.startswith("d_topk_weights"):
+            r = int(gname[-2])
+            assert torch.all(g[pad[r]] == 0), f"{gname}: nonzero gradient for a NO_ROUTE entry"
+            _assert_grad_close(gname, g[~pad[r]], ref[gname][~pad[r]], "fp32", rescale=False)
+        else:
+            _assert_grad_close(gname, g, ref[gname], "fp32", rescale=False)
+
+
 # ----------------------------------------------------------------------------- bitwise determinism
 
 BITWISE_BASE = Case(TINY, r=2, t=16, routing="zipf", swiglu_limit=0.5)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kittenmoe.schedule import Schedule, build_schedule
+from kittenmoe.schedule import NO_ROUTE, Schedule, build_schedule
 
 BLOCK_MS = (1, 2, 4, 16)
 
@@ -224,8 +224,9 @@ EXTREMES = [
     pytest.param(_ids(2, 3, 2, lambda r, t, j: -1 if (t + j) % 2 else 8), 0, 4, 2, id="invalid-all"),
     # invalid id equal to exactly E (one past the last rank's last expert), checked on the last rank
     pytest.param(_ids(2, 2, 1, lambda r, t, j: 4), 1, 2, 2, id="invalid-E-on-last-rank"),
-    # large negative / large positive int32 extremes do not overflow into a valid slot
-    pytest.param(torch.tensor([[[-2**31, 2**31 - 1], [1, 0]]], dtype=torch.int32), 0, 2, 2,
+    # large negative / large positive int32 extremes do not overflow into a valid slot (2**31 - 1 itself is
+    # NO_ROUTE, not invalid: test_no_route_is_skipped_not_invalid)
+    pytest.param(torch.tensor([[[-2**31, 2**31 - 2], [1, 0]]], dtype=torch.int32), 0, 2, 2,
                  id="invalid-int32-extremes"),
 ]
 
@@ -271,6 +272,25 @@ def test_invalid_ids_counted_on_every_rank():
     for d in range(2):
         s = build_schedule(ids, d, 2, 2)
         assert s.num_invalid.item() == 3
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_no_route_is_skipped_not_invalid(impl):
+    """NO_ROUTE entries (an EP rank's padding tokens) are neither placed nor counted as invalid; a -1 or E in
+    the same routing still is. The tables equal those of the routing with the NO_ROUTE tokens removed."""
+    R, L, T, K, bm = 2, 2, 5, 2, 4
+    ids = _ids(R, T, K, lambda r, t, j: (r + t + j) % (R * L))
+    padded = torch.cat([ids, torch.full((R, 3, K), NO_ROUTE, dtype=ids.dtype)], dim=1)
+    padded[1, 6, 0] = -1  # a real invalid id among the padding tokens: still counted
+    for rank in range(R):
+        a = build_schedule(ids, rank, L, bm, impl=impl)
+        b = build_schedule(padded, rank, L, bm, impl=impl)
+        assert b.num_invalid.item() == 1 and a.num_invalid.item() == 0
+        for f in ("peer_rank", "expert_offsets", "expert_counts", "num_rows"):
+            x, y = getattr(a, f), getattr(b, f)
+            assert torch.equal(x, y[:x.shape[0]]), f"rank {rank}: {f}"
+        # token indices t*K + j are the same (padding sits after the real tokens)
+        assert torch.equal(a.peer_token_idx, b.peer_token_idx[:a.capacity])
 
 
 # ---------------------------------------------------------------- determinism
@@ -341,6 +361,8 @@ TRITON_CASES = {
     "R2-one-expert": (2, 3, 8, 1, 2, "one"),
     # block_m 1: no padding at all
     "R4-bm1": (4, 2, 5, 2, 1, "distinct"),
+    # padding tokens (NO_ROUTE) mixed with invalid ids: only the invalid ones are counted, neither placed
+    "R2-no-route": (2, 3, 6, 2, 4, "no-route"),
     # T=1, K = L (every local expert gets the token)
     "R2-T1-K=L": (2, 3, 1, 3, 4, "distinct"),
 }
@@ -353,6 +375,9 @@ def test_triton_schedule_matches_torch_bitwise(name):
     g = torch.Generator().manual_seed(7)
     if kind == "invalid":
         ids = torch.randint(-1, E + 1, (R, T, K), generator=g)
+    elif kind == "no-route":
+        ids = torch.randint(-1, E + 1, (R, T, K), generator=g)
+        ids[:, T // 2:] = NO_ROUTE  # the last tokens of every rank are padding
     elif kind == "one":
         ids = torch.full((R, T, K), E - 1)
     else:

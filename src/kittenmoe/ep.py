@@ -18,10 +18,14 @@ The backward does the same with x, d_out and the router weights, then launches i
 rank's tokens' contribution (the replicated weight's gradient is their sum over ranks, which data-parallel
 reduction provides: ``LocalPeers`` runs sum them in rank order).
 
-Tensor shapes are the same on every rank (T tokens per rank); the first call with a shape allocates the
-symmetric buffers collectively, and ``SymmetricPeers.alloc`` raises on every rank when ranks disagree. The
-problem itself (T, H, I, K, experts per rank, shared width, ``swiglu_limit``, dtype) is compared across ranks
-by ``SymmetricPeers.agree`` (a host collective on the first call with a new combination only).
+Every rank brings the same T, or, with ``SymmetricPeers(max_tokens=N)``, any T <= N: the token buffers then
+hold N rows everywhere and a rank's rows past its T are padding (zero x and d_out, routing ``NO_ROUTE``, never
+dispatched; the shared expert's tiles still cover them). The first call with a shape allocates the symmetric
+buffers collectively, and ``SymmetricPeers.alloc`` raises on every rank when ranks disagree. The problem
+itself (T or N, H, I, K, experts per rank, shared width, ``swiglu_limit``, dtype) is compared across ranks by
+``SymmetricPeers.agree`` (a host collective on the first call with a new combination only). With padding the
+outputs are not bitwise those of a ``LocalPeers`` run of the same tokens (the padding rows shift the row
+blocks of the weight-gradient sums), only equal within rounding.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kittenmoe import ops
 from kittenmoe.checks import check_moe_inputs
 from kittenmoe.config import KernelConfig
 from kittenmoe.peers import SymmetricPeers
+from kittenmoe.schedule import NO_ROUTE
 
 
 @triton.jit
@@ -77,10 +82,27 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
                             shared_w2_HS, expert_parallel=peers.num_ranks)
     if w13_L2IH.device != peers.device:
         raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
+    if peers.max_tokens is not None and dims.t > peers.max_tokens:
+        raise ValueError(f"this rank brings T={dims.t} tokens, more than SymmetricPeers(max_tokens="
+                         f"{peers.max_tokens})")
     # What every rank must share; a mismatch raises on every rank (one host collective per new combination).
-    peers.agree("the EP problem (T, H, I, K, experts per rank, shared width, swiglu_limit, dtype)",
-                (dims.t, dims.h, dims.i, dims.k, dims.e, dims.s, swiglu_limit, str(w13_L2IH.dtype)))
+    # With max_tokens, T may differ between ranks: the token buffers' height (max_tokens) is what must agree.
+    peers.agree("the EP problem (T or max_tokens, H, I, K, experts per rank, shared width, swiglu_limit, dtype)",
+                (_slots(peers, dims.t), dims.h, dims.i, dims.k, dims.e, dims.s, swiglu_limit,
+                 str(w13_L2IH.dtype)))
     return dims
+
+
+def _slots(peers: SymmetricPeers, t: int) -> int:
+    """Token rows of the symmetric buffers: max_tokens when set (ranks' T may differ), else T."""
+    return t if peers.max_tokens is None else peers.max_tokens
+
+
+def _put_tokens(buf: torch.Tensor, rows: torch.Tensor, t: int, pad) -> None:
+    """buf[:t] = rows, buf[t:] = pad (this rank's padding tokens, when its T is below max_tokens)."""
+    buf[:t].copy_(rows)
+    if buf.shape[0] > t:
+        buf[t:].fill_(pad)
 
 
 @dataclass
@@ -114,18 +136,19 @@ def megakernel_forward_ep(
                   swiglu_limit, config)
     R, rank = peers.num_ranks, peers.rank
     T, H, K, L = dims.t, dims.h, dims.k, dims.e
+    N = _slots(peers, T)
     dtype = w13_L2IH.dtype
-    peers.alloc("x", (T, H), dtype)[rank].copy_(x_TH)
-    peers.alloc("ids", (T, K), torch.int32)[rank].copy_(topk_ids_TK)
-    combine = peers.alloc("combine", (T * K, H), dtype)[rank]
+    _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
+    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], topk_ids_TK, T, NO_ROUTE)
+    combine = peers.alloc("combine", (N * K, H), dtype)[rank]
     peers.barrier()
     ids_all = all_gather_routing(peers)
     st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                                  swiglu_limit, config, max_spin)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
-    ops.launch_epilogue(st.y_shared, combine, topk_weights_TK.float().contiguous(), ids_all[rank], out, R * L,
-                        shared_w13_2SH is not None)
+    ops.launch_epilogue(st.y_shared[:T], combine[:T * K], topk_weights_TK.float().contiguous(), ids_all[rank][:T],
+                        out, R * L, shared_w13_2SH is not None)
     return EPForward(out, st)
 
 
@@ -167,19 +190,22 @@ def megakernel_backward_ep(
     dtype = w13_L2IH.dtype
     if tuple(d_out_TH.shape) != (T, H):
         raise ValueError(f"d_out must be [T, H] = {(T, H)}, got {tuple(d_out_TH.shape)}")
-    peers.alloc("x", (T, H), dtype)[rank].copy_(x_TH)
-    peers.alloc("d_out", (T, H), dtype)[rank].copy_(d_out_TH)
-    peers.alloc("w", (T * K,), torch.float32)[rank].copy_(topk_weights_TK.reshape(-1))
-    peers.alloc("ids", (T, K), torch.int32)[rank].copy_(topk_ids_TK)
-    dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)[rank]
-    dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)[rank]
+    N = _slots(peers, T)
+    # Padding tokens: zero x and d_out rows (the shared expert's backward sums them), no routes.
+    _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
+    _put_tokens(peers.alloc("d_out", (N, H), dtype)[rank], d_out_TH, T, 0.0)
+    _put_tokens(peers.alloc("w", (N * K,), torch.float32)[rank], topk_weights_TK.reshape(-1), T * K, 0.0)
+    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], topk_ids_TK, T, NO_ROUTE)
+    dx_comb = peers.alloc("dx_comb", (N * K, H), dtype)[rank]
+    dw_comb = peers.alloc("dw_comb", (N * K,), torch.float32)[rank]
     peers.barrier()
     ids_all = all_gather_routing(peers)
     out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                                    swiglu_limit, config, max_spin)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
-    dx, dw = ops.launch_bwd_epilogue(out["sdx"], dx_comb, dw_comb, ids_all[rank], R * L, has_shared)
+    dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T], R * L,
+                                     has_shared)
     return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"])
 
 

@@ -164,11 +164,22 @@ class SymmetricPeers:
     allocation. NCCL refuses two ranks on one GPU, so such tests use a gloo
     group: symmetric memory only uses the group's store and rank numbering.
     Constructing it is collective (it allocates the barrier's buffer).
+
+    ``max_tokens``: None, every rank brings the same number of tokens T to each
+    call (checked). An int: each rank may bring any T <= max_tokens; the token
+    buffers hold max_tokens rows on every rank and a rank's missing tokens are
+    padding (routing entry ``schedule.NO_ROUTE``: never dispatched or computed;
+    the shared expert runs over the zero rows).
     """
 
     def __init__(self, group=None, device: torch.device | str | None = None,
-                 barrier_timeout_ms: int = 60_000) -> None:
+                 barrier_timeout_ms: int = 60_000, max_tokens: int | None = None) -> None:
         import torch.distributed as dist
+
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise ValueError(f"SymmetricPeers: max_tokens must be a positive int or None, got {max_tokens!r}")
+        self.max_tokens = max_tokens
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("SymmetricPeers: torch.distributed is not initialised; call "

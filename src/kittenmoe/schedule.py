@@ -20,6 +20,11 @@ import torch
 
 from kittenmoe.config import routed_capacity
 
+# A routing entry that is no route at all: the padding tokens of an expert-parallel rank with fewer tokens than
+# the workspace's max (``SymmetricPeers(max_tokens=...)``). Skipped by the schedule and the epilogues, and not
+# counted as an invalid expert id (a user's stray -1 or E still is). INT32_MAX: no real id comes near it.
+NO_ROUTE = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -35,7 +40,7 @@ class Schedule:
     expert_counts: torch.Tensor  # [L] int32, real (unpadded) rows of each local expert
     num_rows: torch.Tensor  # [1] int32, padded rows in use (a multiple of block_m)
     tile_expert: torch.Tensor  # [C // block_m] int32, local expert of each row tile; -1 past num_rows
-    num_invalid: torch.Tensor  # [1] int32, routes on any rank whose expert id is outside [0, E)
+    num_invalid: torch.Tensor  # [1] int32, routes on any rank whose expert id is outside [0, E) (NO_ROUTE aside)
     rank: int
     num_ranks: int
     experts_per_rank: int
@@ -97,7 +102,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
     i64 = torch.int64
 
     ids_RP = topk_ids_RTK.reshape(R, P).to(i64)
-    num_invalid = ((ids_RP < 0) | (ids_RP >= R * L)).sum().to(torch.int32).reshape(1)
+    num_invalid = (((ids_RP < 0) | (ids_RP >= R * L)) & (ids_RP != NO_ROUTE)).sum().to(torch.int32).reshape(1)
     local_RP = ids_RP - rank * L
     mine_RP = (local_RP >= 0) & (local_RP < L)
     # Bucket L collects every route this rank does not own.
@@ -179,7 +184,8 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     num_invalid = torch.empty(1, dtype=i32, device=dev)
     rb, lb = triton.next_power_of_2(R), triton.next_power_of_2(L)
     block = 256 if R <= 16 else 64  # the placement tile is [BLOCK, RB]
-    ks.schedule_count_kernel[(L,)](ids, cnt, num_invalid, P, R, rank, L, R * L, RB=rb, BLOCK=1024)
+    ks.schedule_count_kernel[(L,)](ids, cnt, num_invalid, P, R, rank, L, R * L, RB=rb, BLOCK=1024,
+                                   NO_ROUTE=NO_ROUTE)
     peer_rank = torch.empty(C, dtype=i32, device=dev)
     peer_tok = torch.empty(C, dtype=i32, device=dev)
     offsets = torch.empty(L + 1, dtype=i32, device=dev)

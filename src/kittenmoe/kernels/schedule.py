@@ -7,7 +7,7 @@ tables bit for bit:
 
 1. ``schedule_count_kernel``, one program per local expert e: the number of
    routes each source rank sends to e, ``cnt[e, r]``; program 0 also counts
-   expert ids outside [0, E).
+   expert ids outside [0, E) (``schedule.NO_ROUTE`` entries are no route, not invalid).
 2. ``schedule_place_kernel``, one program per local expert e: padded segment
    offsets from every expert's count (exclusive prefix sum), then each route
    of e gets its row. Rows of an expert are ordered by (per-source ordinal o,
@@ -26,9 +26,9 @@ import triton.language as tl
 def schedule_count_kernel(
     ids_ptr,  # [R, P] int32 global expert ids, P = T*K
     cnt_ptr,  # [L, R] int32 out: routes from source r to local expert e
-    invalid_ptr,  # [1] int32 out: ids outside [0, E)
+    invalid_ptr,  # [1] int32 out: ids outside [0, E), NO_ROUTE aside
     P, R, rank, L, E,
-    RB: tl.constexpr, BLOCK: tl.constexpr,
+    RB: tl.constexpr, BLOCK: tl.constexpr, NO_ROUTE: tl.constexpr,
 ):
     e = tl.program_id(0)
     eg = rank * L + e
@@ -42,7 +42,7 @@ def schedule_count_kernel(
             ids = tl.load(ids_ptr + r * P + pp, mask=pp < P, other=-1)
             c += (ids == eg).to(tl.int32)
             if e == 0:
-                bad += ((pp < P) & ((ids < 0) | (ids >= E))).to(tl.int32)
+                bad += ((pp < P) & ((ids < 0) | (ids >= E)) & (ids != NO_ROUTE)).to(tl.int32)
         cnt = tl.where(rr == r, tl.sum(c, axis=0), cnt)
     tl.store(cnt_ptr + e * R + rr, cnt, mask=rr < R)
     if e == 0:
