@@ -188,3 +188,53 @@ def dequantize_weights(q: torch.Tensor, scale: torch.Tensor, cfg: FP8Config = FP
         raise ValueError(f"dequantize_weights: scale shape {tuple(scale.shape)} != {want} for q "
                          f"{tuple(q.shape)} and scale_block {b}")
     return q.float() * _expand(_expand(scale, -1, b, k), -2, b, n)
+
+
+# ---------------------------------------------------------------- routed-expert weights for the FP8 megakernel
+
+@dataclass(frozen=True)
+class FP8ExpertWeights:
+    """Routed-expert weights quantised for the FP8 forward megakernel: e4m3 with ``B x B`` block scales.
+
+    Keep these beside the BF16 master weights and re-quantise after each optimizer step
+    (:meth:`quantize`), or hold FP8 weights yourself and build one directly. ``w13_q`` stacks gate rows then
+    up rows as ``w13_E2IH`` does, so with ``I`` a multiple of ``B`` no scale block straddles gate and up.
+    """
+
+    w13_q: torch.Tensor  # [E, 2I, H] float8_e4m3fn
+    w13_scale: torch.Tensor  # [E, 2I / B, H / B] fp32
+    w2_q: torch.Tensor  # [E, H, I] float8_e4m3fn
+    w2_scale: torch.Tensor  # [E, H / B, I / B] fp32
+    cfg: FP8Config = FP8Config()
+
+    def __post_init__(self):
+        b = self.cfg.scale_block
+        if self.w13_q.dim() != 3 or self.w2_q.dim() != 3:
+            raise ValueError(f"FP8ExpertWeights: w13_q and w2_q must be [E, 2I, H] and [E, H, I], got "
+                             f"{tuple(self.w13_q.shape)} and {tuple(self.w2_q.shape)}")
+        e, two_i, h = self.w13_q.shape
+        if tuple(self.w2_q.shape) != (e, h, two_i // 2):
+            raise ValueError(f"FP8ExpertWeights: w2_q shape {tuple(self.w2_q.shape)} != {(e, h, two_i // 2)}")
+        _check_q_scale(self.w13_q, self.w13_scale, "FP8ExpertWeights w13")
+        _check_q_scale(self.w2_q, self.w2_scale, "FP8ExpertWeights w2")
+        for name, q, sc in (("w13", self.w13_q, self.w13_scale), ("w2", self.w2_q, self.w2_scale)):
+            want = (e, -(-q.shape[1] // b), -(-q.shape[2] // b))
+            if tuple(sc.shape) != want:
+                raise ValueError(f"FP8ExpertWeights: {name}_scale shape {tuple(sc.shape)} != {want} "
+                                 f"(scale_block {b})")
+
+    @staticmethod
+    def quantize(w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, cfg: FP8Config = FP8Config()) -> "FP8ExpertWeights":
+        q13, s13 = quantize_weights(w13_E2IH, cfg)
+        q2, s2 = quantize_weights(w2_EHI, cfg)
+        return FP8ExpertWeights(q13, s13, q2, s2, cfg)
+
+    def experts(self, lo: int, hi: int) -> "FP8ExpertWeights":
+        """The experts [lo, hi) (one rank's share), as views."""
+        return FP8ExpertWeights(self.w13_q[lo:hi], self.w13_scale[lo:hi], self.w2_q[lo:hi], self.w2_scale[lo:hi],
+                                self.cfg)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 (w13, w2) as the kernel sees them."""
+        return dequantize_weights(self.w13_q, self.w13_scale, self.cfg), dequantize_weights(self.w2_q, self.w2_scale,
+                                                                                          self.cfg)

@@ -10,6 +10,8 @@ of range) land in an error flag read by ``check_errors``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 import os
 from dataclasses import dataclass
@@ -22,6 +24,9 @@ from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule, build_schedule
+
+if TYPE_CHECKING:
+    from kittenmoe.fp8 import FP8ExpertWeights
 
 # Polls before a wait gives up and flags a timeout. One poll is an atomic
 # load (~0.5-1 us on an H200), so 2^22 polls is a few seconds: far beyond any
@@ -117,6 +122,8 @@ class ForwardState:
     err: torch.Tensor  # [1] int32
     # [MAC, 2I] fp32 gate|up pre-activations, kept for the backward (save_for_backward on a resident ring), else None
     gate_up: torch.Tensor | None = None
+    x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
+    hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
 
@@ -144,6 +151,38 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
 
+FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
+
+
+def _check_fp8_type(fp8) -> None:
+    from kittenmoe.fp8 import FP8ExpertWeights
+
+    if fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
+        raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8ExpertWeights or None, got {type(fp8).__name__}")
+
+
+def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.device, save_for_backward: bool):
+    _check_fp8_type(fp8)
+    b = fp8.cfg.scale_block
+    if b != FP8_BLOCK:
+        raise NotImplementedError(f"FP8 megakernel: scale_block={b} is not implemented, only {FP8_BLOCK} "
+                                  f"(MXFP8's 32 would need four scale steps per K tile)")
+    if save_for_backward:
+        raise NotImplementedError("FP8 megakernel: forward only; the FP8 backward (dgrad, wgrad) is not "
+                                  "implemented (issue 7)")
+    if config.block_n != b:
+        raise ValueError(f"FP8 megakernel: block_n must equal the scale block ({b}) so each gate|up tile's "
+                         f"hidden row block gets one scale; got block_n={config.block_n}")
+    if H % b or I % b:
+        raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
+    if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
+        raise ValueError(f"FP8 megakernel: fp8 weights {tuple(fp8.w13_q.shape)} / {tuple(fp8.w2_q.shape)} do not "
+                         f"match this rank's experts {(L, 2 * I, H)} / {(L, H, I)}")
+    if fp8.w13_q.device != dev or not (fp8.w13_q.is_contiguous() and fp8.w2_q.is_contiguous()
+                                       and fp8.w13_scale.is_contiguous() and fp8.w2_scale.is_contiguous()):
+        raise ValueError(f"FP8 megakernel: fp8 weights must be contiguous tensors on {dev}")
+
+
 def _num_programs(device: torch.device, num_comm: int) -> int:
     if device.type == "cuda":
         n = torch.cuda.get_device_properties(device).multi_processor_count
@@ -166,13 +205,18 @@ def launch_rank_forward(
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int = mk.PH_ALL,
     save_for_backward: bool = False,
+    fp8: FP8ExpertWeights | None = None,
 ) -> ForwardState:
     """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
 
     ``save_for_backward``: when the ring is resident (``macrobatch_size`` None or at least the capacity), also
     keep each routed row's gate|up pre-activations (``state.gate_up``) and write padding rows of
     ``state.x_routed`` as zeros, so that ``launch_rank_backward(saved=...)`` skips the gate|up replay and
-    the x pull. Ignored (nothing saved, the backward replays) when the ring wraps."""
+    the x pull. Ignored (nothing saved, the backward replays) when the ring wraps.
+
+    ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
+    ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
+    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype. Forward only."""
     R, T, K = ids_all_RTK.shape
     L, two_i, H = w13_L2IH.shape
     I = two_i // 2
@@ -180,15 +224,18 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
+    if fp8 is not None:
+        _check_fp8(fp8, config, L, H, I, dev, save_for_backward)
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
+    row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
     st = ForwardState(
         schedule=sched,
         ring=ring,
-        x_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
-        hidden=torch.empty(ring.macrobatch, I, dtype=dtype, device=dev),
+        x_routed=torch.empty(ring.macrobatch, H, dtype=row_dtype, device=dev),
+        hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype, device=dev),
         # With the push in the down epilogue nothing is staged in y_routed.
         y_routed=torch.empty(1 if config.push_in_epilogue else ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
@@ -201,6 +248,15 @@ def launch_rank_forward(
         # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
         # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
         st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=torch.float32, device=dev)
+    sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
+    if fp8 is not None:
+        st.x_scale = torch.empty(ring.macrobatch, H // sb, dtype=torch.float32, device=dev)
+        st.hidden_scale = torch.empty(ring.macrobatch, I // sb, dtype=torch.float32, device=dev)
+        w13_rows, w2_rows = fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8)
+        fp8_args = (st.x_scale, st.hidden_scale, w13_rows, w2_rows, fp8.w13_scale, fp8.w2_scale)
+    else:
+        w13_rows, w2_rows = w13_L2IH, w2_LHI
+        fp8_args = (st.y_shared, st.y_shared, w13_L2IH, w2_LHI, st.y_shared, st.y_shared)  # scales: placeholders
     has_shared = S > 0
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
@@ -209,20 +265,29 @@ def launch_rank_forward(
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
         bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
-        xr_desc = TD.from_tensor(st.x_routed, [bm, bk])
+        xl_desc = TD.from_tensor(peers.buffer("x", rank), [bm, bk])
+        if fp8 is None:
+            routed = (TD.from_tensor(st.x_routed, [bm, bk]), TD.from_tensor(st.hidden, [bm, bk]),
+                      TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
+                      TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]))
+        else:  # e4m3 operands, one scale block per K step
+            f8 = torch.float8_e4m3fn
+            routed = (TD.from_tensor(st.x_routed.view(f8), [bm, sb]), TD.from_tensor(st.hidden.view(f8), [bm, sb]),
+                      TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]),
+                      TD.from_tensor(fp8.w2_q.reshape(L * H, I), [bn2, sb]))
         # Without a shared expert its descriptors are never loaded: stand-ins.
         descs = (
-            TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
-            xr_desc,
-            TD.from_tensor(st.hidden, [bm, bk]),
-            TD.from_tensor(st.shared_hidden, [bm, bk]) if has_shared else xr_desc,
-            TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
-            TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
+            xl_desc,
+            routed[0],
+            routed[1],
+            TD.from_tensor(st.shared_hidden, [bm, bk]) if has_shared else xl_desc,
+            routed[2],
+            routed[3],
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
     else:
-        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_L2IH, w2_LHI, sw13, sw2)
+        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
@@ -230,7 +295,8 @@ def launch_rank_forward(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
-        USE_TMA=use_tma, SAVE_GU=save_gu,
+        USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb,
+        POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
     )
     if not interp:
@@ -241,8 +307,9 @@ def launch_rank_forward(
         return mk.dispatch_mlp_swiglu_combine_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
-            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed, st.shared_hidden,
-            st.y_shared, w13_L2IH, w2_LHI, sw13, sw2, *descs, st.counters, st.err,
+            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed, fp8_args[0], fp8_args[1],
+            st.shared_hidden, st.y_shared, fp8_args[2], fp8_args[3], fp8_args[4], fp8_args[5], sw13, sw2, *descs,
+            st.counters, st.err,
             T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
             phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
             **meta,
@@ -322,19 +389,22 @@ def megakernel_forward_multirank(
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int = mk.PH_ALL,
     save_for_backward: bool = False,
+    fp8: FP8ExpertWeights | None = None,
 ) -> MultirankForward:
     """Forward of R virtual ranks on one device through the megakernel (no autograd).
 
     ``phases`` (a mask of ``megakernel_fwd.PH_*``, default all) runs a subset of
     the roles, for timing one phase against another. ``save_for_backward``: keep
     the routed activations for the backward (``result.saved()``; see
-    ``launch_rank_forward``).
+    ``launch_rank_forward``). ``fp8``: all E experts quantised
+    (``FP8ExpertWeights.quantize(w13_E2IH, w2_EHI)``): the routed GEMMs in e4m3.
 
     Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
     x's dtype. Call ``.check_errors()`` on the result to surface device-side
     errors (it reads a flag, a sync on CUDA).
     """
     config = config or KernelConfig()
+    _check_fp8_type(fp8)
     dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
@@ -347,7 +417,7 @@ def megakernel_forward_multirank(
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
-                            save_for_backward)
+                            save_for_backward, None if fp8 is None else fp8.experts(d * L, (d + 1) * L))
         for d in range(R)
     ]
     outs = []

@@ -123,6 +123,46 @@ def moe_reference_multirank(
     ]
 
 
+def moe_reference_fp8(
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    fp8_weights,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """The FP8 forward's arithmetic in ``compute_dtype``: ``moe_reference`` with each routed expert reading x
+    quantised to e4m3 (1 x B blocks along H, per token row) and its own e4m3 weights (``fp8_weights``, a
+    ``kittenmoe.fp8.FP8ExpertWeights``), and its hidden row quantised (1 x B along I) before the down
+    projection; the shared expert unquantised. What the kernel computes, up to fp32 summation order."""
+    from kittenmoe.fp8 import dequantize_activations, quantize_activations
+
+    cfg = fp8_weights.cfg
+    w13, w2 = (w.to(compute_dtype) for w in fp8_weights.dequantized())
+    xq = dequantize_activations(*quantize_activations(x_TH.float(), cfg), cfg).to(compute_dtype)
+    t, k = topk_ids_TK.shape
+    h, i = x_TH.shape[1], w2.shape[2]
+    y_TKH = xq.new_zeros(t, k, h)
+    for e in range(w13.shape[0]):
+        tok, slot = (topk_ids_TK == e).nonzero(as_tuple=True)
+        if tok.numel():
+            gu = xq[tok] @ w13[e].t()
+            hid = swiglu(gu[:, :i], gu[:, i:], swiglu_limit)
+            hq = dequantize_activations(*quantize_activations(hid.float(), cfg), cfg).to(compute_dtype)
+            y_TKH = y_TKH.index_put((tok, slot), hq @ w2[e].t())
+    x = x_TH.to(compute_dtype)
+    if shared_w13_2SH is not None:
+        out = swiglu_ffn(x, shared_w13_2SH.to(compute_dtype), shared_w2_HS.to(compute_dtype), swiglu_limit)
+    else:
+        out = x.new_zeros(t, h)
+    w_TK = topk_weights_TK.to(compute_dtype)
+    for j in range(k):
+        out = out + w_TK[:, j, None] * y_TKH[:, j]
+    return out
+
+
 def moe_layer_reference(
     x_TH: torch.Tensor,
     router_w_EH: torch.Tensor,

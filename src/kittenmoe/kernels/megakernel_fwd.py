@@ -35,6 +35,8 @@ polled with ``sem="acquire"``; atomics never touch data.
 import triton
 import triton.language as tl
 
+from kittenmoe.kernels.quant import e4m3_to_f32, quantize_rows_1xb
+
 # phase bits
 PH_SHARED_GU = 1
 PH_PULL = 2
@@ -216,6 +218,149 @@ def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
              mask=row_ok[:, None] & (rn < H)[None, :])
 
 
+# ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
+# Routed GEMMs on e4m3 operands, one K step per scale block (SB = 128): each step's fp32 product is scaled by
+# the row's activation scale and the weight block's scale and added to the fp32 accumulator (DeepSeek-V3's
+# promotion). Operands are uint8 buffers of e4m3 bits; EMULATE (the interpreter) decodes them to fp32 and
+# multiplies in fp32, a GPU reinterprets them as float8e4nv for the tensor cores.
+
+
+@triton.jit
+def _fp8_operand(bits, EMULATE: tl.constexpr):
+    if EMULATE:
+        return e4m3_to_f32(bits)
+    return bits.to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _pull_rows_fp8(src_base, dst_q, dst_s, valid, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   SB: tl.constexpr, POW2: tl.constexpr):
+    """Quantise rows on their way in: dst_q[r, :H] = e4m3 bits of src[r, :H] / scale, dst_s[r, :HB] = the 1 x SB
+    scales. dst_q / dst_s: [ROWS] pointer vectors into x_routed (uint8 [*, H]) and its scales (fp32 [*, HB]).
+    Invalid rows (padding) are written as zeros with the minimum scale: every ring row holds finite values."""
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        v = tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+        bits, scale = quantize_rows_1xb(v.to(tl.float32), ROWS, BLOCK_H, SB, POW2)
+        tl.store(dst_q[:, None] + cols[None, :], bits, mask=(cols < H)[None, :])
+        sb = h0 // SB + tl.arange(0, BLOCK_H // SB)
+        tl.store(dst_s[:, None] + sb[None, :], scale, mask=(sb < HB)[None, :])
+
+
+@triton.jit
+def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
+                    BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile (BN == SB) through pointer loads.
+
+    a_ptr: uint8 [*, H] e4m3 rows, as_ptr: fp32 [*, HB] their scales; w_ptr: one expert's uint8 [2I, H],
+    ws_ptr: its fp32 [2I / SB, HB] block scales (gate blocks then up blocks). H and I are multiples of SB."""
+    rm = tl.arange(0, BM)
+    rn = nt * BN + tl.arange(0, BN)
+    rk = tl.arange(0, SB)
+    rows = (a_row0 + rm).to(tl.int64)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, SB):
+        kb = k0 // SB
+        kk = k0 + rk
+        a = _fp8_operand(tl.load(a_ptr + rows[:, None] * H + kk[None, :]), EMULATE)
+        wg = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
+        wu = _fp8_operand(tl.load(w_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
+        sa = tl.load(as_ptr + rows * HB + kb)
+        sg = tl.load(ws_ptr + nt * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
+        if EMULATE:
+            pg = tl.dot(a, wg, input_precision="ieee")
+            pu = tl.dot(a, wu, input_precision="ieee")
+        else:
+            pg = tl.dot(a, wg)
+            pu = tl.dot(a, wu)
+        acc_g += pg * (sa[:, None] * sg)
+        acc_u += pu * (sa[:, None] * su)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gateup_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, wg_row0, wu_row0, nt, H, I, HB,
+                        BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr):
+    """As ``_gateup_acc_fp8`` with float8e4nv TMA descriptors: a_desc blocks [BM, SB] of x_routed, w_desc
+    blocks [BN, SB] of the [L*2I, H] weight view (gate rows wg_row0.., up rows wu_row0..)."""
+    rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, SB):
+        kb = k0 // SB
+        a = a_desc.load([a_row0, k0])
+        wg = w_desc.load([wg_row0, k0])
+        wu = w_desc.load([wu_row0, k0])
+        sa = tl.load(as_ptr + rows * HB + kb)
+        sg = tl.load(ws_ptr + nt * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
+        acc_g += tl.dot(a, wg.T) * (sa[:, None] * sg)
+        acc_u += tl.dot(a, wu.T) * (sa[:, None] * su)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _swiglu_store_fp8(acc_g, acc_u, q_ptr, s_ptr, row0, nt, I, IB, swiglu_limit,
+                      HAS_LIMIT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """hidden = silu(g) * u (clamped when HAS_LIMIT), quantised per row over this tile's BN == SB columns:
+    q_ptr uint8 [*, I] e4m3 bits, s_ptr fp32 [*, IB] (column nt)."""
+    if HAS_LIMIT:
+        acc_g = tl.minimum(acc_g, swiglu_limit)
+        acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
+    hid = acc_g * tl.sigmoid(acc_g) * acc_u
+    bits, scale = quantize_rows_1xb(hid, BM, BN, BN, POW2)
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rn = nt * BN + tl.arange(0, BN)
+    tl.store(q_ptr + rows[:, None] * I + rn[None, :], bits)
+    tl.store(s_ptr + rows * IB + nt, tl.reshape(scale, (BM,)))
+
+
+@triton.jit
+def _down_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, n0, H, I, IB,
+                  BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 (A W^T) of one BM x BN tile, A = hidden e4m3 (uint8 [*, I], scales fp32 [*, IB]); w_ptr: one expert's
+    uint8 [H, I], ws_ptr: its fp32 [H / SB, IB]. A BN-wide tile spans BN / SB weight-scale rows."""
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, SB)
+    rows = (a_row0 + rm).to(tl.int64)
+    sw_rows = (rn // SB) * IB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, SB):
+        kb = k0 // SB
+        kk = k0 + rk
+        a = _fp8_operand(tl.load(a_ptr + rows[:, None] * I + kk[None, :]), EMULATE)
+        w = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * I + kk[:, None]), EMULATE)
+        sa = tl.load(as_ptr + rows * IB + kb)
+        sw = tl.load(ws_ptr + sw_rows + kb)
+        if EMULATE:
+            p = tl.dot(a, w, input_precision="ieee")
+        else:
+            p = tl.dot(a, w)
+        acc += p * (sa[:, None] * sw[None, :])
+    return acc
+
+
+@triton.jit
+def _down_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, w_row0, n0, I, IB,
+                      BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr):
+    """As ``_down_acc_fp8`` with float8e4nv TMA descriptors: a_desc blocks [BM, SB] of hidden, w_desc blocks
+    [BN, SB] of the [L*H, I] view (rows w_row0.., this expert's n0..)."""
+    rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
+    sw_rows = ((n0 + tl.arange(0, BN)) // SB) * IB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, SB):
+        kb = k0 // SB
+        a = a_desc.load([a_row0, k0])
+        w = w_desc.load([w_row0, k0])
+        sa = tl.load(as_ptr + rows * IB + kb)
+        sw = tl.load(ws_ptr + sw_rows + kb)
+        acc += tl.dot(a, w.T) * (sa[:, None] * sw[None, :])
+    return acc
+
+
 @triton.jit
 def dispatch_mlp_swiglu_combine_kernel(
     # schedule of this rank
@@ -233,11 +378,15 @@ def dispatch_mlp_swiglu_combine_kernel(
     hid_ptr,  # [MAC, I] routed hidden ring
     yr_ptr,  # [MAC, H] routed y ring
     gu_ptr,  # [MAC, 2I] fp32 gate|up pre-activations kept for the backward (SAVE_GU; else a placeholder)
+    xs_ptr,  # [MAC, H // SB] fp32 row-block scales of x_routed (FP8; x_routed is then uint8 e4m3 bits)
+    hs_ptr,  # [MAC, I // SB] fp32 row-block scales of hidden (FP8; hidden is then uint8 e4m3 bits)
     sh_hid_ptr,  # [T, S] shared-expert hidden
     y_shared_ptr,  # [T, H] shared-expert output
     # weights of this rank
-    w13_ptr,  # [L, 2I, H]
-    w2_ptr,  # [L, H, I]
+    w13_ptr,  # [L, 2I, H] (FP8: uint8 e4m3 bits)
+    w2_ptr,  # [L, H, I] (FP8: uint8 e4m3 bits)
+    w13s_ptr,  # [L, 2I // SB, H // SB] fp32 block scales of w13 (FP8; else a placeholder)
+    w2s_ptr,  # [L, H // SB, I // SB] fp32 block scales of w2 (FP8; else a placeholder)
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
     # TMA descriptors of the same tensors (USE_TMA; otherwise placeholders)
@@ -260,7 +409,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
-    SAVE_GU: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -268,7 +418,9 @@ def dispatch_mlp_swiglu_combine_kernel(
     if pid == 0:
         if tl.load(num_invalid_ptr) > 0:
             tl.atomic_or(err_ptr, 2)  # ERR_BAD_EXPERT_ID
-    DT = xr_ptr.dtype.element_ty
+    DT = x_local_ptr.dtype.element_ty  # the rows' dtype (x_routed holds e4m3 bits under FP8)
+    HB = H // SB
+    IB = I // SB
     x_ready = cnt_ptr
     hid_ready = cnt_ptr + NMB
     y_ready = cnt_ptr + 2 * NMB
@@ -300,9 +452,13 @@ def dispatch_mlp_swiglu_combine_kernel(
                         pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
                         ok = pr >= 0
                         src = _peer_rows(x_ptrs_ptr, pr, ok, DT) + (pt // K).to(tl.int64) * H
-                        dst = xr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
-                        _copy_rows(src, dst, ok, H, BLOCK_H, SAVE_GU)
+                        drow = (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+                        if FP8:  # quantised on the way in: no separate pass over x
+                            _pull_rows_fp8(src, xr_ptr + drow * H, xs_ptr + drow * HB, ok, H, HB, ROWS, BLOCK_H,
+                                           SB, POW2)
+                        else:
+                            # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
+                            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
                     _signal(x_ready + p)
             pp = it - pull_ahead
             if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
@@ -366,15 +522,29 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
                                     brow = (p % NSLOT) * MB + rt * BM
-                                    if USE_TMA:
-                                        acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc, e * (2 * I) + nt * BN,
-                                                                       e * (2 * I) + I + nt * BN, H, BM, BN, BK)
+                                    if FP8:
+                                        if USE_TMA:
+                                            acc_g, acc_u = _gateup_acc_fp8_tma(
+                                                xr_desc, xs_ptr, brow, w13_desc, w13s_ptr + e * (2 * IB * HB),
+                                                e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN, nt, H, I, HB,
+                                                BM, BN, SB)
+                                        else:
+                                            acc_g, acc_u = _gateup_acc_fp8(
+                                                xr_ptr, xs_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                                w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
+                                        _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB, swiglu_limit,
+                                                          HAS_LIMIT, POW2, BM, BN)
                                     else:
-                                        acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
-                                                                   w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN,
-                                                                   H, I, BM, BN, BK, DOT_FP32, PRECISION)
-                                    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
-                                                  HAS_LIMIT, BM, BN)
+                                        if USE_TMA:
+                                            acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
+                                                                           e * (2 * I) + nt * BN,
+                                                                           e * (2 * I) + I + nt * BN, H, BM, BN, BK)
+                                        else:
+                                            acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
+                                                                       w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                                                       nt * BN, H, I, BM, BN, BK, DOT_FP32, PRECISION)
+                                        _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
+                                                      HAS_LIMIT, BM, BN)
                                     if SAVE_GU:  # the backward reads these instead of replaying the GEMM
                                         _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I),
                                                     tl.arange(0, BM) >= 0, acc_g, nt * BN, I, BN)
@@ -393,13 +563,21 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    if USE_TMA:
-                                        acc = _down_acc_tma(hid_desc, (p % NSLOT) * MB + rt * BM, w2_desc,
-                                                            e * H + nt * BN2, I, BM, BN2, BK)
+                                    arow = (p % NSLOT) * MB + rt * BM
+                                    if FP8:
+                                        if USE_TMA:
+                                            acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
+                                                                    w2s_ptr + e * (HB * IB), e * H + nt * BN2,
+                                                                    nt * BN2, I, IB, BM, BN2, SB)
+                                        else:
+                                            acc = _down_acc_fp8(hid_ptr, hs_ptr, arow, w2_ptr + e.to(tl.int64) * (H * I),
+                                                                w2s_ptr + e * (HB * IB), nt * BN2, H, I, IB, BM, BN2,
+                                                                SB, DOT_FP32)
+                                    elif USE_TMA:
+                                        acc = _down_acc_tma(hid_desc, arow, w2_desc, e * H + nt * BN2, I, BM, BN2, BK)
                                     else:
-                                        acc = _down_acc(hid_ptr, (p % NSLOT) * MB + rt * BM, BM,
-                                                        w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I,
-                                                        BM, BN2, BK, DOT_FP32, PRECISION)
+                                        acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I), nt * BN2,
+                                                        H, I, BM, BN2, BK, DOT_FP32, PRECISION)
                                     if PUSH_IN_EPILOGUE:
                                         # Push combine straight from the accumulators: each row goes
                                         # to its origin's combine buffer at t*K + j.

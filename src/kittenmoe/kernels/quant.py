@@ -20,8 +20,9 @@ give the same bits for |v| <= 448 and may replace it once measured there.
 import triton
 import triton.language as tl
 
-E4M3_MAX = 448.0
-MIN_SCALE = 1.1754943508222875e-38  # 2^-126, the smallest normal fp32 (and an E8M0 power of two)
+# constexpr globals: compiled kernels may read only those (the interpreter reads any global).
+E4M3_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (and an E8M0 power of two)
 
 
 @triton.jit
@@ -50,6 +51,42 @@ def _e4m3_bits_rne(v):
 
 
 @triton.jit
+def scale_from_amax(amax, POW2: tl.constexpr):
+    """The block scale (``kittenmoe.fp8.scale_from_amax``): max(amax / 448, 2^-126), rounded up to a power of
+    two when POW2 (a nonzero mantissa bumps the exponent: exact, no log2/exp2)."""
+    scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_SCALE)
+    if POW2:
+        sb = scale.to(tl.int32, bitcast=True)
+        sb = (sb + 0x7FFFFF) & -8388608  # & 0xFF800000
+        scale = sb.to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def quantize_rows_1xb(v, R: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr):
+    """fp32 ``v`` [R, C] (C a multiple of SB) -> (e4m3 bits uint8 [R, C], scales fp32 [R, C // SB]): one scale per
+    1 x SB block of each row, the rule of ``quantize_act_1xb_kernel`` (bit for bit the torch reference's).
+    What the pull dispatch and the gate|up epilogue quantise with, on the data they already hold."""
+    vb = tl.reshape(v, (R, C // SB, SB))
+    scale = scale_from_amax(tl.max(tl.abs(vb), axis=2), POW2)  # [R, C // SB]
+    bits = _e4m3_bits_rne(tl.math.div_rn(vb, scale[:, :, None]))
+    return tl.reshape(bits, (R, C)).to(tl.uint8), scale
+
+
+@triton.jit
+def e4m3_to_f32(bits):
+    """fp32 value of e4m3fn bit patterns (any int tensor holding 0..255; NaN patterns 0x7f/0xff never occur:
+    the quantiser saturates). The interpreter's float8 conversions are not exact (see above), so the
+    emulated FP8 GEMMs decode bits themselves: normal (1 + m/8) 2^(e-7), subnormal m 2^-9."""
+    b = bits.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    normal = ((e + 120) << 23) | (m << 20)  # fp32 exponent e - 7 + 127, mantissa m in its top 3 bits
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+    return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
 def quantize_act_1xb_kernel(
     x_ptr,  # [M, K] fp32 / bf16 / fp16, row-major contiguous
     q_ptr,  # [M, K] uint8: e4m3fn bits (a uint8 view of the float8_e4m3fn output)
@@ -66,13 +103,7 @@ def quantize_act_1xb_kernel(
     rm64 = rm.to(tl.int64)
     offs = rm64[:, None] * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-    scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_SCALE)
-    if POW2:
-        # round up to a power of two: a nonzero mantissa bumps the exponent (exact, no log2/exp2)
-        sb = scale.to(tl.int32, bitcast=True)
-        sb = (sb + 0x7FFFFF) & -8388608  # & 0xFF800000
-        scale = sb.to(tl.float32, bitcast=True)
+    scale = scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)  # [BLOCK_M]
     v = tl.math.div_rn(x, scale[:, None])
     bits = _e4m3_bits_rne(v)
     tl.store(q_ptr + offs, bits.to(tl.uint8), mask=msk)
