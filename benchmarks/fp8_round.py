@@ -1,0 +1,132 @@
+"""One device round for the FP8 forward (issue 7): check, time against our BF16 forward, a short table last.
+
+    PYTHONPATH=src python3 benchmarks/fp8_round.py [--shapes kimi-k2.7,...] [--reps 10] [--out DIR]
+
+Per seed shape sliced to one EP8 rank (R=1): the FP8 megakernel forward (e4m3 routed experts, weights
+quantised once beforehand, x and hidden quantised inside the kernel) against ``moe_reference_fp8`` and the
+unquantised fp32 reference; then, in the same run, the median latency of the FP8 forward, our BF16 forward
+(its heuristic config) and the grouped_mm baseline. Beside them the matmul ceilings of this GPU: a dense
+8192^3 bf16 ``torch.matmul`` and the e4m3 ``torch._scaled_mm`` (per-tensor scales), in TFLOP/s. One JSON row
+per shape (kind "forward-fp8") in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+
+import torch
+import triton
+
+from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.config import SEED_SHAPES, default_config
+from kittenmoe.fp8 import FP8ExpertWeights
+from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.peers import LocalPeers
+from kittenmoe.reference import moe_reference, moe_reference_fp8
+from kittenmoe.testing import make_weights, rel_l1, routing_uniform
+
+SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+
+
+def ceilings(reps: int) -> dict:
+    """Dense matmul rates of this GPU, TFLOP/s: bf16 and e4m3 (torch._scaled_mm, bf16 out)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, n, device="cuda").to(torch.bfloat16)
+    ms_bf16 = triton.testing.do_bench(lambda: a @ b, warmup=20, rep=reps * 20, return_mode="median")
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    ms_fp8 = triton.testing.do_bench(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                              out_dtype=torch.bfloat16),
+                                     warmup=20, rep=reps * 20, return_mode="median")
+    flop = 2 * n ** 3
+    return dict(bf16_tflops=flop / ms_bf16 / 1e9, fp8_tflops=flop / ms_fp8 / 1e9)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SLICES))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
+               python=platform.python_version())
+    ceil = ceilings(args.reps)
+    print(env, {k: round(v) for k, v in ceil.items()}, flush=True)
+    rows = []
+    for name in args.shapes.split(","):
+        base = SEED_SHAPES[name]
+        shape = base.with_(e=base.e // 8)
+        T = SLICES[name]
+        g = torch.Generator().manual_seed(0)
+        w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+        x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
+        ids, wts = routing_uniform(T, shape.e, shape.k, generator=g, device=dev)
+        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
+        peers = LocalPeers(1, dev)
+        cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev)
+        cfg8 = cfg.with_(block_n=fp8.cfg.scale_block)
+        a = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+
+        def run_fp8():
+            return megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8).outputs[0]
+
+        def run_bf16():
+            return megakernel_forward_multirank(*a, config=cfg, peers=peers).outputs[0]
+
+        res = megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8)
+        res.check_errors()
+        out = res.outputs[0].clone()
+        ck = res.states[0].compiled
+        emu = moe_reference_fp8(x, ids, wts, fp8, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit,
+                                compute_dtype=torch.float32)
+        ref = moe_reference(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit,
+                            torch.float32)
+        row = dict(kind="forward-fp8", shape=name, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h, i=shape.i,
+                   k=shape.k, dtype="fp8-e4m3/bf16", ranks=1, config=str(cfg8.__dict__), config_bf16=str(cfg.__dict__),
+                   scale_block=fp8.cfg.scale_block, **env, **ceil,
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   command="PYTHONPATH=src python3 " + " ".join(sys.argv),
+                   rel_l1_vs_emulation=rel_l1(out, emu), rel_l1_fp8=rel_l1(out, ref),
+                   deterministic=all(torch.equal(run_fp8(), out) for _ in range(3)),
+                   regs=getattr(ck, "n_regs", None), spills=getattr(ck, "n_spills", None),
+                   shared_bytes=ck.metadata.shared if ck is not None else None)
+        del emu, ref
+        print(f"{name}: rel L1 vs emulation {row['rel_l1_vs_emulation']:.2e}, vs fp32 reference "
+              f"{row['rel_l1_fp8']:.2e}, deterministic {row['deterministic']}, {row['regs']} regs, "
+              f"{row['spills']} spills", flush=True)
+        bench = dict(fp8=run_fp8, bf16=run_bf16,
+                     grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
+                                                           w.shared_w2_HS, shape.swiglu_limit))
+        for label, fn in bench.items():
+            row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
+        routed = 6 * T * shape.k * shape.h * shape.i
+        row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8"]
+        row["speedup_vs_grouped_mm"] = row["ms_grouped_mm"] / row["ms_fp8"]
+        row["routed_tflops"] = routed / row["ms_fp8"] / 1e9
+        print(f"  fp8 {row['ms_fp8']:.3f} ms, bf16 {row['ms_bf16']:.3f} ms ({row['speedup_vs_bf16']:.2f}x), "
+              f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s", flush=True)
+        rows.append(row)
+    os.makedirs(args.out, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    with open(os.path.join(args.out, f"fp8-{stamp}.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\nceilings: bf16 {ceil['bf16_tflops']:.0f} TF/s, fp8 {ceil['fp8_tflops']:.0f} TF/s")
+    print(f"{'shape':<20}{'fp8 ms':>8}{'bf16 ms':>9}{'x bf16':>8}{'base ms':>9}{'routed TF':>10}{'relL1 emu':>11}"
+          f"{'relL1 ref':>11}{'det':>6}")
+    for r in rows:
+        print(f"{r['shape']:<20}{r['ms_fp8']:>8.3f}{r['ms_bf16']:>9.3f}{r['speedup_vs_bf16']:>8.2f}"
+              f"{r['ms_grouped_mm']:>9.3f}{r['routed_tflops']:>10.0f}{r['rel_l1_vs_emulation']:>11.1e}"
+              f"{r['rel_l1_fp8']:>11.1e}{str(r['deterministic']):>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
