@@ -707,9 +707,11 @@ def _task_ep_forward_backward(rank, world, p):
     try:
         args = (a["x"], a["ids"], a["w"], a["w13"], a["w2"], a["sw13"], a["sw2"], a["limit"])
         outs = []
+        keep = a.get("keep", False)
         for _ in range(2):  # a second call through the same buffers: same bits
-            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"])
-            bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"])
+            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"], save_for_backward=keep)
+            assert (fwd.saved() is not None) == keep
+            bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"], saved=fwd.saved())
             fwd.check_errors()
             bwd.check_errors()
             outs.append({"out": fwd.output, "d_x": bwd.d_x, "d_w": bwd.d_topk_weights, "d_w13": bwd.d_w13,
@@ -735,11 +737,12 @@ EP_CASES = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keep", [False, True])  # the backward replays, or reads the forward's activations
 @pytest.mark.parametrize("name", list(EP_CASES))
-def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
+def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name, keep):
     """R processes sharing the H200 through real symmetric memory give the outputs and gradients of the
     single-process LocalPeers run bit for bit (shared-expert gradients summed over ranks in rank order, as
-    the single-process run does)."""
+    the single-process run does), with the backward replaying or reading the kept activations on both sides."""
     from kittenmoe.config import SEED_SHAPES
     from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
     from kittenmoe.testing import routing_uniform
@@ -755,14 +758,14 @@ def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name):
     L = shape.e // r
     payloads = [dict(x=xs[k], ids=routes[k][0], w=routes[k][1], d_out=d_outs[k], w13=w.w13_E2IH[k * L:(k + 1) * L],
                      w2=w.w2_EHI[k * L:(k + 1) * L], sw13=w.shared_w13_2SH, sw2=w.shared_w2_HS,
-                     limit=shape.swiglu_limit, config=EP_CFG) for k in range(r)]
+                     limit=shape.swiglu_limit, config=EP_CFG, keep=keep) for k in range(r)]
     got = gpu_worlds(r).run_ok("ep_forward_backward", payloads, timeout_s=EP_TIMEOUT_S)
 
     cu = lambda v: v.to("cuda") if v is not None else None  # noqa: E731
     a = ([cu(x) for x in xs], [cu(i) for i, _ in routes], [cu(v) for _, v in routes], cu(w.w13_E2IH),
          cu(w.w2_EHI), cu(w.shared_w13_2SH), cu(w.shared_w2_HS), shape.swiglu_limit)
-    fwd = megakernel_forward_multirank(*a, config=EP_CFG)
-    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=EP_CFG)
+    fwd = megakernel_forward_multirank(*a, config=EP_CFG, save_for_backward=keep)
+    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=EP_CFG, saved=fwd.saved())
     fwd.check_errors()
     bwd.check_errors()
     for k in range(r):

@@ -113,6 +113,11 @@ class EPForward:
     def check_errors(self) -> None:
         ops.check_errors(self.state.err)
 
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x_routed, gate_up) when the forward kept them (``save_for_backward`` on a resident ring), else None."""
+        st = self.state
+        return None if st.gate_up is None else (st.x_routed, st.gate_up)
+
 
 def megakernel_forward_ep(
     x_TH: torch.Tensor,
@@ -126,11 +131,14 @@ def megakernel_forward_ep(
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
     max_spin: int = ops.DEFAULT_MAX_SPIN,
+    save_for_backward: bool = False,
 ) -> EPForward:
     """This rank's MoE forward under expert parallelism (collective: every rank of ``peers`` calls it).
 
     ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
-    whose weights are ``w13_L2IH`` / ``w2_LHI`` here."""
+    whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and gate|up
+    pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
+    ``ops.launch_rank_forward`` does."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -144,7 +152,7 @@ def megakernel_forward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                 swiglu_limit, config, max_spin)
+                                 swiglu_limit, config, max_spin, save_for_backward=save_for_backward)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
     ops.launch_epilogue(st.y_shared[:T], combine[:T * K], topk_weights_TK.float().contiguous(), ids_all[rank][:T],
@@ -179,9 +187,11 @@ def megakernel_backward_ep(
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
     max_spin: int = ops.DEFAULT_MAX_SPIN,
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
-    the single-process backward does."""
+    the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
+    routed x rows and gate|up pre-activations."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -201,7 +211,7 @@ def megakernel_backward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                   swiglu_limit, config, max_spin)
+                                   swiglu_limit, config, max_spin, saved=saved)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
     dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T], R * L,
@@ -221,10 +231,14 @@ class _MoEEP(torch.autograd.Function):
                 swiglu_limit, peers, config):
         from kittenmoe.autograd import report_device_errors
 
+        keep = config.keep_activations and any(ctx.needs_input_grad)
         res = megakernel_forward_ep(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI,
-                                    shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config)
+                                    shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config,
+                                    save_for_backward=keep)
         report_device_errors(x_TH.device, [res.state.err])
-        ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS)
+        kept = res.saved() or (None, None)
+        ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                              *kept)
         ctx.swiglu_limit, ctx.peers, ctx.config = swiglu_limit, peers, config
         return res.output
 
@@ -232,9 +246,11 @@ class _MoEEP(torch.autograd.Function):
     def backward(ctx, d_out_TH):
         from kittenmoe.autograd import report_device_errors
 
-        x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS = ctx.saved_tensors
+        (x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, x_routed,
+         gate_up) = ctx.saved_tensors
         g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH,
-                                   w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config)
+                                   w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config,
+                                   saved=None if gate_up is None else (x_routed, gate_up))
         report_device_errors(x_TH.device, [g.err])
         return (g.d_x, None, g.d_topk_weights.to(topk_weights_TK.dtype), g.d_w13, g.d_w2, g.d_shared_w13,
                 g.d_shared_w2, None, None, None)
