@@ -119,6 +119,20 @@ def _make_inputs(case: Case, seed: int = 0, device=DEV) -> Inputs:
     return Inputs(xs, ids, ws, mw, d_outs)
 
 
+def _nan_scratch(monkeypatch) -> None:
+    """Every floating-point ``torch.empty`` in the launchers (``kittenmoe.ops``) comes back filled with NaN, until
+    ``monkeypatch.undo()``: a buffer row read before it is written shows up in the results."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+
+
 def _poison(peers: LocalPeers, t: int, k: int, h: int, dtype: torch.dtype) -> LocalPeers:
     """NaN in every rank's d_x and d_w combine buffers: a route never pushed back stays NaN."""
     peers.alloc("dx_comb", (t * k, h), dtype, fill=float("nan"))
@@ -379,15 +393,7 @@ def test_scratch_buffers_poisoned_with_nan(name, monkeypatch):
     (schedule padding in the weight-gradient sums, for one) or a gradient they never write shows as NaN."""
     case = MATCH_CASES[name]
     inp = _make_inputs(case)
-    real_empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+    _nan_scratch(monkeypatch)
     got = _named(_backward(case, inp))
     monkeypatch.undo()
     ref = _reference_grads64(case, inp)
@@ -428,15 +434,7 @@ def test_resident_backward_matches_replay(name, monkeypatch):
     case = RESIDENT_CASES[name]
     inp = _make_inputs(case, seed=5)
     cfg = case.config()
-    real_empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+    _nan_scratch(monkeypatch)
     peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
     fwd = _forward_saved(case, inp, cfg, peers)
     assert all(st.ring.resident and st.gate_up is not None for st in fwd.states)
