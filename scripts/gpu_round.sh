@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|hf|fp8|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|all]   (default all; on the nvidia-h200 device)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
 # device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
@@ -41,6 +41,9 @@ if [[ $what == ep ]]; then  # expert parallelism: 2 processes sharing the GPU th
 fi
 if [[ $what == hf ]]; then  # whole HF DeepSeek-V3 training steps, kittenmoe vs grouped_mm
   step hf python3 benchmarks/hf_round.py --out "$OUT"
+fi
+if [[ $what == eptests ]]; then  # every multi-process GPU test (symmetric memory, EP megakernels, EP layer, faults)
+  step eptests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py
 fi
 if [[ $what == fp8 ]]; then  # issue 7: the FP8 forward's tests (all of them on the GPU), then its round
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py

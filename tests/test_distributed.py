@@ -912,3 +912,51 @@ def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
     for m in gpu_worlds(2).run_ok("ep_mismatch", payloads, timeout_s=EP_TIMEOUT_S):
         assert "differs across ranks" in m and "7.0" in m, m
 
+
+
+def _task_ep_peer_gone(rank, world, p):
+    """Both ranks run one forward (allocations and the problem agreed); then rank 1 stops taking part, as a rank
+    that died would, and rank 0 runs a second forward alone. Its device barrier must give up after
+    barrier_timeout_ms (a CUDA error at the next sync) instead of spinning forever."""
+    from kittenmoe.ep import megakernel_forward_ep
+
+    dev = torch.device("cuda", 0)
+    a = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+    peers = SymmetricPeers(barrier_timeout_ms=3000)
+    args = (a["x"], a["ids"], a["w"], a["w13"], a["w2"], None, None, None)
+    megakernel_forward_ep(*args, peers=peers, config=EP_CFG).check_errors()
+    torch.cuda.synchronize()
+    if rank == 1:
+        return "gone"
+    t0 = time.monotonic()
+    try:
+        megakernel_forward_ep(*args, peers=peers, config=EP_CFG)
+        torch.cuda.synchronize()
+    except Exception as e:  # the expected outcome, reported to the test process
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
+    raise AssertionError("a forward whose peer never arrived completed")
+
+
+_TASKS["ep_peer_gone"] = _task_ep_peer_gone
+
+
+@pytest.mark.gpu
+def test_gpu_ep_rank_gone_gives_a_timeout_error_not_a_hang(tmp_path):
+    """DESIGN's no-deadlock invariant across processes: a rank that stops participating leaves the other with an
+    error within the barrier timeout. A fresh world (the failing process's CUDA context is lost afterwards)."""
+    from kittenmoe.testing import routing_uniform
+
+    gen = torch.Generator().manual_seed(0)
+    w = make_weights(SMALL, dtype=torch.bfloat16, generator=gen)
+    payloads = []
+    for k in range(2):
+        x = torch.randn(32, SMALL.h, generator=gen).to(torch.bfloat16)
+        ids, wts = routing_uniform(32, SMALL.e, SMALL.k, generator=gen, device="cpu")
+        payloads.append(dict(x=x, ids=ids, w=wts, w13=w.w13_E2IH[k * 8:(k + 1) * 8], w2=w.w2_EHI[k * 8:(k + 1) * 8]))
+    world = World(2, str(tmp_path / "store"), env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}, cuda=True)
+    try:
+        (s0, v0), (s1, v1) = world.run("ep_peer_gone", payloads, timeout_s=EP_TIMEOUT_S)
+    finally:
+        world.close()
+    assert (s1, v1) == ("ok", "gone"), (s1, v1)
+    assert s0 == "ok" and "Error" in v0, (s0, v0)
