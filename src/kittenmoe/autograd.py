@@ -7,12 +7,13 @@ Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
   swiglu_limit?, <KernelConfig fields>) -> (out_TH, x_routed, gate_up)``: the forward megakernel. With
-  ``keep_activations`` on a resident ring it also returns the routed x rows ``[NR, H]`` and the fp32 gate|up
-  pre-activations ``[NR, 2I]`` for the backward; otherwise ``[0, H]`` / ``[0, 2I]`` (``moe_megakernel``
-  turns the knob off when no gradient is needed).
+  ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and fp32 gate|up
+  pre-activations ``[MAC, 2I]`` for the backward (every routed row when the ring does not wrap, else
+  macrobatch 0); otherwise ``[0, H]`` / ``[0, 2I]`` (``moe_megakernel`` turns the knob off when no gradient
+  is needed).
 - ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, <KernelConfig fields>) -> (d_x_TH,
   d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
-  megakernel. It replays the dispatch, and the gate|up GEMM unless ``x_routed`` has rows. Without a shared
+  megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold. Without a shared
   expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
   autograd turns them into ``None``.
 
@@ -96,8 +97,8 @@ _INPUTS = ("Tensor x_TH, Tensor topk_ids_TK, Tensor topk_weights_TK, Tensor w13_
 _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_w2_EHI, " \
          "Tensor d_shared_w13_2SH, Tensor d_shared_w2_HS)"
 
-# The forward also returns what it kept for the backward (KernelConfig.keep_activations on a resident ring):
-# x_routed [NR, H] and fp32 gate_up [NR, 2I], or [0, H] / [0, 2I] when it kept nothing (the backward replays).
+# The forward also returns what it kept for the backward (KernelConfig.keep_activations): its ring's x_routed
+# [MAC, H] and fp32 gate_up [MAC, 2I], or [0, H] / [0, 2I] when it kept nothing (the backward replays).
 torch.library.define("kittenmoe::moe_forward",
                      f"({_INPUTS}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
 torch.library.define("kittenmoe::moe_backward",
@@ -252,7 +253,7 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
         return 0
     ring = ops.RingGeometry.make(
         routed_capacity(1, x_TH.shape[0], topk_ids_TK.shape[1], w13_E2IH.shape[0], config.block_m), config)
-    return ring.macrobatch if ring.resident else 0
+    return ring.macrobatch
 
 
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,

@@ -118,13 +118,14 @@ class KernelConfig:
         Hopper-or-newer GPU, bf16/fp16, I, S multiples of block_n, H a
         multiple of 2*block_n, widths multiples of block_k); otherwise, and
         always under the interpreter, pointer loads.
-    keep_activations: a forward that autograd will differentiate keeps each
-        routed row's x and fp32 gate|up pre-activations (H x dtype + 8 I
-        bytes a row; Kimi EP8 slice: ~0.58 GB a layer) for the backward,
-        which then skips the gate|up replay (4 of phase A's 6 FLOPs per
-        element) and the x pull. Needs a resident ring (no wrap: macrobatch
-        None or at least the capacity); with a wrapping ring the backward
-        replays what the ring overwrote. False: always replay.
+    keep_activations: a forward that autograd will differentiate keeps its
+        ring's routed x rows and fp32 gate|up pre-activations (H x dtype +
+        8 I bytes a row; Kimi EP8 slice without a ring: ~0.58 GB a layer)
+        for the backward, which skips the gate|up replay for those rows (4
+        of phase A's 6 FLOPs per element). A ring that does not wrap holds
+        every row (the backward also skips the x pull); a wrapping ring
+        ends holding macrobatch 0 (the forward runs macrobatches last to
+        first) and the backward replays only the rest. False: always replay.
     """
 
     num_comm_programs_fwd: int = 16

@@ -93,7 +93,8 @@ class RingGeometry:
     @property
     def resident(self) -> bool:
         """The ring never wraps: every routed row keeps its own slot until the forward ends, so the backward
-        can read the forward's routed activations instead of replaying them."""
+        can read all the forward's routed activations instead of replaying them (a wrapping ring leaves
+        macrobatch 0 only)."""
         return self.macrobatch >= self.capacity
 
     def live_minibatches(self, num_rows: int) -> list[int]:
@@ -120,7 +121,8 @@ class ForwardState:
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
     err: torch.Tensor  # [1] int32
-    # [MAC, 2I] fp32 gate|up pre-activations, kept for the backward (save_for_backward on a resident ring), else None
+    # [MAC, 2I] fp32 gate|up pre-activations of the rows the ring holds at the end, kept for the backward
+    # (save_for_backward), else None
     gate_up: torch.Tensor | None = None
     x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
     hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
@@ -209,10 +211,11 @@ def launch_rank_forward(
 ) -> ForwardState:
     """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
 
-    ``save_for_backward``: when the ring is resident (``macrobatch_size`` None or at least the capacity), also
-    keep each routed row's gate|up pre-activations (``state.gate_up``) and write padding rows of
-    ``state.x_routed`` as zeros, so that ``launch_rank_backward(saved=...)`` skips the gate|up replay and
-    the x pull. Ignored (nothing saved, the backward replays) when the ring wraps.
+    ``save_for_backward``: also keep the gate|up pre-activations of the rows in the ring (``state.gate_up``,
+    fp32) and write padding rows of ``state.x_routed`` as zeros, for ``launch_rank_backward(saved=...)``. A
+    resident ring (``macrobatch_size`` None or at least the capacity) then holds every routed row: the
+    backward skips the gate|up replay and the x pull. A wrapping ring ends holding macrobatch 0 (processed
+    last): the backward reads those rows' gate|up and replays the others.
 
     ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
     ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
@@ -243,7 +246,7 @@ def launch_rank_forward(
         counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
         err=torch.zeros(1, dtype=torch.int32, device=dev),
     )
-    save_gu = save_for_backward and ring.resident
+    save_gu = save_for_backward
     if save_gu:
         # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
         # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
@@ -371,7 +374,7 @@ class MultirankForward:
 
     def saved(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up) when this
-        forward kept them (``save_for_backward`` on a resident ring), else None (the backward replays)."""
+        forward kept them (``save_for_backward``), else None (the backward replays)."""
         return [None if st.gate_up is None else (st.x_routed, st.gate_up) for st in self.states]
 
 
@@ -468,9 +471,11 @@ def launch_rank_backward(
 
     ``dw13_out`` / ``dw2_out`` ([L, 2I, H] / [L, H, I], contiguous): where to write this rank's expert weight
     gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice).
-    ``saved``: ``(x_routed [NR, H], gate_up [NR, 2I] fp32)`` of this rank's forward with the same routing and
-    config (``launch_rank_forward(save_for_backward=True)`` on a resident ring): phase A then runs the down
-    dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips x rows."""
+    ``saved``: ``(x_routed, gate_up)`` of this rank's forward with the same routing and config
+    (``launch_rank_forward(save_for_backward=True)``). From a resident ring (``[NR, H]``, ``[NR, 2I]`` fp32)
+    phase A runs the down dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips
+    x rows; from a wrapping ring (``[MAC, H]``, ``[MAC, 2I]``: macrobatch 0) the rows below MAC skip the
+    replay and the others replay it."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -501,19 +506,25 @@ def launch_rank_backward(
                               or t.device != dev):
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
+    gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
     if saved is not None:
-        for name, t, shape, dt in (("saved x_routed", saved[0], (NR, H), dtype),
-                                   ("saved gate_up", saved[1], (NR, 2 * I), torch.float32)):
+        mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
+        if not (0 < mac <= NR and mac % bm == 0):
+            raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
+                             f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
+        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
+                                   ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
             if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
                 raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
                                  f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
+        gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
         err=torch.zeros(1, dtype=torch.int32, device=dev),
     )
     bufs = dict(
-        xr=e(NR, H) if saved is None else saved[0], dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
+        xr=saved[0] if gu_mode == 1 else e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
     )
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
@@ -567,7 +578,7 @@ def launch_rank_backward(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        RESIDENT=saved is not None, **dot,
+        GU_MODE=gu_mode, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).
@@ -585,7 +596,7 @@ def launch_rank_backward(
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
             w13_L2IH, w2_LHI, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
-            T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, **meta)
+            T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
     if not interp:

@@ -39,11 +39,13 @@ reproducible; no atomics touch data. The d_w row-sum over I is split across
 phase-A tiles into ``dw_part[row, n_tile]`` and reduced in n-tile order by the
 push.
 
-No ring in the backward yet (every routed row resident). RESIDENT: the forward
-kept its routed x rows (padding rows zeroed) and fp32 gate|up pre-activations
-(``KernelConfig.keep_activations``, a ring that did not wrap); phase A is then
-the down dgrad alone, reading g and u, and the pull skips x. Otherwise phase A
-replays the gate|up GEMM from the pulled x rows.
+No ring in the backward yet (every routed row resident). Ring-aware replay
+(``KernelConfig.keep_activations``; GU_MODE): 1, the forward's ring did not wrap
+and kept every routed row's x (padding zeroed) and fp32 gate|up: phase A is the
+down dgrad alone, reading g and u, and the pull skips x; 2, the ring wrapped:
+the forward, running its macrobatches last to first, left macrobatch 0 (routed
+rows [0, gu_rows)) in the ring, so those tiles read g and u and the others
+replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 """
 
 import triton
@@ -245,6 +247,39 @@ def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: t
 
 
 @triton.jit
+def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase A of one tile when the forward kept gate|up: the down dgrad alone, then g and u as the forward's
+    fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed rows)."""
+    if USE_TMA_A:
+        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
+    else:
+        acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nt * BN, I, H, BM, BN, BK,
+                         DOT_FP32, PRECISION)
+    rn = nt * BN + tl.arange(0, BN)
+    rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
+    acc_g = tl.load(rows + rn[None, :], mask=(rn < I)[None, :], other=0.0).to(tl.float32)
+    acc_u = tl.load(rows + I + rn[None, :], mask=(rn < I)[None, :], other=0.0).to(tl.float32)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
+def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc, e, nt, H, I,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
+                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase A of one tile replaying the gate|up GEMM from the pulled x rows beside the down dgrad."""
+    if USE_TMA_A:
+        acc_dh, acc_g, acc_u = _bwd_a_acc_tma(dor_desc, xr_desc, row0, w2_desc, e * H, w13a_desc,
+                                              e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN, nt * BN, H, BM, BN, BK)
+    else:
+        acc_dh, acc_g, acc_u = _bwd_a_acc(dor_ptr, xr_ptr, row0, BM, w2_ptr + e.to(tl.int64) * (H * I),
+                                          w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BM, BN, BK,
+                                          DOT_FP32, PRECISION)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
 def combine_mlp_swiglu_dispatch_bwd_kernel(
     # schedule of this rank
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
@@ -260,7 +295,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     # local buffers
     x_local_ptr,  # [T, H] this rank's x
     dout_local_ptr,  # [T, H] this rank's d_out
-    xr_ptr,  # [NR, H] pulled x rows (RESIDENT: the forward's x_routed, not pulled again)
+    xr_ptr,  # [NR, H] pulled x rows (GU_MODE 1: the forward's x_routed, not pulled again)
     dor_ptr,  # [NR, H] pulled d_out rows (unscaled)
     wr_ptr,  # [NR] fp32 pulled router weights
     dgu_ptr,  # [NR, 2I] d(gate|up)
@@ -270,7 +305,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sdgu_ptr,  # [T, 2S] shared d(gate|up)
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
-    gu_ptr,  # [NR, 2I] fp32, the forward's gate|up pre-activations (RESIDENT; else a placeholder)
+    gu_ptr,  # [gu_rows, 2I] fp32, the forward's gate|up pre-activations of the leading routed rows (GU_MODE > 0)
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
@@ -294,12 +329,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     err_ptr,  # [1] int32
     T, H, I, S, K, L, NMB,
     swiglu_limit,
-    phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
+    phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows,
     LAG: tl.constexpr, MB: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
-    RESIDENT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    GU_MODE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -335,7 +370,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             cols = h0 + tl.arange(0, BLOCK_H)
                             m = ok[:, None] & (cols < H)[None, :]
                             mc = (cols < H)[None, :]
-                            if not RESIDENT:  # else the forward's x_routed holds these rows, padding zeroed
+                            if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
                                 tl.store(xr_ptr + dst[:, None] + cols[None, :],
                                          tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
                             tl.store(dor_ptr + dst[:, None] + cols[None, :],
@@ -409,28 +444,23 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if RESIDENT:
-                                    # Down dgrad only; gate|up as the forward's fp32 accumulators held them.
-                                    if USE_TMA_A:
-                                        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
+                                if GU_MODE == 1:
+                                    acc_dh, acc_g, acc_u = _phase_a_saved(
+                                        dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,
+                                        USE_TMA_A, DOT_FP32, PRECISION)
+                                elif GU_MODE == 2:
+                                    if row0 < gu_rows:  # macrobatch 0, left in the forward's ring
+                                        acc_dh, acc_g, acc_u = _phase_a_saved(
+                                            dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN,
+                                            BK, USE_TMA_A, DOT_FP32, PRECISION)
                                     else:
-                                        acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I,
-                                                         nt * BN, I, H, BM, BN, BK, DOT_FP32, PRECISION)
-                                    rn = nt * BN + tl.arange(0, BN)
-                                    gu_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
-                                    acc_g = tl.load(gu_rows + rn[None, :], mask=(rn < I)[None, :],
-                                                    other=0.0).to(tl.float32)
-                                    acc_u = tl.load(gu_rows + I + rn[None, :], mask=(rn < I)[None, :],
-                                                    other=0.0).to(tl.float32)
-                                elif USE_TMA_A:
-                                    acc_dh, acc_g, acc_u = _bwd_a_acc_tma(
-                                        dor_desc, xr_desc, row0, w2_desc, e * H, w13a_desc, e * (2 * I) + nt * BN,
-                                        e * (2 * I) + I + nt * BN, nt * BN, H, BM, BN, BK)
+                                        acc_dh, acc_g, acc_u = _phase_a_replay(
+                                            dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr,
+                                            w13a_desc, e, nt, H, I, BM, BN, BK, USE_TMA_A, DOT_FP32, PRECISION)
                                 else:
-                                    acc_dh, acc_g, acc_u = _bwd_a_acc(
-                                        dor_ptr, xr_ptr, row0, BM, w2_ptr + e.to(tl.int64) * (H * I),
-                                        w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BM, BN, BK,
-                                        DOT_FP32, PRECISION)
+                                    acc_dh, acc_g, acc_u = _phase_a_replay(
+                                        dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc,
+                                        e, nt, H, I, BM, BN, BK, USE_TMA_A, DOT_FP32, PRECISION)
                                 w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
                                 _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM,
                                                 nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
