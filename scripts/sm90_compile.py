@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--which", default="fwd,bwd")
     ap.add_argument("--shape", default="kimi-k2.7")
     ap.add_argument("--config", default="", help="KernelConfig overrides, e.g. block_n=64,num_stages=3")
-    ap.add_argument("--fp8", action="store_true", help="the forward with e4m3 routed experts (128 x 128 scales)")
+    ap.add_argument("--fp8", action="store_true", help="e4m3 routed experts (128 x 128 scales), forward and backward")
     ap.add_argument("--resident", action="store_true",
                     help="the variants that keep the forward's activations for the backward (SAVE_GU / RESIDENT)")
     args = ap.parse_args()
@@ -124,13 +124,17 @@ def main() -> int:
                         fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
                     ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=args.resident, fp8=fp8)
                 else:
-                    fwd = None
-                    if args.resident:  # the forward's states (its launch is compile-only here) carry the buffers
+                    fwd = fp8 = None
+                    if args.fp8:
+                        from kittenmoe.fp8 import FP8ExpertWeights
+                        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
+                    if args.resident or args.fp8:  # the forward's states (compile-only launch) carry the buffers
                         JITFunction.run = lambda self, *a_, grid, warmup, **k_: _orig_run(self, *a_, grid=grid,
                                                                                         warmup=True, **k_)
-                        fwd = ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=True)
+                        fwd = ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=True, fp8=fp8)
                         JITFunction.run = _compile_only
-                    ops.megakernel_backward_multirank(d_out, *a, config=cfg, saved=fwd.saved() if fwd else None)
+                    ops.megakernel_backward_multirank(d_out, *a, config=cfg, saved=fwd.saved() if fwd else None,
+                                                      fp8=fp8)
             except Exception as exc:  # the launcher reads results after the fake launch; compiles are done
                 if not compiled:
                     raise

@@ -163,15 +163,12 @@ def _check_fp8_type(fp8) -> None:
         raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8ExpertWeights or None, got {type(fp8).__name__}")
 
 
-def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.device, save_for_backward: bool):
+def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.device):
     _check_fp8_type(fp8)
     b = fp8.cfg.scale_block
     if b != FP8_BLOCK:
         raise NotImplementedError(f"FP8 megakernel: scale_block={b} is not implemented, only {FP8_BLOCK} "
                                   f"(MXFP8's 32 would need four scale steps per K tile)")
-    if save_for_backward:
-        raise NotImplementedError("FP8 megakernel: forward only; the FP8 backward (dgrad, wgrad) is not "
-                                  "implemented (issue 7)")
     if config.block_n != b:
         raise ValueError(f"FP8 megakernel: block_n must equal the scale block ({b}) so each gate|up tile's "
                          f"hidden row block gets one scale; got block_n={config.block_n}")
@@ -228,7 +225,7 @@ def launch_rank_forward(
     dtype = w13_L2IH.dtype
     bm = config.block_m
     if fp8 is not None:
-        _check_fp8(fp8, config, L, H, I, dev, save_for_backward)
+        _check_fp8(fp8, config, L, H, I, dev)
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
@@ -466,6 +463,7 @@ def launch_rank_backward(
     dw13_out: torch.Tensor | None = None,
     dw2_out: torch.Tensor | None = None,
     saved: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: FP8ExpertWeights | None = None,
 ) -> dict:
     """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers.
 
@@ -475,7 +473,13 @@ def launch_rank_backward(
     (``launch_rank_forward(save_for_backward=True)``). From a resident ring (``[NR, H]``, ``[NR, 2I]`` fp32)
     phase A runs the down dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips
     x rows; from a wrapping ring (``[MAC, H]``, ``[MAC, 2I]``: macrobatch 0) the rows below MAC skip the
-    replay and the others replay it."""
+    replay and the others replay it.
+
+    ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
+    gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x (block_n / 2)
+    in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The
+    weight gradients stay in x's dtype. Needs ``saved`` from an FP8 forward covering every row (a ring that
+    does not wrap): an e4m3 replay of gate|up is not implemented."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -507,17 +511,26 @@ def launch_rank_backward(
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
+    if fp8 is not None:
+        _check_fp8(fp8, config, L, H, I, dev)
+        if saved is None or saved[1].shape[0] != NR:
+            raise NotImplementedError(
+                "FP8 backward: needs the FP8 forward's gate|up for every routed row (save_for_backward with a ring "
+                "that does not wrap, macrobatch_size None); replaying gate|up in e4m3 is not implemented")
     if saved is not None:
         mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
         if not (0 < mac <= NR and mac % bm == 0):
             raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
                              f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
-        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
+        x_dt = torch.uint8 if fp8 is not None else dtype  # an FP8 forward's ring holds e4m3 bits
+        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), x_dt),
                                    ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
             if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
                 raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
                                  f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
-        gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
+        # Mode 1 also reads the forward's x rows for the weight gradients; an FP8 forward's are e4m3, so FP8
+        # pulls x again (mode 2 over every row).
+        gu_mode, gu_rows = (1, NR) if mac == NR and fp8 is None else (2, mac)
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
@@ -527,6 +540,14 @@ def launch_rank_backward(
         xr=saved[0] if gu_mode == 1 else e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
     )
+    sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
+    if fp8 is not None:
+        fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), e(NR, 2 * I, dt=torch.uint8),
+                    e(NR, 2 * I // bn, dt=torch.float32))
+        fp8_w = (fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8), fp8.w13_scale, fp8.w2_scale)
+    else:
+        fp8_bufs = (bufs["dor"],) * 4  # placeholders, never touched
+        fp8_w = (w13_L2IH, w2_LHI, bufs["dwp"], bufs["dwp"])
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
     # Routes with expert ids outside [0, E) were never computed: flag them as the forward does (device op).
     out["err"].copy_((sched.num_invalid > 0).to(torch.int32) * mk.ERR_BAD_EXPERT_ID)
@@ -578,7 +599,7 @@ def launch_rank_backward(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, **dot,
+        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).
@@ -594,8 +615,8 @@ def launch_rank_backward(
             peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
-            bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
-            w13_L2IH, w2_LHI, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
+            bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1], *fp8_bufs,
+            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
@@ -661,18 +682,22 @@ def megakernel_backward_multirank(
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int | None = None,
     saved: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    fp8: FP8ExpertWeights | None = None,
 ) -> MultirankBackward:
     """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
 
     Recomputes (replays) the schedule, the dispatch and the gate|up GEMM, except
     for ranks whose entry of ``saved`` (``MultirankForward.saved()`` of this
     call's forward: same inputs and config, run with ``save_for_backward=True``)
-    holds their routed x rows and gate|up pre-activations: those are read instead. ``phases`` (a mask of ``megakernel_bwd.PB_*``,
+    holds their routed x rows and gate|up pre-activations: those are read instead.
+    ``fp8``: the forward's ``FP8ExpertWeights`` (all experts): data gradients on e4m3 operands (see
+    ``launch_rank_backward``). ``phases`` (a mask of ``megakernel_bwd.PB_*``,
     default all) runs a subset of the roles, for timing one phase against
     another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
     over ranks in rank order (the replicated weight's total gradient).
     """
     config = config or KernelConfig()
+    _check_fp8_type(fp8)
     dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
@@ -698,7 +723,8 @@ def megakernel_backward_multirank(
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
-                             dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L], saved=saved[d])
+                             dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L], saved=saved[d],
+                             fp8=None if fp8 is None else fp8.experts(d * L, (d + 1) * L))
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None

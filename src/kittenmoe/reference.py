@@ -163,6 +163,83 @@ def moe_reference_fp8(
     return out
 
 
+def _qdq_blocks(x: torch.Tensor, block: int, cfg) -> torch.Tensor:
+    """x (fp32/fp64 [N, C], C a multiple of ``block``) quantised to e4m3 in 1 x ``block`` blocks along C by
+    ``cfg``'s scale rule, then dequantised (fp32)."""
+    from kittenmoe.fp8 import FP8_DTYPE, scale_from_amax
+
+    xb = x.float().unflatten(-1, (x.shape[-1] // block, block))
+    scale = scale_from_amax(xb.abs().amax(dim=-1), cfg)
+    return ((xb / scale[..., None]).to(FP8_DTYPE).float() * scale[..., None]).flatten(-2)
+
+
+def moe_backward_reference_fp8(
+    d_out_TH: torch.Tensor,
+    x_TH: torch.Tensor,
+    topk_ids_TK: torch.Tensor,
+    topk_weights_TK: torch.Tensor,
+    fp8_weights,
+    shared_w13_2SH: torch.Tensor | None = None,
+    shared_w2_HS: torch.Tensor | None = None,
+    swiglu_limit: float | None = None,
+    dgu_block: int = 64,
+    compute_dtype: torch.dtype = torch.float64,
+) -> dict[str, torch.Tensor]:
+    """Gradients of ``sum <out, d_out>`` as the FP8 megakernels compute them, in ``compute_dtype``.
+
+    The forward as ``moe_reference_fp8`` (g, u from e4m3 x and weights, kept unquantised). Data gradients on
+    e4m3 operands: ``dh_u = q(d_out) W2[e]`` with d_out quantised 1 x B along H, and the route's d_x row
+    ``q(d_gu) W13[e]`` with d(gate|up) quantised 1 x ``dgu_block`` along 2I (the backward's phase-A tile
+    width). The router-weight gradient ``<dh_u, h>``; weight gradients from unquantised operands
+    (``d_gu^T x``, ``(w d_out)^T h``); the shared expert unquantised. Keys: d_x, d_topk_weights, d_w13, d_w2
+    and, with a shared expert, d_shared_w13, d_shared_w2."""
+    from kittenmoe.fp8 import dequantize_activations, quantize_activations
+
+    cfg = fp8_weights.cfg
+    w13, w2 = (w.to(compute_dtype) for w in fp8_weights.dequantized())
+    cd = compute_dtype
+    xq = dequantize_activations(*quantize_activations(x_TH.float(), cfg), cfg).to(cd)
+    dq = dequantize_activations(*quantize_activations(d_out_TH.float(), cfg), cfg).to(cd)
+    x, d_out = x_TH.to(cd), d_out_TH.to(cd)
+    w_TK = topk_weights_TK.to(cd)
+    t, k = topk_ids_TK.shape
+    i = w2.shape[2]
+    d_x = torch.zeros_like(x)
+    d_w = torch.zeros(t, k, dtype=cd, device=x.device)
+    d_w13, d_w2 = torch.zeros_like(w13), torch.zeros_like(w2)
+    for e in range(w13.shape[0]):
+        tok, slot = (topk_ids_TK == e).nonzero(as_tuple=True)
+        if not tok.numel():
+            continue
+        gu = xq[tok] @ w13[e].t()
+        g, u = gu[:, :i], gu[:, i:]
+        gc, uc = (g, u) if swiglu_limit is None else (g.clamp(max=swiglu_limit),
+                                                       u.clamp(min=-swiglu_limit, max=swiglu_limit))
+        sg = torch.sigmoid(gc)
+        h = gc * sg * uc
+        dh_u = dq[tok] @ w2[e]
+        d_w[tok, slot] = (dh_u * h).sum(1)
+        wv = w_TK[tok, slot][:, None]
+        dh = wv * dh_u
+        dgc = dh * uc * sg * (1 + gc * (1 - sg))
+        duc = dh * gc * sg
+        if swiglu_limit is not None:
+            dgc = torch.where(g <= swiglu_limit, dgc, 0.0)
+            duc = torch.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
+        dgu = torch.cat([dgc, duc], dim=1)
+        d_x.index_add_(0, tok, _qdq_blocks(dgu, dgu_block, cfg).to(cd) @ w13[e])
+        d_w13[e] = dgu.t() @ x[tok]
+        d_w2[e] = (wv * d_out[tok]).t() @ h
+    out = dict(d_x=d_x, d_topk_weights=d_w, d_w13=d_w13, d_w2=d_w2)
+    if shared_w13_2SH is not None:
+        leaves = [x.clone().requires_grad_(), shared_w13_2SH.to(cd).requires_grad_(),
+                  shared_w2_HS.to(cd).requires_grad_()]
+        y = swiglu_ffn(*leaves, swiglu_limit)
+        gx, g13, g2 = torch.autograd.grad(y, leaves, d_out)
+        out.update(d_x=d_x + gx, d_shared_w13=g13, d_shared_w2=g2)
+    return out
+
+
 def moe_layer_reference(
     x_TH: torch.Tensor,
     router_w_EH: torch.Tensor,

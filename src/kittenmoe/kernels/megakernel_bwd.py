@@ -51,7 +51,8 @@ replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 import triton
 import triton.language as tl
 
-from kittenmoe.kernels.megakernel_fwd import _peer_rows, _signal, _wait_geq
+from kittenmoe.kernels.megakernel_fwd import _fp8_operand, _peer_rows, _signal, _wait_geq
+from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
 PB_SHARED_A = 1
@@ -158,6 +159,7 @@ def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0,
     if HAS_DW:
         part = tl.sum(tl.where(m, acc_dh * h, 0.0), axis=1)
         tl.store(dwp_ptr + rows * NI + nt, part, mask=rm < n_rows)
+    return dgc, duc
 
 
 @triton.jit
@@ -280,6 +282,78 @@ def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w
 
 
 @triton.jit
+def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2q_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
+                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """FP8 phase A of one tile (gate|up kept by the forward): dh_u = dO W2[e][:, n-tile] on e4m3 operands, K steps
+    of SB along H, each step's product scaled by the d_out row's 1 x SB scale and the weight block's; then g, u.
+
+    dq_ptr: uint8 [*, H] e4m3 d_out rows, ds_ptr: fp32 [*, HB]; w2q_ptr: one expert's uint8 [H, I] used as
+    [K = H, N = I], w2s_ptr: its fp32 [HB, IB] (square blocks serve the transpose unchanged)."""
+    rm = tl.arange(0, BM)
+    rn = nt * BN + tl.arange(0, BN)
+    rk = tl.arange(0, SB)
+    rows = (row0 + rm).to(tl.int64)
+    nb = (nt * BN) // SB  # BN divides SB: the tile sits in one weight block column
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, SB):
+        kb = k0 // SB
+        kk = k0 + rk
+        a = _fp8_operand(tl.load(dq_ptr + rows[:, None] * H + kk[None, :]), EMULATE)
+        b = _fp8_operand(tl.load(w2q_ptr + kk[:, None].to(tl.int64) * I + rn[None, :]), EMULATE)
+        sa = tl.load(ds_ptr + rows * HB + kb)
+        sw = tl.load(w2s_ptr + kb * IB + nb)
+        if EMULATE:
+            p = tl.dot(a, b, input_precision="ieee")
+        else:
+            p = tl.dot(a, b)
+        acc += p * (sa[:, None] * sw)
+    g_rows = gu_ptr + rows[:, None] * (2 * I)
+    acc_g = tl.load(g_rows + rn[None, :])
+    acc_u = tl.load(g_rows + I + rn[None, :])
+    return acc, acc_g, acc_u
+
+
+@triton.jit
+def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13q_ptr, w13s_ptr, n0, H, I, HB, GB,
+                 BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
+    block of d(gate|up), = phase A's tile width) along 2I. gq_ptr: uint8 [*, 2I], gs_ptr: fp32 [*, GB];
+    w13q_ptr: one expert's uint8 [2I, H] used as [K = 2I, N = H], w13s_ptr: its fp32 [2I / SB, HB]."""
+    rm = tl.arange(0, BM)
+    rn = n0 + tl.arange(0, BN2)
+    rk = tl.arange(0, KS)
+    rows = (row0 + rm).to(tl.int64)
+    sw_cols = rn // SB
+    acc = tl.zeros((BM, BN2), dtype=tl.float32)
+    for k0 in range(0, 2 * I, KS):
+        kk = k0 + rk
+        a = _fp8_operand(tl.load(gq_ptr + rows[:, None] * (2 * I) + kk[None, :]), EMULATE)
+        b = _fp8_operand(tl.load(w13q_ptr + kk[:, None].to(tl.int64) * H + rn[None, :]), EMULATE)
+        sa = tl.load(gs_ptr + rows * GB + k0 // KS)
+        sw = tl.load(w13s_ptr + (k0 // SB) * HB + sw_cols)
+        if EMULATE:
+            p = tl.dot(a, b, input_precision="ieee")
+        else:
+            p = tl.dot(a, b)
+        acc += p * (sa[:, None] * sw[None, :])
+    return acc
+
+
+@triton.jit
+def _quantize_dgu(dgc, duc, gq_ptr, gs_ptr, row0, nt, I, GB, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """d(gate) and d(up) of one phase-A tile quantised per row over its BN columns (one 1 x BN block each):
+    gq_ptr uint8 [*, 2I] at columns nt*BN.. and I + nt*BN.., gs_ptr fp32 [*, GB] at nt and I/BN + nt."""
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rn = nt * BN + tl.arange(0, BN)
+    gb, gsc = quantize_rows_1xb(dgc, BM, BN, BN, POW2)
+    ub, usc = quantize_rows_1xb(duc, BM, BN, BN, POW2)
+    tl.store(gq_ptr + rows[:, None] * (2 * I) + rn[None, :], gb)
+    tl.store(gq_ptr + rows[:, None] * (2 * I) + I + rn[None, :], ub)
+    tl.store(gs_ptr + rows * GB + nt, tl.reshape(gsc, (BM,)))
+    tl.store(gs_ptr + rows * GB + I // BN + nt, tl.reshape(usc, (BM,)))
+
+
+@triton.jit
 def combine_mlp_swiglu_dispatch_bwd_kernel(
     # schedule of this rank
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
@@ -306,9 +380,17 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
     gu_ptr,  # [gu_rows, 2I] fp32, the forward's gate|up pre-activations of the leading routed rows (GU_MODE > 0)
+    dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
+    dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
+    dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8)
+    dgus_ptr,  # [NR, 2I // BN] fp32 their 1 x BN scales (FP8)
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
+    w13q_ptr,  # [L, 2I, H] uint8 e4m3 (FP8; else a placeholder)
+    w2q_ptr,  # [L, H, I] uint8 e4m3 (FP8)
+    w13s_ptr,  # [L, 2I // SB, H // SB] fp32 (FP8)
+    w2s_ptr,  # [L, H // SB, I // SB] fp32 (FP8)
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
     # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
@@ -334,12 +416,16 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
-    GU_MODE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    GU_MODE: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     num_rows = tl.load(num_rows_ptr)
     DT = xr_ptr.dtype.element_ty
+    HB = H // SB
+    IB = I // SB
+    GB = (2 * I) // BN
     pull_ready = cnt_ptr
     a_ready = cnt_ptr + NMB
     b_ready = cnt_ptr + 2 * NMB
@@ -373,8 +459,14 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
                                 tl.store(xr_ptr + dst[:, None] + cols[None, :],
                                          tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
-                            tl.store(dor_ptr + dst[:, None] + cols[None, :],
-                                     tl.load(db[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
+                            dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
+                            tl.store(dor_ptr + dst[:, None] + cols[None, :], dv, mask=mc)
+                            if FP8:  # quantised on the way in (1 x SB along H), for phase A's e4m3 GEMM
+                                qb, qs = quantize_rows_1xb(dv.to(tl.float32), ROWS, BLOCK_H, SB, POW2)
+                                tl.store(dorq_ptr + dst[:, None] + cols[None, :], qb, mask=mc)
+                                sbk = h0 // SB + tl.arange(0, BLOCK_H // SB)
+                                tl.store(dors_ptr + r.to(tl.int64)[:, None] * HB + sbk[None, :], qs,
+                                         mask=(sbk < HB)[None, :])
                         wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
                         tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
                     _signal(pull_ready + p)
@@ -444,7 +536,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if GU_MODE == 1:
+                                if FP8:  # the launcher requires every row's gate|up kept (GU_MODE > 0)
+                                    acc_dh, acc_g, acc_u = _phase_a_fp8(
+                                        dorq_ptr, dors_ptr, row0, w2q_ptr + e.to(tl.int64) * (H * I),
+                                        w2s_ptr + e * (HB * IB), gu_ptr, nt, H, I, HB, IB, BM, BN, SB, DOT_FP32)
+                                elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
                                         dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,
                                         USE_TMA_A, DOT_FP32, PRECISION)
@@ -462,8 +558,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                         dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc,
                                         e, nt, H, I, BM, BN, BK, USE_TMA_A, DOT_FP32, PRECISION)
                                 w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
-                                _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM,
-                                                nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
+                                dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
+                                                           row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
+                                                           True, BM, BN)
+                                if FP8:
+                                    _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN)
                             _signal(a_ready + p)
                     else:
                         p = rnd - LAG
@@ -475,7 +574,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if USE_TMA:
+                                if FP8:
+                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13q_ptr + e.to(tl.int64) * (2 * I * H),
+                                                       w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
+                                                       BN, SB, DOT_FP32)
+                                elif USE_TMA:
                                     acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
                                                       BM, BN2, BK)
                                 else:
