@@ -4,8 +4,9 @@
 
 Per seed shape sliced to one EP8 rank (R=1): the FP8 megakernel forward (e4m3 routed experts, weights
 quantised once beforehand, x and hidden quantised inside the kernel) against ``moe_reference_fp8`` and the
-unquantised fp32 reference; then, in the same run, the median latency of the FP8 forward, our BF16 forward
-(its heuristic config) and the grouped_mm baseline. Beside them the matmul ceilings of this GPU: a dense
+unquantised fp32 reference, and the FP8 backward's gradients against ``moe_backward_reference_fp8``; then, in
+the same run, the median latency of the FP8 forward, our BF16 forward (its heuristic config), the grouped_mm
+baseline, and FP8 vs BF16 forward+backward (kept activations, as autograd runs them). Beside them the matmul ceilings of this GPU: a dense
 8192^3 bf16 ``torch.matmul`` and the e4m3 ``torch._scaled_mm`` (per-tensor scales), in TFLOP/s. One JSON row
 per shape (kind "forward-fp8") in --out.
 """
@@ -25,9 +26,9 @@ import triton
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.config import SEED_SHAPES, default_config
 from kittenmoe.fp8 import FP8ExpertWeights
-from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
-from kittenmoe.reference import moe_reference, moe_reference_fp8
+from kittenmoe.reference import moe_backward_reference_fp8, moe_reference, moe_reference_fp8
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
 
 SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
@@ -102,17 +103,42 @@ def main() -> int:
         print(f"{name}: rel L1 vs emulation {row['rel_l1_vs_emulation']:.2e}, vs fp32 reference "
               f"{row['rel_l1_fp8']:.2e}, deterministic {row['deterministic']}, {row['regs']} regs, "
               f"{row['spills']} spills", flush=True)
+        d_out = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
+
+        def run_fp8_fb():  # as autograd would: the forward keeps gate|up, the backward reads it
+            f = megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, saved=f.saved(), fp8=fp8)
+
+        def run_bf16_fb():
+            f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved())
+
+        fb = run_fp8_fb()
+        fb.check_errors()
+        emu_g = moe_backward_reference_fp8(d_out, x, ids, wts, fp8, w.shared_w13_2SH, w.shared_w2_HS,
+                                           shape.swiglu_limit, dgu_block=cfg8.block_n // 2,
+                                           compute_dtype=torch.float32)
+        row["grad_rel_l1_vs_emulation"] = {n: rel_l1(got, emu_g[key]) for n, got, key in (
+            ("d_x", fb.d_x[0], "d_x"), ("d_w", fb.d_topk_weights[0], "d_topk_weights"), ("d_w13", fb.d_w13, "d_w13"),
+            ("d_w2", fb.d_w2, "d_w2"))}
+        del emu_g, fb
+        print(f"  fp8 gradients vs emulation (rel L1): "
+              f"{ {k: f'{v:.1e}' for k, v in row['grad_rel_l1_vs_emulation'].items()} }", flush=True)
         bench = dict(fp8=run_fp8, bf16=run_bf16,
                      grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
-                                                           w.shared_w2_HS, shape.swiglu_limit))
+                                                           w.shared_w2_HS, shape.swiglu_limit),
+                     fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb)
         for label, fn in bench.items():
             row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
         routed = 6 * T * shape.k * shape.h * shape.i
         row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8"]
+        row["fwd_bwd_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd"]
         row["speedup_vs_grouped_mm"] = row["ms_grouped_mm"] / row["ms_fp8"]
         row["routed_tflops"] = routed / row["ms_fp8"] / 1e9
         print(f"  fp8 {row['ms_fp8']:.3f} ms, bf16 {row['ms_bf16']:.3f} ms ({row['speedup_vs_bf16']:.2f}x), "
-              f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s", flush=True)
+              f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s; fwd+bwd fp8 "
+              f"{row['ms_fp8_fwd_bwd']:.3f} ms, bf16 {row['ms_bf16_fwd_bwd']:.3f} ms "
+              f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x)", flush=True)
         rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -120,11 +146,12 @@ def main() -> int:
         json.dump(rows, f, indent=1)
     print(f"\nceilings: bf16 {ceil['bf16_tflops']:.0f} TF/s, fp8 {ceil['fp8_tflops']:.0f} TF/s")
     print(f"{'shape':<20}{'fp8 ms':>8}{'bf16 ms':>9}{'x bf16':>8}{'base ms':>9}{'routed TF':>10}{'relL1 emu':>11}"
-          f"{'relL1 ref':>11}{'det':>6}")
+          f"{'relL1 ref':>11}{'det':>6}{'fb fp8':>9}{'fb bf16':>9}{'x':>6}")
     for r in rows:
         print(f"{r['shape']:<20}{r['ms_fp8']:>8.3f}{r['ms_bf16']:>9.3f}{r['speedup_vs_bf16']:>8.2f}"
               f"{r['ms_grouped_mm']:>9.3f}{r['routed_tflops']:>10.0f}{r['rel_l1_vs_emulation']:>11.1e}"
-              f"{r['rel_l1_fp8']:>11.1e}{str(r['deterministic']):>6}")
+              f"{r['rel_l1_fp8']:>11.1e}{str(r['deterministic']):>6}{r['ms_fp8_fwd_bwd']:>9.3f}"
+              f"{r['ms_bf16_fwd_bwd']:>9.3f}{r['fwd_bwd_speedup_vs_bf16']:>6.2f}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The FP8 forward megakernel (``megakernel_forward_multirank(fp8=FP8ExpertWeights)``, issue 7).
+"""The FP8 megakernels (``megakernel_forward_multirank`` / ``megakernel_backward_multirank`` with
+``fp8=FP8ExpertWeights``, issue 7).
 
 Routed GEMMs on e4m3 operands with 1 x 128 activation scales (x quantised in the pull, hidden rows in the gate|up
 epilogue) and 128 x 128 weight scales; the shared expert in x's dtype. Checked against two references:
@@ -237,8 +238,9 @@ def test_fp8_backward_needs_the_forward_s_gate_up():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["kimi-k2.7", "qwen3.5-397b-a17b"])
 def test_gpu_fp8_seed_slice(name):
-    """A seed shape sliced to one EP8 rank, 512 tokens, on the tensor cores (float8e4nv, TMA): against the fp8
-    emulation and the unquantised reference; bitwise repeatable."""
+    """A seed shape sliced to one EP8 rank, 512 tokens, on the tensor cores (float8e4nv, TMA): the forward
+    against the fp8 emulation and the unquantised reference, bitwise repeatable; the backward's gradients
+    against the fp8 backward emulation."""
     base = SEED_SHAPES[name]
     shape = base.with_(e=base.e // 8)
     w, xs, ids, ws, fp8 = _problem(1, 512, shape=shape, seed=7, device=torch.device("cuda"))
@@ -253,3 +255,15 @@ def test_gpu_fp8_seed_slice(name):
     assert_close(out.double(), ref, "fp8", "vs the unquantised reference")
     again = megakernel_forward_multirank(*a, config=GPU_CFG, peers=peers, fp8=fp8).outputs[0]
     assert_bitwise_equal(again, out, "repeat")
+    # forward+backward as autograd runs them (gate|up kept), against the backward emulation
+    d_out = torch.randn(512, shape.h, generator=torch.Generator().manual_seed(8)).to("cuda", torch.bfloat16)
+    f = megakernel_forward_multirank(*a, config=GPU_CFG, peers=peers, fp8=fp8, save_for_backward=True)
+    b = megakernel_backward_multirank([d_out], *a, config=GPU_CFG, peers=peers, saved=f.saved(), fp8=fp8)
+    b.check_errors()
+    emu_g = moe_backward_reference_fp8(d_out, xs[0], ids[0], ws[0], fp8, w.shared_w13_2SH, w.shared_w2_HS,
+                                       shape.swiglu_limit, dgu_block=GPU_CFG.block_n // 2)
+    for n, got in (("d_x", b.d_x[0]), ("d_topk_weights", b.d_topk_weights[0]), ("d_w13", b.d_w13),
+                   ("d_w2", b.d_w2), ("d_shared_w13", b.d_shared_w13), ("d_shared_w2", b.d_shared_w2)):
+        want = emu_g[n]
+        scale = want.pow(2).mean().sqrt().clamp_min(1e-30)
+        assert_close(got.double() / scale, want / scale, "bf16", f"{n} vs the fp8 backward emulation")
