@@ -1,4 +1,5 @@
-"""FP8 (e4m3fn) block-scaled quantisation: config, torch reference, Triton launcher (issue 7, first brick).
+"""FP8 (e4m3fn) block-scaled quantisation: config, torch reference, Triton launcher, and the routed-expert
+weights the FP8 megakernels read (``FP8ExpertWeights``; issue 7).
 
 Layouts (DeepSeek-V3's fine-grained scaling; MXFP8 when ``scale_block=32`` with power-of-two scales):
 
