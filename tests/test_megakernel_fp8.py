@@ -234,6 +234,53 @@ def test_fp8_backward_needs_the_forward_s_gate_up():
         megakernel_backward_multirank(d_out, *a, config=ring, saved=fwd.saved(), fp8=fp8)
 
 
+# ----------------------------------------------------------------------------- autograd (kittenmoe.moe(fp8=...))
+
+
+def test_fp8_through_autograd_equals_the_ops():
+    """kittenmoe.moe(..., fp8=FP8Config()) quantises the bf16 master weights, runs the FP8 forward keeping gate|up,
+    and autograd's backward runs the FP8 backward: output and every gradient equal the ops-level calls bit for
+    bit (the same kernels on the same data); gradients land on the bf16 master weights."""
+    from kittenmoe import moe
+
+    w, xs, ids, ws, fp8 = _problem(1, 20, seed=12)
+    d_out = torch.randn(20, FP8_TINY.h, generator=torch.Generator().manual_seed(13)).to(DEV, torch.bfloat16)
+    leaves = [xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()] + \
+        [t.clone().requires_grad_() for t in w.tensors()]
+    out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=CFG, fp8=FP8Config())
+    grads = torch.autograd.grad(out, leaves, d_out)
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    f = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, save_for_backward=True)
+    b = megakernel_backward_multirank([d_out], *a, config=CFG, saved=f.saved(), fp8=fp8)
+    assert_bitwise_equal(out, f.outputs[0], "out")
+    want = [b.d_x[0], b.d_topk_weights[0], b.d_w13, b.d_w2, b.d_shared_w13, b.d_shared_w2]
+    for i, (g, v) in enumerate(zip(grads, want, strict=True)):
+        assert_bitwise_equal(g, v.to(g.dtype), f"grad {i}")
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    # the torch backend has no e4m3 path
+    (dict(backend="torch"), NotImplementedError, "fp8 runs the megakernel only"),
+    # training without kept activations: the FP8 backward cannot replay
+    (dict(config=CFG.with_(keep_activations=False)), NotImplementedError, "keep_activations=True"),
+    # training with a wrapping ring: same
+    (dict(config=CFG.with_(macrobatch_size=16)), NotImplementedError, "ring that does"),
+    # MXFP8 blocks are not in the megakernels
+    (dict(fp8=FP8Config(32, pow2_scales=True)), NotImplementedError, "scale_block=32"),
+    # not an FP8 description
+    (dict(fp8="e4m3"), TypeError, "FP8Config or FP8ExpertWeights"),
+])
+def test_fp8_through_autograd_refuses(kw, exc, match):
+    from kittenmoe import moe
+
+    w, xs, ids, ws, _ = _problem(1, 20, seed=14)
+    x = xs[0].clone().requires_grad_()
+    args = dict(backend="megakernel", config=CFG, fp8=FP8Config())
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        moe(x, ids[0], ws[0], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, **args)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["kimi-k2.7", "qwen3.5-397b-a17b"])

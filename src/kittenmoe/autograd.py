@@ -99,10 +99,24 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 
 # The forward also returns what it kept for the backward (KernelConfig.keep_activations): its ring's x_routed
 # [MAC, H] and fp32 gate_up [MAC, 2I], or [0, H] / [0, 2I] when it kept nothing (the backward replays).
+# FP8 (issue 7): the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
+# bf16) and whether the activation scales are powers of two. The bf16 master weights stay the differentiable
+# inputs: their gradients are computed from e4m3 data gradients and bf16 weight-gradient products.
+_FP8 = "Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, bool fp8_pow2"
 torch.library.define("kittenmoe::moe_forward",
-                     f"({_INPUTS}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
+                     f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
 torch.library.define("kittenmoe::moe_backward",
-                     f"(Tensor d_out_TH, {_INPUTS}, Tensor x_routed, Tensor gate_up, {_config_schema()}) -> {_GRADS}")
+                     f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, {_config_schema()}) "
+                     f"-> {_GRADS}")
+
+
+def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2):
+    """The op's FP8 arguments as a kittenmoe.fp8.FP8ExpertWeights, or None (bf16)."""
+    if w13_q is None:
+        return None
+    from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+
+    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(128, pow2_scales=fp8_pow2))
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
@@ -210,13 +224,14 @@ def _report(st: _DeviceState, flags: list[Tensor]) -> None:
 
 @torch.library.impl("kittenmoe::moe_forward", "default")
 def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                      swiglu_limit, *config_args):
+                      swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
     res = ops.megakernel_forward_multirank(
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations)
+        swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations,
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2))
     _report(st, [state.err for state in res.states])
     kept = res.saved()[0]
     if kept is None:
@@ -227,7 +242,8 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                       shared_w2_HS, swiglu_limit, x_routed, gate_up, *config_args):
+                       shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, x_routed, gate_up,
+                       *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
@@ -235,7 +251,8 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
         d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
-        saved=[(x_routed, gate_up) if x_routed.shape[0] else None])
+        saved=[(x_routed, gate_up) if x_routed.shape[0] else None],
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2))
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
@@ -257,14 +274,15 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 
 
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                  swiglu_limit, *config_args):
+                  swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
-    return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1]),
+    # An FP8 forward's ring holds e4m3 bits (uint8)
+    return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype if w13_q is None else torch.uint8),
             x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                   shared_w2_HS, swiglu_limit, x_routed, gate_up, *rest):
+                   shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, x_routed, gate_up, *rest):
     return (
         torch.empty_like(x_TH),
         topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
@@ -284,9 +302,11 @@ torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
     _, x_routed, gate_up = output
+    w13_q, w13_scale, w2_q, w2_scale = inputs[8:12]
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                          x_routed, gate_up)
-    ctx.rest = tuple(inputs[7:])  # swiglu_limit, then the KernelConfig fields
+                          x_routed, gate_up, w13_q, w13_scale, w2_q, w2_scale)
+    ctx.swiglu_limit, ctx.fp8_pow2 = inputs[7], inputs[12]
+    ctx.config_args = tuple(inputs[13:])
     # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
     # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
     ctx.mark_non_differentiable(x_routed, gate_up)
@@ -295,16 +315,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up):
     (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
-     gate_up) = ctx.saved_tensors
+     gate_up, w13_q, w13_scale, w2_q, w2_scale) = ctx.saved_tensors
     if d_out_TH is None:  # the output did not reach the loss
         d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, ctx.rest[0], x_routed, gate_up, *ctx.rest[1:])
+        shared_w2_HS, ctx.swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, ctx.fp8_pow2, x_routed, gate_up,
+        *ctx.config_args)
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None
-    # topk_ids and every non-tensor argument get no gradient.
-    return (d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2) + (None,) * len(ctx.rest)
+    # topk_ids, the e4m3 copies and every non-tensor argument get no gradient.
+    return ((d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2)
+            + (None,) * (6 + len(ctx.config_args)))
 
 
 torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_context=_setup_context)
@@ -314,13 +336,36 @@ torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_conte
 
 def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH=None,
                    shared_w2_HS=None, swiglu_limit: float | None = None,
-                   config: KernelConfig | None = None) -> Tensor:
-    """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward``."""
+                   config: KernelConfig | None = None, fp8=None) -> Tensor:
+    """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward``.
+
+    ``fp8``: None (x's dtype), a ``kittenmoe.fp8.FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a
+    layer with bf16 master weights does each step) or ``FP8ExpertWeights`` (already quantised, same experts)."""
+    from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+
     config = KernelConfig() if config is None else config
-    if config.keep_activations and not (torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad
-            for t in (x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS))):
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                                                    shared_w2_HS))
+    if config.keep_activations and not needs_grad:
         config = config.with_(keep_activations=False)  # no backward will read them
+    if isinstance(fp8, FP8Config):
+        with torch.no_grad():
+            fp8 = FP8ExpertWeights.quantize(w13_E2IH.detach(), w2_EHI.detach(), fp8)
+    elif fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
+        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    if fp8 is not None and fp8.cfg.scale_block != ops.FP8_BLOCK:
+        raise NotImplementedError(f"FP8 megakernels: scale_block={fp8.cfg.scale_block} is not implemented, only "
+                                  f"{ops.FP8_BLOCK}")
+    if fp8 is not None and needs_grad:
+        # The FP8 backward reads the forward's gate|up for every row (no e4m3 replay): say so now, not at backward.
+        ring = ops.RingGeometry.make(routed_capacity(1, x_TH.shape[0], topk_ids_TK.shape[1], w13_E2IH.shape[0],
+                                                     config.block_m), config)
+        if not (config.keep_activations and ring.resident):
+            raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True) and a ring that does "
+                                      "not wrap (macrobatch_size None): the FP8 backward cannot replay gate|up in e4m3")
+    q = (None,) * 4 if fp8 is None else (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale)
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), *config_to_args(config))[0]
+        None if swiglu_limit is None else float(swiglu_limit), *q, fp8 is not None and fp8.cfg.pow2_scales,
+        *config_to_args(config))[0]

@@ -52,6 +52,7 @@ def moe(
     swiglu_limit: float | None = None,
     backend: Backend = "auto",
     config: KernelConfig | None = None,
+    fp8=None,
 ) -> torch.Tensor:
     """out[t] = shared(x[t]) + sum_{j<K} w[t, j] * expert_{ids[t, j]}(x[t]); differentiable in x, the
     router weights and every expert weight (not in ``topk_ids``).
@@ -59,7 +60,9 @@ def moe(
     Shapes: x [T, H], topk_ids [T, K] int32/int64, topk_weights [T, K] (fp32 recommended), w13 [E, 2I, H]
     (gate rows then up rows), w2 [E, H, I], shared_w13 [2S, H], shared_w2 [H, S]. Returns [T, H] in x's
     dtype. ``config`` sets the megakernel's knobs (``KernelConfig()`` when None); the torch backend has no
-    knobs and ignores it.
+    knobs and ignores it. ``fp8`` (megakernel only): a ``kittenmoe.fp8.FP8Config`` to quantise the routed
+    experts' weights now, or their ``FP8ExpertWeights``: routed GEMMs on e4m3 (forward and data gradients;
+    weight gradients reach the bf16 weights passed here). Needs H and I multiples of 128 and block_n 128.
     """
     check_backend(backend)
     if config is not None and not isinstance(config, KernelConfig):
@@ -71,6 +74,9 @@ def moe(
     which = resolve_backend(backend, x_TH.device)
     if which == "megakernel":
         return autograd.moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                                       shared_w2_HS, swiglu_limit, config)
+                                       shared_w2_HS, swiglu_limit, config, fp8=fp8)
+    if fp8 is not None:
+        raise NotImplementedError(f"fp8 runs the megakernel only (CUDA, or CPU under TRITON_INTERPRET=1); the "
+                                  f"{which} backend resolved here has no e4m3 path: pass backend='megakernel'")
     return torch_backend.moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                                      shared_w2_HS, swiglu_limit)
