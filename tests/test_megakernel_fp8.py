@@ -281,6 +281,49 @@ def test_fp8_through_autograd_refuses(kw, exc, match):
         moe(x, ids[0], ws[0], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, **args)
 
 
+def test_fp8_moe_layer_trains_close_to_bf16():
+    """MoELayer(fp8=FP8Config()) (megakernel; its auto config gets block_n 128): output and every parameter's
+    gradient within the fp8 bar of the same layer in bf16 (quantisation is the only difference), and its
+    repr says fp8."""
+    from kittenmoe import MoELayer
+    from kittenmoe.testing import cosine, rel_l1
+
+    shape = ModelShape(name="fp8-layer", e=4, h=256, i=128, k=2)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(20, shape.h, generator=g).to(DEV, torch.bfloat16)
+    d_out = torch.randn(20, shape.h, generator=g).to(DEV, torch.bfloat16)
+    res = {}
+    for fp8 in (None, FP8Config()):
+        layer = MoELayer(shape, dtype=torch.bfloat16, device=DEV, backend="megakernel", fp8=fp8,
+                         generator=torch.Generator().manual_seed(16))
+        xi = x.clone().requires_grad_()
+        out = layer(xi)
+        out.backward(d_out)
+        res[fp8 is not None] = (out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()})
+        if fp8 is not None:
+            assert "fp8=e4m3/128" in repr(layer)
+    (o8, dx8, g8), (o16, dx16, g16) = res[True], res[False]
+    for n, a, b in [("out", o8, o16), ("d_x", dx8, dx16)] + [(k, g8[k], g16[k]) for k in g16]:
+        assert rel_l1(a.double(), b.double()) <= 0.1 and cosine(a.double(), b.double()) >= 0.996, \
+            f"{n}: rel L1 {rel_l1(a.double(), b.double()):.3e}, cosine {cosine(a.double(), b.double()):.5f}"
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    # H not a multiple of the scale block
+    (dict(shape=ModelShape(name="odd", e=4, h=192, i=128, k=2)), ValueError, "multiples of 128"),
+    # the torch backend has no e4m3 path
+    (dict(backend="torch"), NotImplementedError, "fp8 runs the megakernel only"),
+])
+def test_fp8_moe_layer_refuses(kw, exc, match):
+    from kittenmoe import MoELayer
+
+    args = dict(shape=FP8_TINY, backend="megakernel", fp8=FP8Config())
+    args.update(kw)
+    shape = args.pop("shape")
+    with pytest.raises(exc, match=match):
+        MoELayer(shape, dtype=torch.bfloat16, device=DEV, **args)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["kimi-k2.7", "qwen3.5-397b-a17b"])

@@ -35,6 +35,7 @@ from kittenmoe.reference import route
 from kittenmoe.tune import config_for
 
 if TYPE_CHECKING:
+    from kittenmoe.fp8 import FP8Config
     from kittenmoe.peers import SymmetricPeers
 
 
@@ -70,6 +71,9 @@ class MoELayer(nn.Module):
     config: the megakernel's ``KernelConfig``; None picks the tuned or heuristic one per forward
         (``config_for_tokens``); unused by the torch backend.
     generator: seeds the initialisation (``reset_parameters``).
+    fp8: a ``kittenmoe.fp8.FP8Config`` to run the routed experts in e4m3 (megakernel only; H and I multiples
+        of 128): the bf16 weights are quantised every forward, forward and data gradients run in e4m3,
+        weight gradients in bf16 (``kittenmoe.moe(fp8=...)``).
     ep: a ``kittenmoe.SymmetricPeers`` for expert parallelism across processes (one per rank, every rank
         building its layers in the same order): this rank then holds experts ``[rank * L, (rank + 1) * L)``
         with ``L = E / R`` (``w13_E2IH`` is ``[L, 2I, H]``, ``w2_EHI`` ``[L, H, I]``), routes its own tokens over
@@ -89,10 +93,21 @@ class MoELayer(nn.Module):
         correction_bias: bool = False,
         generator: torch.Generator | None = None,
         ep: "SymmetricPeers | None" = None,
+        fp8: "FP8Config | None" = None,
     ) -> None:
         super().__init__()
         if not isinstance(shape, ModelShape):
             raise TypeError(f"MoELayer needs a kittenmoe.ModelShape, got {type(shape).__name__}")
+        if fp8 is not None:
+            from kittenmoe.fp8 import FP8Config
+
+            if not isinstance(fp8, FP8Config):
+                raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8Config or None, got {type(fp8).__name__}")
+            if ep is not None:
+                raise NotImplementedError("MoELayer: fp8 with expert parallelism (ep=...) is not wired yet")
+            if shape.h % 128 or shape.i % 128:
+                raise ValueError(f"MoELayer: fp8 needs H and I multiples of 128 (the scale block), got H={shape.h}, "
+                                 f"I={shape.i}")
         if config is not None and not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
         device = torch.device("cpu") if device is None else canonical_device(device)
@@ -100,6 +115,10 @@ class MoELayer(nn.Module):
         self.shape = shape
         self.backend = backend
         self.config = config
+        self.fp8 = fp8
+        if fp8 is not None and resolve_backend(backend, device) != "megakernel":
+            raise NotImplementedError(f"MoELayer: fp8 runs the megakernel only; backend={backend!r} on {device} "
+                                      f"resolves to the torch backend (pass backend='megakernel')")
         e, h, i, s = shape.e, shape.h, shape.i, shape.shared_width
         self.ep = ep
         self.expert_offset, n_local = 0, e
@@ -181,7 +200,7 @@ class MoELayer(nn.Module):
             return out_TH.reshape(x.shape)
         out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                      self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend,
-                     config=self.config_for_tokens(x_TH.shape[0], x_TH.device))
+                     config=self.config_for_tokens(x_TH.shape[0], x_TH.device), fp8=self.fp8)
         return out_TH.reshape(x.shape)
 
     def config_for_tokens(self, t: int, device: torch.device) -> KernelConfig | None:
@@ -193,12 +212,15 @@ class MoELayer(nn.Module):
             return self.config
         sh = self.shape
         ranks = 1 if self.ep is None else self.ep.num_ranks
-        return KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
-                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
+        cfg = KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
+                                              str(self.w13_E2IH.dtype).removeprefix("torch.")))
+        # FP8: one hidden scale per gate|up tile row, so its width is the scale block
+        return cfg if self.fp8 is None else cfg.with_(block_n=self.fp8.scale_block)
 
     def extra_repr(self) -> str:
         sh = self.shape
         ep = "" if self.ep is None else (f", ep=rank {self.ep.rank} of {self.ep.num_ranks} (experts "
                                          f"{self.expert_offset}..{self.expert_offset + self.w13_E2IH.shape[0] - 1})")
         return (f"shape={sh.name!r}, E={sh.e}, H={sh.h}, I={sh.i}, K={sh.k}, shared_width={sh.shared_width}, "
-                f"score_func={sh.score_func!r}, backend={self.backend!r}{ep}")
+                f"score_func={sh.score_func!r}, backend={self.backend!r}{ep}"
+                + ("" if self.fp8 is None else f", fp8=e4m3/{self.fp8.scale_block}"))
