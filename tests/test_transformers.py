@@ -22,11 +22,12 @@ VOCAB = 64
 
 def _deepseek_v3(**kw):
     # 2 layers: the first dense (first_k_dense_replace=1), the second MoE with 8 experts, top-2, a shared expert
-    cfg = transformers.DeepseekV3Config(
+    args = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
         first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
         n_shared_experts=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None,
-        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64, **kw)
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=64)
+    cfg = transformers.DeepseekV3Config(**{**args, **kw})
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
@@ -93,6 +94,35 @@ def test_megakernel_backend_matches_eager_fp32():
     assert_close(logits_k, logits_e, torch.float32, "logits")
     for n in grads_e:
         assert_close(grads_k[n], grads_e[n], torch.float32, f"d {n}")
+
+
+def test_fp8_option_close_to_eager():
+    """Options(backend="megakernel", fp8=FP8Config()): a DeepSeek-V3 whose expert widths are multiples of the 128
+    scale block runs its experts in e4m3; logits and every gradient within the fp8 bar (rel L1 <= 0.1, cosine
+    >= 0.996) of eager, the config's block_n set to the scale block by the integration."""
+    from kittenmoe.fp8 import FP8Config
+    from kittenmoe.testing import cosine, rel_l1
+
+    try:
+        kt.register(kt.Options(backend="megakernel", fp8=FP8Config()), name="kittenmoe-fp8")
+        torch.manual_seed(0)
+        model = _deepseek_v3(hidden_size=128, moe_intermediate_size=128, intermediate_size=128,
+                             n_routed_experts=4).float()
+        ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+        logits_e, grads_e = _step(model, "eager", ids)
+        logits_k, grads_k = _step(model, "kittenmoe-fp8", ids)
+    finally:
+        transformers.integrations.moe.ExpertsInterface._global_mapping.pop("kittenmoe-fp8", None)
+    for n, a, b in [("logits", logits_k, logits_e)] + [(f"d {n}", grads_k[n], grads_e[n]) for n in grads_e]:
+        if b.abs().sum() == 0:  # parameters the loss does not reach
+            continue
+        assert rel_l1(a.double(), b.double()) <= 0.1 and cosine(a.double(), b.double()) >= 0.996, \
+            f"{n}: rel L1 {rel_l1(a.double(), b.double()):.3e}, cosine {cosine(a.double(), b.double()):.5f}"
+
+
+def test_fp8_option_type_checked():
+    with pytest.raises(TypeError, match="Options.fp8 must be a kittenmoe.fp8.FP8Config"):
+        kt.Options(fp8="e4m3")
 
 
 @pytest.mark.parametrize("attr,value,match", [

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from kittenmoe.config import KernelConfig
+from kittenmoe.fp8 import FP8Config
 from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
 from kittenmoe.layer import auto_config_args
 
@@ -33,17 +34,22 @@ IMPLEMENTATION_NAME = "kittenmoe"
 
 @dataclass(frozen=True)
 class Options:
-    """How the registered implementation runs: ``kittenmoe.moe``'s ``backend`` and ``config`` (None: the
-    ``kittenmoe tune`` cache entry for each call's shape, else the heuristic, as ``MoELayer`` does)."""
+    """How the registered implementation runs: ``kittenmoe.moe``'s ``backend``, ``config`` (None: the
+    ``kittenmoe tune`` cache entry for each call's shape, else the heuristic, as ``MoELayer`` does) and
+    ``fp8`` (a ``kittenmoe.fp8.FP8Config``: the experts in e4m3, weights quantised every call; megakernel
+    only, H and I multiples of 128)."""
 
     backend: Backend = "auto"
     config: KernelConfig | None = None
+    fp8: FP8Config | None = None
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
         if self.config is not None and not isinstance(self.config, KernelConfig):
             raise TypeError(f"Options.config must be a kittenmoe.KernelConfig or None, got "
                             f"{type(self.config).__name__}")
+        if self.fp8 is not None and not isinstance(self.fp8, FP8Config):
+            raise TypeError(f"Options.fp8 must be a kittenmoe.fp8.FP8Config or None, got {type(self.fp8).__name__}")
 
 
 def _is_silu(act: nn.Module) -> bool:
@@ -92,9 +98,11 @@ def make_experts_forward(options: Options = Options()):
             config = KernelConfig(*auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
                                                      0, 1, str(hidden_states.device),
                                                      str(self.gate_up_proj.dtype).removeprefix("torch.")))
+            if options.fp8 is not None:  # one hidden scale per gate|up tile row: its width is the scale block
+                config = config.with_(block_n=options.fp8.scale_block)
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
         out = moe(hidden_states.contiguous(), top_k_index, top_k_weights.float(), self.gate_up_proj,
-                  self.down_proj, backend=options.backend, config=config)
+                  self.down_proj, backend=options.backend, config=config, fp8=options.fp8)
         return out.to(hidden_states.dtype)
 
     kittenmoe_experts_forward.options = options
