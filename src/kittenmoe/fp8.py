@@ -64,7 +64,8 @@ class FP8Config:
 
 # ---------------------------------------------------------------- checks and scale rule
 
-def _check_input(t: torch.Tensor, name: str, min_dim: int, max_dim: int | None = None) -> None:
+def _check_input(t: torch.Tensor, name: str, min_dim: int, max_dim: int | None = None,
+                 check_finite: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in _INPUT_DTYPES:
@@ -72,7 +73,7 @@ def _check_input(t: torch.Tensor, name: str, min_dim: int, max_dim: int | None =
     if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
         want = f"{min_dim}" if max_dim == min_dim else f"{min_dim}..{max_dim or 'any'}"
         raise ValueError(f"{name}: expected {want} dims, got shape {tuple(t.shape)}")
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if check_finite and t.numel() and not bool(torch.isfinite(t).all()):
         n = int((~torch.isfinite(t)).sum())
         raise ValueError(f"{name}: {n} non-finite (inf/nan) values; FP8 quantisation needs finite inputs")
 
@@ -162,9 +163,13 @@ def _interpreting() -> bool:
 
 # ---------------------------------------------------------------- weights: B x B over (N, K)
 
-def quantize_weights(w: torch.Tensor, cfg: FP8Config = FP8Config()) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w_NK`` or ``w_ENK`` -> (q float8_e4m3fn, scale fp32 ``[(E,) cdiv(N, B), cdiv(K, B)]``)."""
-    _check_input(w, "quantize_weights: w", min_dim=2, max_dim=3)
+def quantize_weights(w: torch.Tensor, cfg: FP8Config = FP8Config(),
+                     check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w_NK`` or ``w_ENK`` -> (q float8_e4m3fn, scale fp32 ``[(E,) cdiv(N, B), cdiv(K, B)]``).
+
+    ``check_finite=False`` skips the inf/nan check, a host sync: for the training step's re-quantisation
+    (no host sync on the hot path; a non-finite weight shows up as a non-finite loss instead)."""
+    _check_input(w, "quantize_weights: w", min_dim=2, max_dim=3, check_finite=check_finite)
     b = cfg.scale_block
     n, k = w.shape[-2:]
     nb, kb = -(-n // b), -(-k // b)
@@ -225,9 +230,10 @@ class FP8ExpertWeights:
                                  f"(scale_block {b})")
 
     @staticmethod
-    def quantize(w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, cfg: FP8Config = FP8Config()) -> "FP8ExpertWeights":
-        q13, s13 = quantize_weights(w13_E2IH, cfg)
-        q2, s2 = quantize_weights(w2_EHI, cfg)
+    def quantize(w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, cfg: FP8Config = FP8Config(),
+                 check_finite: bool = True) -> "FP8ExpertWeights":
+        q13, s13 = quantize_weights(w13_E2IH, cfg, check_finite)
+        q2, s2 = quantize_weights(w2_EHI, cfg, check_finite)
         return FP8ExpertWeights(q13, s13, q2, s2, cfg)
 
     def experts(self, lo: int, hi: int) -> "FP8ExpertWeights":
