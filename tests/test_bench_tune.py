@@ -441,7 +441,7 @@ def test_layer_uses_tuned_config_else_heuristic(monkeypatch, compiled):
     seen = []
     real = functional.autograd.moe_megakernel
     monkeypatch.setattr(functional.autograd, "moe_megakernel",
-                        lambda *a: seen.append(a[-1]) or real(*a))
+                        lambda *a, **kw: seen.append(a[-1]) or real(*a, **kw))
     tuned = KernelConfig(num_comm_programs_fwd=2, num_comm_programs_bwd=2, minibatch_size=16, block_m=16,
                          block_n=16, block_k=16)
     store_config(cache_key(t, shape.h, shape.i, shape.e, shape.k, 1, "cpu", torch.float32, shape.shared_width),

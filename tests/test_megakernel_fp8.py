@@ -48,6 +48,9 @@ CASES = {
     "no-shared-one-hot": dict(r=1, t=24, shared=False, routing="one_hot"),
     # a ring that wraps (macrobatch of 16 rows): FP8 row and scale buffers reused across macrobatches
     "ring": dict(r=1, t=24, macrobatch=16),
+    # H = 384, a multiple of the scale block but not of the down GEMM's 256-wide tile: the last tile's
+    # columns past H are masked (neither read nor written)
+    "h384": dict(r=2, t=12, shape=ModelShape(name="fp8-h384", e=4, h=384, i=128, k=2)),
 }
 
 
@@ -72,8 +75,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
     c = dict(CASES[name])
     r, t = c["r"], c["t"]
     limit = c.get("swiglu_limit")
-    w, xs, ids, ws, fp8 = _problem(r, t, shared=c.get("shared", True), routing=c.get("routing", "uniform"),
-                                   pow2=c.get("pow2", False))
+    w, xs, ids, ws, fp8 = _problem(r, t, shape=c.get("shape", FP8_TINY), shared=c.get("shared", True),
+                                   routing=c.get("routing", "uniform"), pow2=c.get("pow2", False))
     cfg = CFG.with_(macrobatch_size=c.get("macrobatch"))
     res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit,
                                        config=cfg, fp8=fp8)
@@ -162,6 +165,8 @@ BWD_CASES = {
     "limit": dict(r=1, t=20, swiglu_limit=0.5, emulation_only=True),
     # power-of-two scales, no shared expert
     "pow2-no-shared": dict(r=1, t=20, pow2=True, shared=False),
+    # H = 384: the gate|up dgrad's last 256-wide tile passes H (masked)
+    "h384": dict(r=1, t=16, shape=ModelShape(name="fp8-h384", e=4, h=384, i=128, k=2)),
 }
 
 
@@ -186,9 +191,10 @@ def test_fp8_backward_matches_emulation_and_reference(name):
 
     c = BWD_CASES[name]
     r, t, limit = c["r"], c["t"], c.get("swiglu_limit")
-    w, xs, ids, ws, fp8 = _problem(r, t, seed=9, shared=c.get("shared", True), pow2=c.get("pow2", False))
+    shape = c.get("shape", FP8_TINY)
+    w, xs, ids, ws, fp8 = _problem(r, t, shape=shape, seed=9, shared=c.get("shared", True), pow2=c.get("pow2", False))
     g = torch.Generator().manual_seed(10)
-    d_outs = [torch.randn(t, FP8_TINY.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
+    d_outs = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
     peers = LocalPeers(r, DEV)
     fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)

@@ -234,9 +234,10 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2))
     _report(st, [state.err for state in res.states])
     kept = res.saved()[0]
-    if kept is None:
+    if kept is None:  # the fake impl's dtypes: an FP8 forward's ring holds e4m3 bits
         H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
-        kept = (x_TH.new_empty(0, H), x_TH.new_empty(0, two_i, dtype=torch.float32))
+        kept = (x_TH.new_empty(0, H, dtype=x_TH.dtype if w13_q is None else torch.uint8),
+                x_TH.new_empty(0, two_i, dtype=torch.float32))
     return res.outputs[0], kept[0], kept[1]
 
 

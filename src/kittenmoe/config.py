@@ -262,8 +262,9 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
       memory (``gate_up_smem_bytes``);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
-      (x_routed, y_routed, hidden) exceed min(8 GiB, 1/8 of the GPU's memory);
-      then the largest multiple of the minibatch that fits.
+      (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
+      holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
+      multiple of the minibatch that fits.
 
     On CPU (the Triton interpreter, for tests) small tiles and few programs
     keep the sequential interpreter fast: ``block_m`` 16, ``block_n`` and
@@ -304,7 +305,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     cap = routed_capacity(ranks, t, k, local, bm)
     full = -(-cap // mb) * mb
     budget = min(8 << 30, props.total_memory // 8)
-    row_bytes = (2 * h + i) * elem
+    row_bytes = (2 * h + i) * elem + 8 * i  # x, y, hidden rows, and the fp32 gate|up kept for the backward
     if full * row_bytes > budget:
         cfg = cfg.with_(macrobatch_size=max(mb, budget // row_bytes // mb * mb))
     return cfg

@@ -177,9 +177,10 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
     if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
         raise ValueError(f"FP8 megakernel: fp8 weights {tuple(fp8.w13_q.shape)} / {tuple(fp8.w2_q.shape)} do not "
                          f"match this rank's experts {(L, 2 * I, H)} / {(L, H, I)}")
-    if fp8.w13_q.device != dev or not (fp8.w13_q.is_contiguous() and fp8.w2_q.is_contiguous()
-                                       and fp8.w13_scale.is_contiguous() and fp8.w2_scale.is_contiguous()):
-        raise ValueError(f"FP8 megakernel: fp8 weights must be contiguous tensors on {dev}")
+    parts = (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale)
+    if any(t.device != dev or not t.is_contiguous() for t in parts):
+        raise ValueError(f"FP8 megakernel: the fp8 weights and scales must be contiguous tensors on {dev}, got "
+                         f"{[(str(t.device), t.is_contiguous()) for t in parts]}")
 
 
 def _num_programs(device: torch.device, num_comm: int) -> int:

@@ -323,12 +323,14 @@ def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13q_ptr, w13s_ptr, n0, H, I, HB, GB,
     rn = n0 + tl.arange(0, BN2)
     rk = tl.arange(0, KS)
     rows = (row0 + rm).to(tl.int64)
-    sw_cols = rn // SB
+    n_ok = rn < H  # the last BN2-wide tile may pass H (H a multiple of SB, not of BN2): masked, never read
+    sw_cols = tl.minimum(rn, H - 1) // SB
     acc = tl.zeros((BM, BN2), dtype=tl.float32)
     for k0 in range(0, 2 * I, KS):
         kk = k0 + rk
         a = _fp8_operand(tl.load(gq_ptr + rows[:, None] * (2 * I) + kk[None, :]), EMULATE)
-        b = _fp8_operand(tl.load(w13q_ptr + kk[:, None].to(tl.int64) * H + rn[None, :]), EMULATE)
+        b = _fp8_operand(tl.load(w13q_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=n_ok[None, :],
+                                 other=0), EMULATE)
         sa = tl.load(gs_ptr + rows * GB + k0 // KS)
         sw = tl.load(w13s_ptr + (k0 // SB) * HB + sw_cols)
         if EMULATE:

@@ -326,13 +326,15 @@ def _down_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, n0, H, I, IB,
     rn = n0 + tl.arange(0, BN)
     rk = tl.arange(0, SB)
     rows = (a_row0 + rm).to(tl.int64)
-    sw_rows = (rn // SB) * IB
+    n_ok = rn < H  # the last BN-wide tile may pass H (H a multiple of SB, not of BN): masked, never read
+    sw_rows = (tl.minimum(rn, H - 1) // SB) * IB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, SB):
         kb = k0 // SB
         kk = k0 + rk
         a = _fp8_operand(tl.load(a_ptr + rows[:, None] * I + kk[None, :]), EMULATE)
-        w = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * I + kk[:, None]), EMULATE)
+        w = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * I + kk[:, None], mask=n_ok[None, :], other=0),
+                         EMULATE)
         sa = tl.load(as_ptr + rows * IB + kb)
         sw = tl.load(ws_ptr + sw_rows + kb)
         if EMULATE:
