@@ -811,7 +811,8 @@ def _task_ep_layer(rank, world, p):
     peers = SymmetricPeers(max_tokens=p.get("max_tokens"))
     try:
         # device="cuda" (no index) must match the peers' cuda:0, as examples/ep_layer.py spells it
-        layer = MoELayer(p["shape"], dtype=torch.bfloat16, device="cuda", config=p["config"], ep=peers)
+        layer = MoELayer(p["shape"], dtype=torch.bfloat16, device="cuda", config=p["config"], ep=peers,
+                         fp8=p.get("fp8"))
         n = layer.w13_E2IH.shape[0]
         assert layer.expert_offset == rank * n and "ep=rank" in repr(layer)
         full = p["state"]
@@ -852,10 +853,17 @@ def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, ts, max_tokens):
     state = {k: v.cpu() for k, v in ref.state_dict().items()}
     got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=EP_CFG, state=state, x=xs[k], d_out=d_outs[k],
                                                  max_tokens=max_tokens) for k in range(r)], timeout_s=EP_TIMEOUT_S)
+    _compare_ep_layer(got, ref, xs, d_outs, ts, SMALL)
+
+
+def _compare_ep_layer(got, ref, xs, d_outs, ts, shape):
+    """Each rank's output and d_x rows and its experts' gradients against ``ref`` (one process, all tokens), and
+    the replicated router's and shared expert's gradients summed over ranks, at bf16 tolerance."""
+    r = len(ts)
     x = torch.cat(xs).cuda().requires_grad_()
     out = ref(x)
     out.backward(torch.cat(d_outs).cuda())
-    n = SMALL.e // r
+    n = shape.e // r
     starts = [sum(ts[:k]) for k in range(r)]
     for k in range(r):
         rows = slice(starts[k], starts[k] + ts[k])
@@ -868,6 +876,27 @@ def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, ts, max_tokens):
         total = sum(got[k][name].float() for k in range(r))
         assert_close(total, dict(ref.named_parameters())[name].grad.float().cpu(), torch.bfloat16,
                      f"d_{name} summed over ranks")
+
+
+@pytest.mark.gpu
+def test_gpu_ep_fp8_layer_matches_single_process_fp8_layer(gpu_worlds):
+    """MoELayer(ep=..., fp8=FP8Config()) over 2 processes against one process's FP8 layer on all the tokens:
+    the same e4m3 quantisation (per-expert weight blocks, per-row activation blocks) on both sides."""
+    from kittenmoe import MoELayer
+    from kittenmoe.fp8 import FP8Config
+
+    shape = ModelShape(name="fp8-ep", e=8, h=256, i=128, k=2)
+    cfg = EP_CFG.with_(block_n=128)
+    ref = MoELayer(shape, dtype=torch.bfloat16, device="cuda", config=cfg, fp8=FP8Config(),
+                   generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(4)
+    ts = [96, 96]
+    xs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for t in ts]
+    d_outs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for t in ts]
+    state = {k: v.cpu() for k, v in ref.state_dict().items()}
+    got = gpu_worlds(2).run_ok("ep_layer", [dict(shape=shape, config=cfg, state=state, x=xs[k], d_out=d_outs[k],
+                                                 fp8=FP8Config()) for k in range(2)], timeout_s=EP_TIMEOUT_S)
+    _compare_ep_layer(got, ref, xs, d_outs, ts, shape)
 
 
 def test_ep_layer_refuses_bad_peers():

@@ -39,6 +39,7 @@ import triton.language as tl
 from kittenmoe import ops
 from kittenmoe.checks import check_moe_inputs
 from kittenmoe.config import KernelConfig
+from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 from kittenmoe.peers import SymmetricPeers
 from kittenmoe.schedule import NO_ROUTE
 
@@ -132,13 +133,14 @@ def megakernel_forward_ep(
     config: KernelConfig | None = None,
     max_spin: int = ops.DEFAULT_MAX_SPIN,
     save_for_backward: bool = False,
+    fp8: FP8ExpertWeights | None = None,
 ) -> EPForward:
     """This rank's MoE forward under expert parallelism (collective: every rank of ``peers`` calls it).
 
     ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
     whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and gate|up
     pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
-    ``ops.launch_rank_forward`` does."""
+    ``ops.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -152,7 +154,7 @@ def megakernel_forward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                 swiglu_limit, config, max_spin, save_for_backward=save_for_backward)
+                                 swiglu_limit, config, max_spin, save_for_backward=save_for_backward, fp8=fp8)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
     ops.launch_epilogue(st.y_shared[:T], combine[:T * K], topk_weights_TK.float().contiguous(), ids_all[rank][:T],
@@ -188,10 +190,12 @@ def megakernel_backward_ep(
     config: KernelConfig | None = None,
     max_spin: int = ops.DEFAULT_MAX_SPIN,
     saved: tuple[torch.Tensor, torch.Tensor] | None = None,
+    fp8: FP8ExpertWeights | None = None,
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
     the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
-    routed x rows and gate|up pre-activations."""
+    routed x rows and gate|up pre-activations. ``fp8``: the forward's ``FP8ExpertWeights`` (data gradients in
+    e4m3, as ``ops.launch_rank_backward``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -211,7 +215,7 @@ def megakernel_backward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                   swiglu_limit, config, max_spin, saved=saved)
+                                   swiglu_limit, config, max_spin, saved=saved, fp8=fp8)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
     dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T], R * L,
@@ -228,18 +232,18 @@ class _MoEEP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                swiglu_limit, peers, config):
+                swiglu_limit, peers, config, fp8):
         from kittenmoe.autograd import report_device_errors
 
         keep = config.keep_activations and any(ctx.needs_input_grad)
         res = megakernel_forward_ep(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI,
                                     shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config,
-                                    save_for_backward=keep)
+                                    save_for_backward=keep, fp8=fp8)
         report_device_errors(x_TH.device, [res.state.err])
         kept = res.saved() or (None, None)
         ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                               *kept)
-        ctx.swiglu_limit, ctx.peers, ctx.config = swiglu_limit, peers, config
+        ctx.swiglu_limit, ctx.peers, ctx.config, ctx.fp8 = swiglu_limit, peers, config, fp8
         return res.output
 
     @staticmethod
@@ -250,10 +254,10 @@ class _MoEEP(torch.autograd.Function):
          gate_up) = ctx.saved_tensors
         g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH,
                                    w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config,
-                                   saved=None if gate_up is None else (x_routed, gate_up))
+                                   saved=None if gate_up is None else (x_routed, gate_up), fp8=ctx.fp8)
         report_device_errors(x_TH.device, [g.err])
         return (g.d_x, None, g.d_topk_weights.to(topk_weights_TK.dtype), g.d_w13, g.d_w2, g.d_shared_w13,
-                g.d_shared_w2, None, None, None)
+                g.d_shared_w2, None, None, None, None)
 
 
 def moe_ep(
@@ -267,9 +271,20 @@ def moe_ep(
     swiglu_limit: float | None,
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
+    fp8: FP8Config | FP8ExpertWeights | None = None,
 ) -> torch.Tensor:
     """Differentiable MoE under expert parallelism (collective, forward and backward): ``kittenmoe.moe`` for
     one rank that holds experts ``[rank * L, (rank + 1) * L)``. Gradients: this rank's tokens (d_x, router
-    weights), this rank's experts, and this rank's tokens' share of the shared expert's."""
+    weights), this rank's experts, and this rank's tokens' share of the shared expert's. ``fp8``: as
+    ``kittenmoe.moe``'s (an ``FP8Config`` quantises this rank's experts now)."""
+    config = config or KernelConfig()
+    if isinstance(fp8, FP8Config):
+        with torch.no_grad():  # no finite check: a host sync every step
+            fp8 = FP8ExpertWeights.quantize(w13_L2IH.detach(), w2_LHI.detach(), fp8, check_finite=False)
+    elif fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
+        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    if fp8 is not None and torch.is_grad_enabled() and not config.keep_activations:
+        raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True): the FP8 backward "
+                                  "cannot replay gate|up in e4m3")
     return _MoEEP.apply(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                        swiglu_limit, peers, config or KernelConfig())
+                        swiglu_limit, peers, config, fp8)

@@ -103,8 +103,6 @@ class MoELayer(nn.Module):
 
             if not isinstance(fp8, FP8Config):
                 raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8Config or None, got {type(fp8).__name__}")
-            if ep is not None:
-                raise NotImplementedError("MoELayer: fp8 with expert parallelism (ep=...) is not wired yet")
             if shape.h % 128 or shape.i % 128:
                 raise ValueError(f"MoELayer: fp8 needs H and I multiples of 128 (the scale block), got H={shape.h}, "
                                  f"I={shape.i}")
@@ -196,7 +194,7 @@ class MoELayer(nn.Module):
 
             out_TH = moe_ep(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                             self.shared_w2_HS, self.shape.swiglu_limit, self.ep,
-                            self.config_for_tokens(x_TH.shape[0], x_TH.device))
+                            self.config_for_tokens(x_TH.shape[0], x_TH.device), fp8=self.fp8)
             return out_TH.reshape(x.shape)
         out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                      self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend,
