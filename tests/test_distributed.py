@@ -927,8 +927,8 @@ def _task_ep_mismatch(rank, world, p):
 _TASKS["ep_mismatch"] = _task_ep_mismatch
 
 
-@pytest.mark.gpu
-def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
+def _small_ep_payloads() -> list[dict]:
+    """Two ranks' inputs on SMALL without a shared expert: 32 tokens each, uniform routing, 8 experts a rank."""
     from kittenmoe.testing import routing_uniform
 
     gen = torch.Generator().manual_seed(0)
@@ -938,6 +938,12 @@ def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
         x = torch.randn(32, SMALL.h, generator=gen).to(torch.bfloat16)
         ids, wts = routing_uniform(32, SMALL.e, SMALL.k, generator=gen, device="cpu")
         payloads.append(dict(x=x, ids=ids, w=wts, w13=w.w13_E2IH[k * 8:(k + 1) * 8], w2=w.w2_EHI[k * 8:(k + 1) * 8]))
+    return payloads
+
+
+@pytest.mark.gpu
+def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
+    payloads = _small_ep_payloads()
     for m in gpu_worlds(2).run_ok("ep_mismatch", payloads, timeout_s=EP_TIMEOUT_S):
         assert "differs across ranks" in m and "7.0" in m, m
 
@@ -973,15 +979,7 @@ _TASKS["ep_peer_gone"] = _task_ep_peer_gone
 def test_gpu_ep_rank_gone_gives_a_timeout_error_not_a_hang(tmp_path):
     """DESIGN's no-deadlock invariant across processes: a rank that stops participating leaves the other with an
     error within the barrier timeout. A fresh world (the failing process's CUDA context is lost afterwards)."""
-    from kittenmoe.testing import routing_uniform
-
-    gen = torch.Generator().manual_seed(0)
-    w = make_weights(SMALL, dtype=torch.bfloat16, generator=gen)
-    payloads = []
-    for k in range(2):
-        x = torch.randn(32, SMALL.h, generator=gen).to(torch.bfloat16)
-        ids, wts = routing_uniform(32, SMALL.e, SMALL.k, generator=gen, device="cpu")
-        payloads.append(dict(x=x, ids=ids, w=wts, w13=w.w13_E2IH[k * 8:(k + 1) * 8], w2=w.w2_EHI[k * 8:(k + 1) * 8]))
+    payloads = _small_ep_payloads()
     world = World(2, str(tmp_path / "store"), env={"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1"}, cuda=True)
     try:
         (s0, v0), (s1, v1) = world.run("ep_peer_gone", payloads, timeout_s=EP_TIMEOUT_S)

@@ -342,7 +342,7 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
 
     ``fp8``: None (x's dtype), a ``kittenmoe.fp8.FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a
     layer with bf16 master weights does each step) or ``FP8ExpertWeights`` (already quantised, same experts)."""
-    from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+    from kittenmoe.fp8 import resolve_expert_weights
 
     config = KernelConfig() if config is None else config
     needs_grad = torch.is_grad_enabled() and any(
@@ -350,11 +350,7 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
                                                     shared_w2_HS))
     if config.keep_activations and not needs_grad:
         config = config.with_(keep_activations=False)  # no backward will read them
-    if isinstance(fp8, FP8Config):
-        with torch.no_grad():  # no finite check: a host sync every step (DESIGN: no host sync on the hot path)
-            fp8 = FP8ExpertWeights.quantize(w13_E2IH.detach(), w2_EHI.detach(), fp8, check_finite=False)
-    elif fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
-        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    fp8 = resolve_expert_weights(fp8, w13_E2IH, w2_EHI)
     if fp8 is not None and fp8.cfg.scale_block != ops.FP8_BLOCK:
         raise NotImplementedError(f"FP8 megakernels: scale_block={fp8.cfg.scale_block} is not implemented, only "
                                   f"{ops.FP8_BLOCK}")

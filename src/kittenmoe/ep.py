@@ -39,7 +39,7 @@ import triton.language as tl
 from kittenmoe import ops
 from kittenmoe.checks import check_moe_inputs
 from kittenmoe.config import KernelConfig
-from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, resolve_expert_weights
 from kittenmoe.peers import SymmetricPeers
 from kittenmoe.schedule import NO_ROUTE
 
@@ -115,9 +115,8 @@ class EPForward:
         ops.check_errors(self.state.err)
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x_routed, gate_up) when the forward kept them (``save_for_backward`` on a resident ring), else None."""
-        st = self.state
-        return None if st.gate_up is None else (st.x_routed, st.gate_up)
+        """(x_routed, gate_up) when the forward kept them (``save_for_backward``), else None."""
+        return self.state.saved()
 
 
 def megakernel_forward_ep(
@@ -278,11 +277,7 @@ def moe_ep(
     weights), this rank's experts, and this rank's tokens' share of the shared expert's. ``fp8``: as
     ``kittenmoe.moe``'s (an ``FP8Config`` quantises this rank's experts now)."""
     config = config or KernelConfig()
-    if isinstance(fp8, FP8Config):
-        with torch.no_grad():  # no finite check: a host sync every step
-            fp8 = FP8ExpertWeights.quantize(w13_L2IH.detach(), w2_LHI.detach(), fp8, check_finite=False)
-    elif fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
-        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    fp8 = resolve_expert_weights(fp8, w13_L2IH, w2_LHI)
     if fp8 is not None and torch.is_grad_enabled() and not config.keep_activations:
         raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True): the FP8 backward "
                                   "cannot replay gate|up in e4m3")

@@ -245,3 +245,15 @@ class FP8ExpertWeights:
         """fp32 (w13, w2) as the kernel sees them."""
         return dequantize_weights(self.w13_q, self.w13_scale, self.cfg), dequantize_weights(self.w2_q, self.w2_scale,
                                                                                           self.cfg)
+
+
+def resolve_expert_weights(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> FP8ExpertWeights | None:
+    """The ``fp8`` argument of the differentiable entry points as the kernels take it: None (x's dtype), an
+    ``FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a layer with bf16 master weights does every step;
+    without the finite check, a host sync on the hot path) or ``FP8ExpertWeights`` (as given)."""
+    if isinstance(fp8, FP8Config):
+        with torch.no_grad():
+            return FP8ExpertWeights.quantize(w13_E2IH.detach(), w2_EHI.detach(), fp8, check_finite=False)
+    if fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
+        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    return fp8

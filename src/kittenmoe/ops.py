@@ -128,6 +128,11 @@ class ForwardState:
     hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
+    def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up) when this forward kept them
+        (``save_for_backward``), else None (the backward replays)."""
+        return None if self.gate_up is None else (self.x_routed, self.gate_up)
+
 
 def _tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> bool:
     """TMA descriptors are asked for (``config.tma``) and possible: a Hopper-or-newer GPU, 2-byte operands."""
@@ -373,7 +378,7 @@ class MultirankForward:
     def saved(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
         """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up) when this
         forward kept them (``save_for_backward``), else None (the backward replays)."""
-        return [None if st.gate_up is None else (st.x_routed, st.gate_up) for st in self.states]
+        return [st.saved() for st in self.states]
 
 
 def megakernel_forward_multirank(

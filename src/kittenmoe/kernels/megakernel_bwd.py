@@ -51,7 +51,7 @@ replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 import triton
 import triton.language as tl
 
-from kittenmoe.kernels.megakernel_fwd import _fp8_operand, _peer_rows, _signal, _wait_geq
+from kittenmoe.kernels.megakernel_fwd import _fp8_operand, _peer_rows, _signal, _wait_geq, store_chunk_fp8
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -464,11 +464,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
                             tl.store(dor_ptr + dst[:, None] + cols[None, :], dv, mask=mc)
                             if FP8:  # quantised on the way in (1 x SB along H), for phase A's e4m3 GEMM
-                                qb, qs = quantize_rows_1xb(dv.to(tl.float32), ROWS, BLOCK_H, SB, POW2)
-                                tl.store(dorq_ptr + dst[:, None] + cols[None, :], qb, mask=mc)
-                                sbk = h0 // SB + tl.arange(0, BLOCK_H // SB)
-                                tl.store(dors_ptr + r.to(tl.int64)[:, None] * HB + sbk[None, :], qs,
-                                         mask=(sbk < HB)[None, :])
+                                store_chunk_fp8(dv, dorq_ptr + dst, dors_ptr + r.to(tl.int64) * HB, h0, H, HB,
+                                                ROWS, BLOCK_H, SB, POW2)
                         wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
                         tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
                     _signal(pull_ready + p)

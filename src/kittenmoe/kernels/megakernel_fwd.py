@@ -241,10 +241,19 @@ def _pull_rows_fp8(src_base, dst_q, dst_s, valid, H, HB, ROWS: tl.constexpr, BLO
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
-        bits, scale = quantize_rows_1xb(v.to(tl.float32), ROWS, BLOCK_H, SB, POW2)
-        tl.store(dst_q[:, None] + cols[None, :], bits, mask=(cols < H)[None, :])
-        sb = h0 // SB + tl.arange(0, BLOCK_H // SB)
-        tl.store(dst_s[:, None] + sb[None, :], scale, mask=(sb < HB)[None, :])
+        store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS, BLOCK_H, SB, POW2)
+
+
+@triton.jit
+def store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.constexpr, SB: tl.constexpr,
+                    POW2: tl.constexpr):
+    """One [ROWS, BLOCK_H] chunk of rows (columns h0..) quantised 1 x SB: e4m3 bits to dst_q[r, h0..] and the
+    scales to dst_s[r, h0 / SB..]; dst_q / dst_s are [ROWS] pointer vectors (uint8 [*, H], fp32 [*, HB])."""
+    cols = h0 + tl.arange(0, BLOCK_H)
+    bits, scale = quantize_rows_1xb(v.to(tl.float32), ROWS, BLOCK_H, SB, POW2)
+    tl.store(dst_q[:, None] + cols[None, :], bits, mask=(cols < H)[None, :])
+    sb = h0 // SB + tl.arange(0, BLOCK_H // SB)
+    tl.store(dst_s[:, None] + sb[None, :], scale, mask=(sb < HB)[None, :])
 
 
 @triton.jit
