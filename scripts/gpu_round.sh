@@ -2,11 +2,14 @@
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
 #   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [multi|epbench]   (issue 8, on nvidia-h200-x2/x4/x8: one process per GPU)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
 # device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+# NVLink multicast stays off (KINDS.md: a program using it can take the host's shared GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/kittenmoe-out}
 mkdir -p "$OUT"
 what=${1:-all}
@@ -48,6 +51,19 @@ fi
 if [[ $what == fp8 ]]; then  # issue 7: the FP8 forward's tests (all of them on the GPU), then its round
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py
   step fp8 python3 benchmarks/fp8_round.py --reps 10 --out "$OUT"
+fi
+if [[ $what == multi ]]; then  # issue 8: the link, the EP example over NCCL, every multi-process GPU test
+  ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  step topo nvidia-smi topo -m
+  step p2p python3 -m torch.distributed.run --nproc-per-node "$ngpu" benchmarks/p2p_probe.py --out "$OUT"
+  step epnccl python3 -m torch.distributed.run --nproc-per-node "$ngpu" examples/ep_layer.py
+  step eptests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py
+fi
+if [[ $what == epbench ]]; then  # issue 8: kittenmoe bench, one process per GPU, vs NCCL + PyTorch (all-to-all)
+  ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  run="python3 -m torch.distributed.run --nproc-per-node $ngpu -m kittenmoe.cli bench --ep 8 --mode both --reps 20 --out $OUT"
+  for t in 2048 4096; do step "ep-$t" $run --model kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --tokens "$t"; done
+  step ep-kimi-zipf $run --model kimi-k2.7 --tokens 4096 --routing zipf:1.2
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
