@@ -62,8 +62,10 @@ fi
 if [[ $what == epbench ]]; then  # issue 8: kittenmoe bench, one process per GPU, vs NCCL + PyTorch (all-to-all)
   ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run="python3 -m torch.distributed.run --nproc-per-node $ngpu -m kittenmoe.cli bench --ep 8 --mode both --reps 20 --out $OUT"
-  for t in 2048 4096; do step "ep-$t" $run --model kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --tokens "$t"; done
-  step ep-kimi-zipf $run --model kimi-k2.7 --tokens 4096 --routing zipf:1.2
+  all=kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2
+  step ep-2048 $run --model $all --tokens 2048
+  step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
+  step ep-4096 $run --model $all --tokens 4096
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
