@@ -22,3 +22,35 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _interpreter_dot_in_fp64() -> None:
+    """Make the interpreter's fp32-accumulating ``tl.dot`` independent of the BLAS and of the tile shape.
+
+    The interpreter computes ``tl.dot`` with ``np.matmul(a, b, dtype=float32)``, and OpenBLAS picks its sgemm
+    kernel (and with it the summation order) by CPU type and matrix size: on an AMD EPYC runner (OpenBLAS
+    0.3.31, DYNAMIC_ARCH) a 16x32x32 and a 16x64x32 product summed differently, so tests that promise equal
+    bits across tile configurations (resident vs replayed gate|up, the torch backend vs its distributed twin)
+    failed there and passed on another CPU. Summing the products in fp64 and rounding once to fp32 gives the
+    same bits for any order (bf16 and fp16 products are exact in fp64; an fp64 sum of a few hundred of them
+    lands within an ulp of fp64, far below fp32's rounding step), and adding the fp32 accumulator stays one
+    fp32 addition, as on the GPU. Integer and fp64 accumulators keep the interpreter's own path."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_dot
+    if getattr(original, "_kittenmoe_fp64", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if d.data.dtype != np.float32 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        prod = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(np.float32)
+        return interpreter.TensorHandle(prod + d.data, d.dtype.scalar)
+
+    create_dot._kittenmoe_fp64 = True
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if not HAS_CUDA:
+    _interpreter_dot_in_fp64()

@@ -342,7 +342,7 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
 
     ``fp8``: None (x's dtype), a ``kittenmoe.fp8.FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a
     layer with bf16 master weights does each step) or ``FP8ExpertWeights`` (already quantised, same experts)."""
-    from kittenmoe.fp8 import resolve_expert_weights
+    from kittenmoe.fp8 import expert_weight_operands
 
     config = KernelConfig() if config is None else config
     needs_grad = torch.is_grad_enabled() and any(
@@ -350,9 +350,9 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
                                                     shared_w2_HS))
     if config.keep_activations and not needs_grad:
         config = config.with_(keep_activations=False)  # no backward will read them
-    fp8 = resolve_expert_weights(fp8, w13_E2IH, w2_EHI)
-    if fp8 is not None and fp8.cfg.scale_block != ops.FP8_BLOCK:
-        raise NotImplementedError(f"FP8 megakernels: scale_block={fp8.cfg.scale_block} is not implemented, only "
+    fp8 = expert_weight_operands(fp8, w13_E2IH, w2_EHI)  # None or (w13_q, w13_scale, w2_q, w2_scale, cfg)
+    if fp8 is not None and fp8[4].scale_block != ops.FP8_BLOCK:
+        raise NotImplementedError(f"FP8 megakernels: scale_block={fp8[4].scale_block} is not implemented, only "
                                   f"{ops.FP8_BLOCK}")
     if fp8 is not None and needs_grad:
         # The FP8 backward reads the forward's gate|up for every row (no e4m3 replay): say so now, not at backward.
@@ -361,8 +361,8 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
         if not (config.keep_activations and ring.resident):
             raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True) and a ring that does "
                                       "not wrap (macrobatch_size None): the FP8 backward cannot replay gate|up in e4m3")
-    q = (None,) * 4 if fp8 is None else (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale)
+    q = (None,) * 4 if fp8 is None else fp8[:4]
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), *q, fp8 is not None and fp8.cfg.pow2_scales,
+        None if swiglu_limit is None else float(swiglu_limit), *q, fp8 is not None and fp8[4].pow2_scales,
         *config_to_args(config))[0]

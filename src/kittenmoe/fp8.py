@@ -247,13 +247,30 @@ class FP8ExpertWeights:
                                                                                           self.cfg)
 
 
-def resolve_expert_weights(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> FP8ExpertWeights | None:
-    """The ``fp8`` argument of the differentiable entry points as the kernels take it: None (x's dtype), an
-    ``FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a layer with bf16 master weights does every step;
-    without the finite check, a host sync on the hot path) or ``FP8ExpertWeights`` (as given)."""
+def expert_weight_operands(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor):
+    """The ``fp8`` argument of the differentiable entry points as the kernels take it: None (x's dtype), or the
+    tuple ``(w13_q, w13_scale, w2_q, w2_scale, cfg)`` from an ``FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI``
+    now, as a layer with bf16 master weights does every step; without the finite check, a host sync on the hot
+    path) or from ``FP8ExpertWeights`` (as given).
+
+    A plain tuple, not an ``FP8ExpertWeights``: ``torch.compile(fullgraph=True)`` traces this (the layer
+    quantises inside the compiled graph) and dynamo cannot build that dataclass (torch 2.11 on the H200:
+    "SourcelessBuilder.create does not know how to wrap FP8Config", from its default field value)."""
     if isinstance(fp8, FP8Config):
         with torch.no_grad():
-            return FP8ExpertWeights.quantize(w13_E2IH.detach(), w2_EHI.detach(), fp8, check_finite=False)
-    if fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
+            q13, s13 = quantize_weights(w13_E2IH.detach(), fp8, False)
+            q2, s2 = quantize_weights(w2_EHI.detach(), fp8, False)
+        return q13, s13, q2, s2, fp8
+    if isinstance(fp8, FP8ExpertWeights):
+        return fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg
+    if fp8 is not None:
         raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
-    return fp8
+    return None
+
+
+def resolve_expert_weights(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> FP8ExpertWeights | None:
+    """``expert_weight_operands`` as an ``FP8ExpertWeights`` (for the paths dynamo does not trace: EP)."""
+    if fp8 is None or isinstance(fp8, FP8ExpertWeights):
+        expert_weight_operands(fp8, w13_E2IH, w2_EHI)  # the type check
+        return fp8
+    return FP8ExpertWeights(*expert_weight_operands(fp8, w13_E2IH, w2_EHI))

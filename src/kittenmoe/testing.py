@@ -37,6 +37,12 @@ TOLERANCES: dict[str, Tolerance] = {
     "tf32": Tolerance(rtol=2e-2, atol=2e-3, rel_l1=3e-3, cosine=0.99999),
     "bf16": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.9999, scale_frac=0.1),
     "fp8": Tolerance(rtol=0.5, atol=0.5, rel_l1=0.1, cosine=0.996, scale_frac=0.25),
+    # FP8 gradients with the SwiGLU clamp vs the fp64 emulation of the same quantisation: a gate|up value
+    # within an accumulation-order rounding of the limit lands on the other side of the clamp's mask in one
+    # of the two, zeroing or keeping its gradient, and moves the 1 x 64 scale of its d(gate|up) block. On the
+    # H200 (2026-11-30, L = 0.5) d_x kept rel L1 < 1e-2 but its cosine fell to 0.99959; a missing or wrong
+    # clamp is off by ~16% (test_megakernel_fp8's comment), far outside this bar.
+    "fp8-clamp-emulated": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.999, scale_frac=0.25),
 }
 
 _DTYPE_KEY = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
