@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SLICES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time subsets of the FP8 and BF16 forwards' phases (pull, +gate|up, +down, all)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -92,6 +94,18 @@ def main() -> int:
                 rep=args.reps * 10, return_mode="median")
         print(f"  fp8 forward by block_m: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
         cfg8 = min((cfg8, alt8), key=lambda c: ms_alt[c.block_m])
+        phase_ms = {}
+        if args.breakdown:  # where the FP8 forward's time goes, beside the BF16 forward's
+            from kittenmoe.kernels import megakernel_fwd as mk
+
+            masks = {"pull": mk.PH_PULL, "+gateup": mk.PH_PULL | mk.PH_GATEUP,
+                     "+down": mk.PH_PULL | mk.PH_GATEUP | mk.PH_DOWN, "all": mk.PH_ALL}
+            for prec, c, q in (("fp8", cfg8, fp8), ("bf16", cfg, None)):
+                for label, m in masks.items():
+                    phase_ms[f"{prec} {label}"] = triton.testing.do_bench(
+                        lambda c=c, q=q, m=m: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=q, phases=m),
+                        warmup=20, rep=args.reps * 10, return_mode="median")
+                    print(f"  {prec} forward phases {label:<8} {phase_ms[f'{prec} {label}']:.3f} ms", flush=True)
 
         def run_fp8():
             return megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8).outputs[0]
@@ -107,7 +121,7 @@ def main() -> int:
                                 compute_dtype=torch.float32)
         ref = moe_reference(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit,
                             torch.float32)
-        row = dict(kind="forward-fp8", shape=name, fp8_ms_by_block_m=ms_alt, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h, i=shape.i,
+        row = dict(kind="forward-fp8", shape=name, fp8_ms_by_block_m=ms_alt, phase_ms=phase_ms or None, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h, i=shape.i,
                    k=shape.k, dtype="fp8-e4m3/bf16", ranks=1, config=str(cfg8.__dict__), config_bf16=str(cfg.__dict__),
                    scale_block=fp8.cfg.scale_block, **env, **ceil,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

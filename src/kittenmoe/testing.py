@@ -40,9 +40,11 @@ TOLERANCES: dict[str, Tolerance] = {
     # FP8 gradients with the SwiGLU clamp vs the fp64 emulation of the same quantisation: a gate|up value
     # within an accumulation-order rounding of the limit lands on the other side of the clamp's mask in one
     # of the two, zeroing or keeping its gradient, and moves the 1 x 64 scale of its d(gate|up) block. On the
-    # H200 (2026-11-30, L = 0.5) d_x kept rel L1 < 1e-2 but its cosine fell to 0.99959; a missing or wrong
-    # clamp is off by ~16% (test_megakernel_fp8's comment), far outside this bar.
-    "fp8-clamp-emulated": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.999, scale_frac=0.25),
+    # H200 (2026-11-30, L = 0.5) d_x kept rel L1 < 1e-2 but its cosine fell to 0.99959, and 11 of 262144
+    # d_w13 elements were off by up to their own size (0.54 vs 6.43): elementwise bounds cannot hold, so
+    # they are void here (scale_frac 1) and rel L1 and cosine carry the check. A missing or wrong clamp is
+    # off by ~16% (test_megakernel_fp8's comment), far outside this bar.
+    "fp8-clamp-emulated": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.999, scale_frac=1.0),
 }
 
 _DTYPE_KEY = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}

@@ -257,19 +257,6 @@ def store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.
 
 
 @triton.jit
-def _gateup_scales(as_ptr, ws_ptr, rows, nt, kb, I, HB, SB: tl.constexpr):
-    """The scales of K block ``kb`` for one gate|up tile: x rows' [BM], the gate and the up weight block's.
-
-    The FP8 loops load these one step ahead: Triton's pipeliner leaves scalar and gathered scale loads in the
-    loop as plain loads, and one whose value is needed in the same step stalls it for a global-memory
-    latency (sm_90 build: ``tt.load`` of the scales right before the promotion, 2026-11-30). Loaded a step
-    early, the latency hides behind that step's MMAs; the last step re-reads block HB - 1 (in bounds,
-    unused)."""
-    return (tl.load(as_ptr + rows * HB + kb), tl.load(ws_ptr + nt * HB + kb),
-            tl.load(ws_ptr + (I // SB + nt) * HB + kb))
-
-
-@triton.jit
 def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
                     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile (BN == SB) through pointer loads.
@@ -282,15 +269,15 @@ def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
     rows = (a_row0 + rm).to(tl.int64)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    sa_n, sg_n, su_n = _gateup_scales(as_ptr, ws_ptr, rows, nt, 0, I, HB, SB)
     for k0 in range(0, H, SB):
         kb = k0 // SB
         kk = k0 + rk
         a = _fp8_operand(tl.load(a_ptr + rows[:, None] * H + kk[None, :]), EMULATE)
         wg = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
         wu = _fp8_operand(tl.load(w_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
-        sa, sg, su = sa_n, sg_n, su_n
-        sa_n, sg_n, su_n = _gateup_scales(as_ptr, ws_ptr, rows, nt, tl.minimum(kb + 1, HB - 1), I, HB, SB)
+        sa = tl.load(as_ptr + rows * HB + kb)
+        sg = tl.load(ws_ptr + nt * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
         if EMULATE:
             pg = tl.dot(a, wg, input_precision="ieee")
             pu = tl.dot(a, wu, input_precision="ieee")
@@ -310,14 +297,14 @@ def _gateup_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, wg_row0, wu_row0
     rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    sa_n, sg_n, su_n = _gateup_scales(as_ptr, ws_ptr, rows, nt, 0, I, HB, SB)
     for k0 in range(0, H, SB):
         kb = k0 // SB
         a = a_desc.load([a_row0, k0])
         wg = w_desc.load([wg_row0, k0])
         wu = w_desc.load([wu_row0, k0])
-        sa, sg, su = sa_n, sg_n, su_n
-        sa_n, sg_n, su_n = _gateup_scales(as_ptr, ws_ptr, rows, nt, tl.minimum(kb + 1, HB - 1), I, HB, SB)
+        sa = tl.load(as_ptr + rows * HB + kb)
+        sg = tl.load(ws_ptr + nt * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
         acc_g += tl.dot(a, wg.T) * (sa[:, None] * sg)
         acc_u += tl.dot(a, wu.T) * (sa[:, None] * su)
     return acc_g, acc_u
@@ -351,16 +338,14 @@ def _down_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, n0, H, I, IB,
     n_ok = rn < H  # the last BN-wide tile may pass H (H a multiple of SB, not of BN): masked, never read
     sw_rows = (tl.minimum(rn, H - 1) // SB) * IB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    sa_n, sw_n = tl.load(as_ptr + rows * IB), tl.load(ws_ptr + sw_rows)
     for k0 in range(0, I, SB):
         kb = k0 // SB
         kk = k0 + rk
         a = _fp8_operand(tl.load(a_ptr + rows[:, None] * I + kk[None, :]), EMULATE)
         w = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * I + kk[:, None], mask=n_ok[None, :], other=0),
                          EMULATE)
-        sa, sw = sa_n, sw_n
-        nb = tl.minimum(kb + 1, IB - 1)  # the next step's scales, loaded a step ahead (see _gateup_scales)
-        sa_n, sw_n = tl.load(as_ptr + rows * IB + nb), tl.load(ws_ptr + sw_rows + nb)
+        sa = tl.load(as_ptr + rows * IB + kb)
+        sw = tl.load(ws_ptr + sw_rows + kb)
         if EMULATE:
             p = tl.dot(a, w, input_precision="ieee")
         else:
@@ -377,14 +362,12 @@ def _down_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, w_row0, n0, I, IB,
     rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
     sw_rows = ((n0 + tl.arange(0, BN)) // SB) * IB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    sa_n, sw_n = tl.load(as_ptr + rows * IB), tl.load(ws_ptr + sw_rows)
     for k0 in range(0, I, SB):
         kb = k0 // SB
         a = a_desc.load([a_row0, k0])
         w = w_desc.load([w_row0, k0])
-        sa, sw = sa_n, sw_n
-        nb = tl.minimum(kb + 1, IB - 1)  # the next step's scales, loaded a step ahead (see _gateup_scales)
-        sa_n, sw_n = tl.load(as_ptr + rows * IB + nb), tl.load(ws_ptr + sw_rows + nb)
+        sa = tl.load(as_ptr + rows * IB + kb)
+        sw = tl.load(ws_ptr + sw_rows + kb)
         acc += tl.dot(a, w.T) * (sa[:, None] * sw[None, :])
     return acc
 
