@@ -87,7 +87,10 @@ def _check_q_scale(q: torch.Tensor, scale: torch.Tensor, name: str) -> None:
 
 def scale_from_amax(amax: torch.Tensor, cfg: FP8Config) -> torch.Tensor:
     """The scale rule on fp32 block maxima (see the module docstring)."""
-    scale = torch.clamp_min(amax.float() / E4M3_MAX, MIN_SCALE)
+    # Divide by a tensor, not the Python float: CUDA torch turns `t / scalar` into `t * (1 / scalar)`, one
+    # ulp off the correctly rounded quotient for some amax (H200: 3.0625 / 448 gave 6.83593797e-03, not
+    # 6.8359375e-03), which then differs from the kernels' div.rn in every byte of the block.
+    scale = torch.clamp_min(amax.float() / amax.new_full((), E4M3_MAX, dtype=torch.float32), MIN_SCALE)
     if cfg.pow2_scales:
         # round up to a power of two on the bits: a nonzero mantissa bumps the exponent (exact for normals)
         bits = scale.view(torch.int32)

@@ -17,12 +17,20 @@ every backend; on a GPU the hardware ``cvt.rn.satfinite.e4m3x2.f32`` would
 give the same bits for |v| <= 448 and may replace it once measured there.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
 # constexpr globals: compiled kernels may read only those (the interpreter reads any global).
 E4M3_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal fp32 (and an E8M0 power of two)
+# The fused quantisers (``quantize_rows_1xb``) round with the GPU's cvt.rn.satfinite.e4m3x2.f32 when compiled
+# and with ``_e4m3_bits_rne`` under the interpreter (read when this module is imported, as Triton reads
+# TRITON_INTERPRET when it decorates). Same bits for |v| <= 448; the integer path costs ~30 operations an
+# element, and in the FP8 forward's pull (32 x 512 chunks on 12 SMs) that made the pull alone 5.5 ms on the
+# Kimi slice where the BF16 pull takes 0.8 ms (H200, 2026-11-30, benchmarks/fp8_round.py --breakdown).
+HW_E4M3_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -69,8 +77,12 @@ def quantize_rows_1xb(v, R: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, POW
     What the pull dispatch and the gate|up epilogue quantise with, on the data they already hold."""
     vb = tl.reshape(v, (R, C // SB, SB))
     scale = scale_from_amax(tl.max(tl.abs(vb), axis=2), POW2)  # [R, C // SB]
-    bits = _e4m3_bits_rne(tl.math.div_rn(vb, scale[:, :, None]))
-    return tl.reshape(bits, (R, C)).to(tl.uint8), scale
+    q = tl.math.div_rn(vb, scale[:, :, None])
+    if HW_E4M3_CVT:
+        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        bits = _e4m3_bits_rne(q).to(tl.uint8)
+    return tl.reshape(bits, (R, C)), scale
 
 
 @triton.jit
