@@ -117,11 +117,62 @@ def render_tune() -> str:
     return ("\n\n" + "\n\n".join(lines)) if lines else ""
 
 
+def render_ep() -> str:
+    """Expert parallelism over real processes (``kittenmoe bench`` under torchrun): the newest row per key."""
+    latest: dict[tuple, tuple[str, dict]] = {}
+    for name, r in _result_rows():
+        if r.get("ranks_mode") != "processes" or r.get("device") != "cuda" or r.get("share_gpu"):
+            continue
+        key = (r["kind"], r["shape"], r["tokens"], r["ranks"], r.get("routing", "uniform"), r.get("dtype", "bf16"))
+        if key not in latest or r["date"] > latest[key][1]["date"]:
+            latest[key] = (name, r)
+    if not latest:
+        return ""
+    rows = sorted(latest.values(), key=lambda nr: (nr[1]["ranks"], nr[1].get("routing", ""), nr[1]["kind"],
+                                                   nr[1]["shape"], nr[1]["tokens"]))
+    lines = ["", "", "Expert parallelism, one process per GPU (`kittenmoe bench` under torchrun over `SymmetricPeers`; "
+             "baseline NCCL all-to-all + grouped_mm in the same run; the slowest rank's latency per iteration, "
+             "median; routed TFLOP/s summed over the GPUs):", "",
+             "| pass | shape (E_local per GPU) | T per GPU | GPUs | routing | kittenmoe ms | NCCL+PyTorch ms | speedup "
+             "| routed TFLOP/s | rel L1 | GPU | date | file |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in rows:
+        lines.append(f"| {r['kind']} | {r['shape']} ({r['experts_local']}) | {r['tokens']} | {r['ranks']} | "
+                     f"{r.get('routing', 'uniform')} | {r['ms_kittenmoe']:.3f} | {r['ms_baseline']:.3f} | "
+                     f"{r['speedup']:.2f}x | {r['routed_tflops']:.0f} | {r['rel_l1']:.1e} | {r['gpu']} | "
+                     f"{r['date'][:10]} | `{name}` |")
+    return "\n".join(lines)
+
+
+def render_fp8() -> str:
+    """The newest ``benchmarks/fp8_round.py`` file: FP8 against our BF16 megakernels, same run."""
+    newest: tuple[str, list] | None = None
+    for name, r in _result_rows():
+        if r.get("kind") == "forward-fp8" and (newest is None or name > newest[0]):
+            newest = (name, [])
+        if r.get("kind") == "forward-fp8" and name == newest[0]:
+            newest[1].append(r)
+    if newest is None:
+        return ""
+    name, rows = newest
+    r0 = rows[0]
+    lines = ["", "", f"FP8 (e4m3, 1x128 / 128x128 scales) against our BF16 megakernels, one GPU, same run "
+             f"(`{name}`, {r0['gpu']}, {r0['date'][:10]}; matmul ceilings measured there: bf16 "
+             f"{r0['bf16_tflops']:.0f} TFLOP/s, e4m3 {r0['fp8_tflops']:.0f} TFLOP/s):", "",
+             "| shape (EP8 slice) | FP8 fwd ms | BF16 fwd ms | FP8 / BF16 speed | FP8 fwd+bwd ms | BF16 fwd+bwd ms "
+             "| FP8 / BF16 speed | rel L1 vs fp32 ref |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['ms_fp8']:.3f} | {r['ms_bf16']:.3f} | {r['ms_bf16'] / r['ms_fp8']:.2f}x | "
+                     f"{r['ms_fp8_fwd_bwd']:.3f} | {r['ms_bf16_fwd_bwd']:.3f} | {r['ms_bf16_fwd_bwd'] / r['ms_fp8_fwd_bwd']:.2f}x | "
+                     f"{r['rel_l1_fp8']:.1e} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--print", action="store_true")
     args = ap.parse_args()
-    table = render(load_rows()) + render_hf() + render_tune()
+    table = render(load_rows()) + render_hf() + render_tune() + render_ep() + render_fp8()
     if args.print:
         print(table)
         return 0

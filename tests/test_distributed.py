@@ -1023,6 +1023,10 @@ def _task_ep_peer_gone(rank, world, p):
     torch.cuda.synchronize()
     if rank == 1:
         return "gone"
+    # After the timeout the CUDA context is broken (the barrier traps), and torch's symmetric-memory
+    # destructors then abort the process (H200 x2, 2026-11-30: "terminate called after throwing ...
+    # ~AllocationRef"). Keep the peers alive so that the answer reaches the test process first.
+    _KEEP_ALIVE.append(peers)
     t0 = time.monotonic()
     try:
         megakernel_forward_ep(*args, peers=peers, config=EP_CFG)
@@ -1030,6 +1034,9 @@ def _task_ep_peer_gone(rank, world, p):
     except Exception as e:  # the expected outcome, reported to the test process
         return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
     raise AssertionError("a forward whose peer never arrived completed")
+
+
+_KEEP_ALIVE: list = []  # objects whose destructors must not run before a task's answer is sent
 
 
 _TASKS["ep_peer_gone"] = _task_ep_peer_gone

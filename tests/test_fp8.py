@@ -10,6 +10,9 @@ from kittenmoe.fp8 import (E4M3_MAX, FP8_DTYPE, MIN_SCALE, FP8Config, dequantize
                            quantize_activations, quantize_weights)
 from kittenmoe.testing import assert_bitwise_equal, rel_l1, tolerance_for
 
+# The Triton quantiser runs where the tests can: compiled on a GPU, else under the interpreter on the CPU.
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
 CFGS = [
     FP8Config(),  # DeepSeek-V3 default: 128, fp32 scales
     FP8Config(128, pow2_scales=True),  # 128 with E8M0-representable scales
@@ -254,6 +257,7 @@ def test_triton_matches_torch_bitwise(cfg, dtype, shape):
     spread = torch.logspace(-30, 30, shape[-1]) if dtype != torch.float16 else torch.logspace(-4, 4, shape[-1])
     x = (torch.randn(*shape, generator=_gen(4)) * spread).to(dtype)
     x.view(-1, shape[-1])[0] = 0.0
+    x = x.to(DEV)
     q_ref, s_ref = quantize_activations(x, cfg)
     q, s = quantize_activations(x, cfg, impl="triton")
     assert_bitwise_equal(s, s_ref, "scale")
@@ -273,6 +277,7 @@ def test_triton_rounding_edges_bitwise(cfg):
     x = torch.cat([x, torch.zeros((-x.numel()) % (b - 1))]).reshape(-1, b - 1)
     x = torch.cat([x, torch.full((x.shape[0], 1), 448.0)], dim=1)
     x = torch.cat([x, x * torch.rand(x.shape[0], 1, generator=_gen(5)) * 1e3])  # second half: other scales
+    x = x.to(DEV)
     q_ref, s_ref = quantize_activations(x, cfg)
     q, s = quantize_activations(x, cfg, impl="triton")
     assert_bitwise_equal(s, s_ref, "scale")
@@ -281,5 +286,5 @@ def test_triton_rounding_edges_bitwise(cfg):
 
 def test_triton_empty_input():
     """M = 0: no launch, empty outputs of the right shapes."""
-    q, s = quantize_activations(torch.empty(0, 300), impl="triton")
+    q, s = quantize_activations(torch.empty(0, 300, device=DEV), impl="triton")
     assert q.shape == (0, 300) and s.shape == (0, 3) and q.dtype == FP8_DTYPE

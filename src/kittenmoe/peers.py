@@ -152,7 +152,12 @@ class SymmetricPeers:
       before it on any rank are visible after it on every rank). No host
       sync; capturable in a CUDA graph. It spins at most
       ``barrier_timeout_ms`` (0 = forever); on timeout the kernel traps (a CUDA
-      error, not a hang).
+      error, not a hang). The process's CUDA context is then unusable: exit it.
+      torch prints "[FATAL] CUDASymmetricMemory::barrier: rank r failed to
+      receive signal from rank p", the next synchronising call raises, and
+      torch's symmetric-memory destructors abort the process when they run
+      (seen with torch 2.11 on 2 H200s, 2026-11-30): report the error before
+      the ``SymmetricPeers`` object is released.
     - ``destroy()`` is collective: a barrier and a stream sync so that no peer
       is still reading, then every buffer is released.
 
