@@ -146,15 +146,14 @@ def render_ep() -> str:
 
 def render_fp8() -> str:
     """The newest ``benchmarks/fp8_round.py`` file: FP8 against our BF16 megakernels, same run."""
-    newest: tuple[str, list] | None = None
+    by_file: dict[str, list[dict]] = {}
     for name, r in _result_rows():
-        if r.get("kind") == "forward-fp8" and (newest is None or name > newest[0]):
-            newest = (name, [])
-        if r.get("kind") == "forward-fp8" and name == newest[0]:
-            newest[1].append(r)
-    if newest is None:
+        if r.get("kind") == "forward-fp8":
+            by_file.setdefault(name, []).append(r)
+    if not by_file:
         return ""
-    name, rows = newest
+    name = max(by_file)  # file names carry the date: the newest run
+    rows = by_file[name]
     r0 = rows[0]
     lines = ["", "", f"FP8 (e4m3, 1x128 / 128x128 scales) against our BF16 megakernels, one GPU, same run "
              f"(`{name}`, {r0['gpu']}, {r0['date'][:10]}; matmul ceilings measured there: bf16 "

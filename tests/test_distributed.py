@@ -1009,6 +1009,9 @@ def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
 
 
 
+_KEEP_ALIVE: list = []  # objects whose destructors must not run before a task's answer is sent
+
+
 def _task_ep_peer_gone(rank, world, p):
     """Both ranks run one forward (allocations and the problem agreed); then rank 1 stops taking part, as a rank
     that died would, and rank 0 runs a second forward alone. Its device barrier must give up after
@@ -1034,9 +1037,6 @@ def _task_ep_peer_gone(rank, world, p):
     except Exception as e:  # the expected outcome, reported to the test process
         return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
     raise AssertionError("a forward whose peer never arrived completed")
-
-
-_KEEP_ALIVE: list = []  # objects whose destructors must not run before a task's answer is sent
 
 
 _TASKS["ep_peer_gone"] = _task_ep_peer_gone

@@ -273,7 +273,5 @@ def expert_weight_operands(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor):
 
 def resolve_expert_weights(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> FP8ExpertWeights | None:
     """``expert_weight_operands`` as an ``FP8ExpertWeights`` (for the paths dynamo does not trace: EP)."""
-    if fp8 is None or isinstance(fp8, FP8ExpertWeights):
-        expert_weight_operands(fp8, w13_E2IH, w2_EHI)  # the type check
-        return fp8
-    return FP8ExpertWeights(*expert_weight_operands(fp8, w13_E2IH, w2_EHI))
+    operands = expert_weight_operands(fp8, w13_E2IH, w2_EHI)
+    return FP8ExpertWeights(*operands) if isinstance(fp8, FP8Config) else fp8

@@ -13,8 +13,10 @@ kernel stores the e4m3 *bits* into a uint8 view of the output. Reason: the
 Triton 3.9 interpreter's ``.to(tl.float8e4nv)`` is not round-to-nearest-even
 (ties round away from zero, subnormals flush to 0, 464 becomes NaN where
 torch gives 448), so it cannot match torch. The integer path is exact on
-every backend; on a GPU the hardware ``cvt.rn.satfinite.e4m3x2.f32`` would
-give the same bits for |v| <= 448 and may replace it once measured there.
+every backend. The fused quantiser ``quantize_rows_1xb`` uses the GPU's
+``cvt.rn.satfinite.e4m3x2.f32`` when compiled (``HW_E4M3_CVT``; same bits for
+|v| <= 448, checked against torch by the FP8 megakernel tests on the H200);
+this standalone kernel keeps the integer path everywhere.
 """
 
 import os
