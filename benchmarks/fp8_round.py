@@ -59,6 +59,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SLICES))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--comm", default="",
+                    help="communication program counts to try for the FP8 forward (e.g. 12,16,24; default: the BF16 "
+                         "heuristic's); the fastest, with block_m 128 or 64, is the FP8 config of the row")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time subsets of the FP8 and BF16 forwards' phases (pull, +gate|up, +down, all)")
     args = ap.parse_args()
@@ -85,15 +88,17 @@ def main() -> int:
         # block_m 64 as well: the per-step promotion holds each K step's fp32 product beside the accumulators,
         # and at 128 x 128 tiles (gate and up) that spills on sm_90 (scripts/sm90_compile.py --fp8: a 232-byte
         # stack; 0 at block_m 64). The faster forward decides the config of the rest of the row.
-        alt8 = cfg8.with_(block_m=64)
+        comms = [int(v) for v in args.comm.split(",")] if args.comm else [cfg.num_comm_programs_fwd]
+        cands = {f"bm{bm}-comm{nc}": cfg8.with_(block_m=bm, num_comm_programs_fwd=nc)
+                 for bm in (128, 64) for nc in comms}
         ms_alt = {}
-        for c in (cfg8, alt8):
+        for label, c in cands.items():
             megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)  # compile outside the timing
-            ms_alt[c.block_m] = triton.testing.do_bench(
+            ms_alt[label] = triton.testing.do_bench(
                 lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8), warmup=20,
                 rep=args.reps * 10, return_mode="median")
-        print(f"  fp8 forward by block_m: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
-        cfg8 = min((cfg8, alt8), key=lambda c: ms_alt[c.block_m])
+        print(f"  fp8 forward by config: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
+        cfg8 = cands[min(ms_alt, key=ms_alt.get)]
         phase_ms = {}
         if args.breakdown:  # where the FP8 forward's time goes, beside the BF16 forward's
             from kittenmoe.kernels import megakernel_fwd as mk
@@ -121,7 +126,7 @@ def main() -> int:
                                 compute_dtype=torch.float32)
         ref = moe_reference(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit,
                             torch.float32)
-        row = dict(kind="forward-fp8", shape=name, fp8_ms_by_block_m=ms_alt, phase_ms=phase_ms or None, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h, i=shape.i,
+        row = dict(kind="forward-fp8", shape=name, fp8_ms_by_config=ms_alt, phase_ms=phase_ms or None, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h, i=shape.i,
                    k=shape.k, dtype="fp8-e4m3/bf16", ranks=1, config=str(cfg8.__dict__), config_bf16=str(cfg.__dict__),
                    scale_block=fp8.cfg.scale_block, **env, **ceil,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

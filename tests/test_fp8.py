@@ -143,6 +143,38 @@ def test_partial_last_block(cfg, k):
         assert_bitwise_equal(q[:, j * b:(j + 1) * b], q_j, f"block {j}")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])  # the reference and the Triton quantiser, same rule
+def test_rule_multiplies_by_the_reciprocal_scale(impl):
+    """q = e4m3(x * RN(1 / scale)), not e4m3(x / scale): written independently in float64 with one rounding
+    to fp32 for each of the reciprocal and the product; the problem is large enough that the two rules
+    differ somewhere (checked), so a quantiser that divides fails."""
+    import numpy as np
+
+    g = _gen(11)
+    # bf16 values, as activations arrive: their short mantissas put x / scale on e4m3 rounding midpoints
+    # often (1 value in ~2,000 differs between the rules), where random fp32 values almost never are.
+    x = (torch.randn(512, 1024, generator=g) * torch.logspace(-2, 2, 1024)).bfloat16().float()
+    q, s = quantize_activations(x.to(DEV), impl=impl)
+    q, s = q.cpu(), s.cpu()
+    s_el = s.repeat_interleave(128, -1)
+    inv = (1.0 / s_el.double()).float()  # correctly rounded: float64 quotient, one rounding to fp32
+    prod = (x.double() * inv.double()).float()  # exact product in float64, one rounding
+    assert_bitwise_equal(q, prod.to(FP8_DTYPE), "q vs e4m3(x * (1 / scale))")
+    divided = (x.double() / s_el.double()).float().to(FP8_DTYPE)
+    assert not torch.equal(q.view(torch.uint8), divided.view(torch.uint8)), "problem too small to tell the rules apart"
+    assert np.isfinite(q.float().numpy()).all()
+
+
+def test_reciprocal_never_overflows_e4m3():
+    """amax * RN(1 / RN(amax / 448)) may exceed 448 by an ulp; it must still round to +-448, never to NaN."""
+    g = _gen(12)
+    a = torch.rand(20000, generator=g, dtype=torch.float64).mul(40).sub(20).exp2().float()  # 2^-20 .. 2^20
+    x = torch.zeros(a.numel(), 128)
+    x[:, 0], x[:, 1] = a, -a
+    q, _ = quantize_activations(x)
+    assert (q[:, 0].float() == 448).all() and (q[:, 1].float() == -448).all()
+
+
 def test_quantised_values_are_e4m3_of_x_over_scale():
     """q is exactly torch's e4m3 rounding of x / scale (fp32 division), incl. every e4m3 value and midpoint."""
     v = _e4m3_values()

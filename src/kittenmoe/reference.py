@@ -166,11 +166,11 @@ def moe_reference_fp8(
 def _qdq_blocks(x: torch.Tensor, block: int, cfg) -> torch.Tensor:
     """x (fp32/fp64 [N, C], C a multiple of ``block``) quantised to e4m3 in 1 x ``block`` blocks along C by
     ``cfg``'s scale rule, then dequantised (fp32)."""
-    from kittenmoe.fp8 import FP8_DTYPE, scale_from_amax
+    from kittenmoe.fp8 import apply_scale, scale_from_amax
 
     xb = x.float().unflatten(-1, (x.shape[-1] // block, block))
     scale = scale_from_amax(xb.abs().amax(dim=-1), cfg)
-    return ((xb / scale[..., None]).to(FP8_DTYPE).float() * scale[..., None]).flatten(-2)
+    return (apply_scale(xb, scale[..., None]).float() * scale[..., None]).flatten(-2)
 
 
 def moe_backward_reference_fp8(

@@ -3,7 +3,8 @@
 ``quantize_act_1xb_kernel``: one program per (BLOCK_M rows) x (one scale
 block of SB columns along K). Per row of the tile: amax over the block,
 ``scale = max(amax / 448, 2^-126)``, optionally rounded up to a power of two,
-then ``q = e4m3(x / scale)``. This is the standalone form of what the pull
+then ``q = e4m3(x * (1 / scale))`` (one correctly rounded reciprocal a block; the rule and why are in
+``kittenmoe.fp8``). This is the standalone form of what the pull
 dispatch will fuse later (issue 7); it must match ``kittenmoe.fp8``'s torch
 reference bit for bit.
 
@@ -73,13 +74,19 @@ def scale_from_amax(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _reciprocal(scale):
+    """1 / scale, correctly rounded (div.rn), as torch's tensor division computes it."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
 def quantize_rows_1xb(v, R: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr):
     """fp32 ``v`` [R, C] (C a multiple of SB) -> (e4m3 bits uint8 [R, C], scales fp32 [R, C // SB]): one scale per
     1 x SB block of each row, the rule of ``quantize_act_1xb_kernel`` (bit for bit the torch reference's).
     What the pull dispatch and the gate|up epilogue quantise with, on the data they already hold."""
     vb = tl.reshape(v, (R, C // SB, SB))
     scale = scale_from_amax(tl.max(tl.abs(vb), axis=2), POW2)  # [R, C // SB]
-    q = tl.math.div_rn(vb, scale[:, :, None])
+    q = vb * _reciprocal(scale)[:, :, None]
     if HW_E4M3_CVT:
         bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
@@ -108,7 +115,7 @@ def quantize_act_1xb_kernel(
     M, K, KB,
     SB: tl.constexpr, BLOCK_M: tl.constexpr, POW2: tl.constexpr,
 ):
-    """q[m, k] = e4m3(x[m, k] / scale[m, k // SB]); scale = max(amax / 448, 2^-126), pow2-rounded up if POW2."""
+    """q[m, k] = e4m3(x[m, k] * (1 / scale[m, k // SB])); scale = max(amax / 448, 2^-126), pow2-rounded up if POW2."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     rk = kb * SB + tl.arange(0, SB)
@@ -118,7 +125,7 @@ def quantize_act_1xb_kernel(
     offs = rm64[:, None] * K + rk[None, :]
     x = tl.load(x_ptr + offs, mask=msk, other=0.0).to(tl.float32)
     scale = scale_from_amax(tl.max(tl.abs(x), axis=1), POW2)  # [BLOCK_M]
-    v = tl.math.div_rn(x, scale[:, None])
+    v = x * _reciprocal(scale)[:, None]
     bits = _e4m3_bits_rne(v)
     tl.store(q_ptr + offs, bits.to(tl.uint8), mask=msk)
     tl.store(scale_ptr + rm64 * KB + kb, scale, mask=m_ok)
