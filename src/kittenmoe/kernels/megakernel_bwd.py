@@ -282,13 +282,13 @@ def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w
 
 
 @triton.jit
-def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2q_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
+def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
                  BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase A of one tile (gate|up kept by the forward): dh_u = dO W2[e][:, n-tile] on e4m3 operands, K steps
     of SB along H, each step's product scaled by the d_out row's 1 x SB scale and the weight block's; then g, u.
 
-    dq_ptr: uint8 [*, H] e4m3 d_out rows, ds_ptr: fp32 [*, HB]; w2q_ptr: one expert's uint8 [H, I] used as
-    [K = H, N = I], w2s_ptr: its fp32 [HB, IB] (square blocks serve the transpose unchanged)."""
+    dq_ptr: uint8 [*, H] e4m3 d_out rows, ds_ptr: fp32 [*, HB]; w2t_ptr: one expert's W2 transposed, uint8
+    [I, H] = [N, K] (K-major, as e4m3 wgmma takes B), w2s_ptr: W2's fp32 [HB, IB] block scales."""
     rm = tl.arange(0, BM)
     rn = nt * BN + tl.arange(0, BN)
     rk = tl.arange(0, SB)
@@ -299,7 +299,7 @@ def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2q_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, I
         kb = k0 // SB
         kk = k0 + rk
         a = _fp8_operand(tl.load(dq_ptr + rows[:, None] * H + kk[None, :]), EMULATE)
-        b = _fp8_operand(tl.load(w2q_ptr + kk[:, None].to(tl.int64) * I + rn[None, :]), EMULATE)
+        b = _fp8_operand(tl.load(w2t_ptr + rn[:, None].to(tl.int64) * H + kk[None, :]), EMULATE).T
         sa = tl.load(ds_ptr + rows * HB + kb)
         sw = tl.load(w2s_ptr + kb * IB + nb)
         if EMULATE:
@@ -314,11 +314,11 @@ def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2q_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, I
 
 
 @triton.jit
-def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13q_ptr, w13s_ptr, n0, H, I, HB, GB,
+def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
                  BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
     block of d(gate|up), = phase A's tile width) along 2I. gq_ptr: uint8 [*, 2I], gs_ptr: fp32 [*, GB];
-    w13q_ptr: one expert's uint8 [2I, H] used as [K = 2I, N = H], w13s_ptr: its fp32 [2I / SB, HB]."""
+    w13t_ptr: one expert's W13 transposed, uint8 [H, 2I] = [N, K] (K-major), w13s_ptr: W13's fp32 [2I / SB, HB]."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN2)
     rk = tl.arange(0, KS)
@@ -329,8 +329,8 @@ def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13q_ptr, w13s_ptr, n0, H, I, HB, GB,
     for k0 in range(0, 2 * I, KS):
         kk = k0 + rk
         a = _fp8_operand(tl.load(gq_ptr + rows[:, None] * (2 * I) + kk[None, :]), EMULATE)
-        b = _fp8_operand(tl.load(w13q_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=n_ok[None, :],
-                                 other=0), EMULATE)
+        b = _fp8_operand(tl.load(w13t_ptr + rn[:, None].to(tl.int64) * (2 * I) + kk[None, :], mask=n_ok[:, None],
+                                 other=0), EMULATE).T
         sa = tl.load(gs_ptr + rows * GB + k0 // KS)
         sw = tl.load(w13s_ptr + (k0 // SB) * HB + sw_cols)
         if EMULATE:
@@ -389,8 +389,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
-    w13q_ptr,  # [L, 2I, H] uint8 e4m3 (FP8; else a placeholder)
-    w2q_ptr,  # [L, H, I] uint8 e4m3 (FP8)
+    w13t_ptr,  # [L, H, 2I] uint8 e4m3 W13 transposed: phase B's K-major B (FP8; else a placeholder)
+    w2t_ptr,  # [L, I, H] uint8 e4m3 W2 transposed: phase A's K-major B (FP8)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 (FP8)
     w2s_ptr,  # [L, H // SB, I // SB] fp32 (FP8)
     sw13_ptr,  # [2S, H]
@@ -537,7 +537,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if e >= 0:
                                 if FP8:  # the launcher requires every row's gate|up kept (GU_MODE > 0)
                                     acc_dh, acc_g, acc_u = _phase_a_fp8(
-                                        dorq_ptr, dors_ptr, row0, w2q_ptr + e.to(tl.int64) * (H * I),
+                                        dorq_ptr, dors_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I),
                                         w2s_ptr + e * (HB * IB), gu_ptr, nt, H, I, HB, IB, BM, BN, SB, DOT_FP32)
                                 elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
@@ -574,7 +574,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
                                 if FP8:
-                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13q_ptr + e.to(tl.int64) * (2 * I * H),
+                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13t_ptr + e.to(tl.int64) * (2 * I * H),
                                                        w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
                                                        BN, SB, DOT_FP32)
                                 elif USE_TMA:
