@@ -316,3 +316,130 @@ def test_tiny_model_trains():
     final = loss_fn().item()
     assert all(torch.isfinite(torch.tensor(losses)))
     assert final < losses[0] / 20, f"loss did not fall enough: {losses[0]:.4f} -> {final:.4f}"
+
+
+# ----------------------------------------------------------------------------- expert_rows on its own
+
+# R=2 ranks, T=5, K=2, L=3 local experts, destination rank 0, block_m=4. Rank 0's expert 0 gets 6 rows (a
+# tile with 2 padding rows), expert 1 none, expert 2 exactly one full tile; C = 29 rows, 7 tiles, 12 rows in
+# use: tiles 3..6 have tile_expert -1 and row 28 is past the last full tile.
+_ER_IDS = torch.tensor([[[0, 2], [0, 3], [0, 2], [2, 4], [0, 5]],
+                        [[0, 2], [0, 3], [3, 5], [4, 3], [3, 5]]])
+_ER_L, _ER_H, _ER_I, _ER_BM = 3, 32, 16, 4
+
+
+def _expert_rows_inputs(ids, dtype, seed):
+    """The schedule of rank 0, x_routed as the pipeline fills it (random real rows, zero padding rows) plus
+    random garbage past num_rows, random local weights and a random upstream gradient."""
+    from kittenmoe.schedule import build_schedule
+
+    sched = build_schedule(ids, 0, _ER_L, _ER_BM, impl="torch")
+    gen = torch.Generator().manual_seed(seed)
+    c = sched.capacity
+    x = torch.randn(c, _ER_H, generator=gen)
+    real = sched.peer_rank >= 0
+    in_use = torch.arange(c) < int(sched.num_rows)
+    x = torch.where(real[:, None] | ~in_use[:, None], x, 0).to(dtype)
+    w13 = (torch.randn(_ER_L, 2 * _ER_I, _ER_H, generator=gen) / _ER_H ** 0.5).to(dtype)
+    w2 = (torch.randn(_ER_L, _ER_H, _ER_I, generator=gen) / _ER_I ** 0.5).to(dtype)
+    d_y = torch.randn(c, _ER_H, generator=gen)
+    return sched, x, w13, w2, d_y
+
+
+def _expert_rows_fp64(ids, sched, x, w13, w2, swiglu_limit):
+    """Row by row in fp64: a real row runs the expert its route names (from ids, not from the schedule's
+    offsets); every other row is 0."""
+    from kittenmoe.reference import swiglu
+
+    K, L = ids.shape[2], sched.experts_per_rank
+    rows = []
+    for n in range(x.shape[0]):
+        src, tok = int(sched.peer_rank[n]), int(sched.peer_token_idx[n])
+        if src < 0:
+            rows.append(x.new_zeros(x.shape[1]))
+            continue
+        e = int(ids[src, tok // K, tok % K]) - sched.rank * L
+        gu = w13[e] @ x[n]
+        rows.append(w2[e] @ swiglu(gu[:_ER_I], gu[_ER_I:], swiglu_limit))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("impl", ["per_expert", "tiled"])
+@pytest.mark.parametrize("dtype,limit", [(torch.float32, None), (torch.float32, 1.5), (torch.bfloat16, 1.5)])
+def test_expert_rows_matches_per_row_fp64(impl, dtype, limit):
+    """expert_rows (one GEMM per expert; ``tiled``: the per-tile form torch.compile traces) against a per-row
+    fp64 computation, forward and the gradients w.r.t. x_routed and both weights: an expert with no rows, a
+    padded tile, unused tiles (tile_expert -1) and a row past the last full tile."""
+    from kittenmoe import torch_backend as tb
+
+    sched, x, w13, w2, d_y = _expert_rows_inputs(_ER_IDS, dtype, seed=11)
+    assert sched.expert_counts.tolist() == [6, 0, 4] and sched.expert_offsets.tolist() == [0, 8, 8, 12]
+    assert sched.tile_expert.tolist() == [0, 0, 2, -1, -1, -1, -1] and sched.capacity == 29
+    if impl == "tiled":  # its contract: rows past num_rows are zero (the pipeline's x_routed is)
+        x = torch.where(torch.arange(sched.capacity)[:, None] < 12, x, 0)
+    fn = tb.expert_rows if impl == "per_expert" else tb._expert_rows_tiled
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2)]
+    y = fn(*leaves[:1], sched, *leaves[1:], limit)
+    assert y.dtype == dtype and y.shape == (sched.capacity, _ER_H)
+    grads = torch.autograd.grad(y, leaves, d_y.to(dtype))
+    ref_leaves = [t.detach().double().requires_grad_() for t in (x, w13, w2)]
+    y_ref = _expert_rows_fp64(_ER_IDS, sched, ref_leaves[0], *ref_leaves[1:], limit)
+    ref_grads = torch.autograd.grad(y_ref, ref_leaves, d_y.double())
+    tol = "fp32" if dtype == torch.float32 else "bf16"
+    assert_close(y.float(), y_ref.float(), tol, "y_routed")
+    assert torch.equal(y[12:], torch.zeros_like(y[12:])), "rows past num_rows must be exactly 0"
+    assert torch.equal(y[6:8], torch.zeros_like(y[6:8])), "padding rows must stay exactly 0"
+    for name, g, rg in zip(("d_x_routed", "d_w13", "d_w2"), grads, ref_grads, strict=True):
+        assert_close(g.float(), rg.float(), tol, name)
+    assert torch.equal(grads[1][1], torch.zeros_like(grads[1][1])), "expert 1 has no rows"
+
+
+def test_expert_rows_no_rows_keeps_graph():
+    """A rank that receives no route: y is all zeros and x and the weights still get (zero) gradients."""
+    from kittenmoe.torch_backend import expert_rows
+
+    ids = _ER_IDS.clone()
+    ids[ids < _ER_L] += _ER_L  # every route goes to rank 1's experts
+    sched, x, w13, w2, d_y = _expert_rows_inputs(ids, torch.float32, seed=12)
+    assert int(sched.num_rows) == 0
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2)]
+    y = expert_rows(leaves[0], sched, *leaves[1:], None)
+    assert torch.equal(y, torch.zeros_like(y))
+    for g in torch.autograd.grad(y, leaves, d_y):
+        assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_expert_rows_memory_does_not_scale_with_tiles():
+    """No tensor expert_rows makes (forward or backward) is as big as one weight copy per tile: every op's
+    output stays within max(C x max(2I, H), L x 2I x H). The per-tile form (what expert_rows did before,
+    and still does under torch.compile) breaks that bound here, so the check can tell them apart."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kittenmoe import torch_backend as tb
+
+    class MaxNumel(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.max = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.max = max(self.max, t.numel())
+            return out
+
+    sched, x, w13, w2, d_y = _expert_rows_inputs(_ER_IDS, torch.float32, seed=13)
+    x = torch.where(torch.arange(sched.capacity)[:, None] < 12, x, 0)
+    c, nt = sched.capacity, sched.num_tiles
+    bound = max(c * max(2 * _ER_I, _ER_H), _ER_L * 2 * _ER_I * _ER_H)
+    assert nt * 2 * _ER_I * _ER_H > bound
+    seen = {}
+    for name, fn in (("per_expert", tb.expert_rows), ("tiled", tb._expert_rows_tiled)):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w13, w2)]
+        with MaxNumel() as m:
+            y = fn(leaves[0], sched, *leaves[1:], None)
+            torch.autograd.grad(y, leaves, d_y)
+        seen[name] = m.max
+    assert seen["per_expert"] <= bound, seen
+    assert seen["tiled"] >= nt * 2 * _ER_I * _ER_H, seen  # the old form's per-tile weight gather

@@ -577,8 +577,10 @@ SHARE_GPU_ENV = "KITTENMOE_EP_SHARE_GPU"
 # --ep-baseline -> the function the rows name as their baseline
 EP_BASELINES = {"all-to-all": "all_to_all_forward", "distributed": "moe_forward_distributed"}
 DEFAULT_EP_BASELINE = "all-to-all"
-# The fp32 reference (moe_forward_distributed) gathers every row tile's expert weights in fp32; 128-row tiles
-# keep that to one gather per 128 routed rows (its default 16 would take 8x the memory at model sizes).
+# The fp32 reference (moe_forward_distributed) runs one GEMM per local expert over its rows (torch_backend.
+# expert_rows; it no longer copies weights per row tile), so block_m only sets its padding: the routed buffers
+# are R*T*K + L*(block_m - 1) rows and each expert's rows are padded to a multiple of it (the padding rows are
+# zero: they change no result beyond fp32 GEMM rounding). Kept at 128, the value the per-tile copies needed.
 REFERENCE_BLOCK_M = 128
 L2_FLUSH_BYTES = 256 << 20  # what triton.testing.do_bench zeroes before each run (the virtual-rank timings)
 

@@ -16,9 +16,10 @@ This is the semantic model the Triton megakernel must match, step for step
 
 All R virtual ranks live in one process (the ``LocalPeers`` setting), so the
 pull and push are plain indexing into stacked tensors and autograd runs
-through everything. The per-tile weight gather costs ``tiles x 2I x H``
-memory: fine for the small CPU shapes this backend serves, not for the seed
-shapes (use the megakernel on a GPU there).
+through everything. ``expert_rows`` runs one GEMM pair per local expert over
+its contiguous rows with that expert's own weights (no per-tile weight copy);
+it reads the schedule's ``[L + 1]`` expert offsets to the host once per call
+(under ``torch.compile`` it runs every tile instead, see there).
 """
 
 from __future__ import annotations
@@ -39,7 +40,51 @@ def expert_rows(
     w2_LHI: torch.Tensor,
     swiglu_limit: float | None,
 ) -> torch.Tensor:
-    """Run each ``block_m`` row tile through its local expert; returns y_routed [C, H]."""
+    """Run each local expert's rows through its SwiGLU FFN; returns y_routed [C, H].
+
+    Row tile ``n`` (``block_m`` rows) belongs to local expert ``tile_expert[n]``;
+    the schedule sorts rows by expert, so expert ``e``'s tiles are exactly rows
+    ``[expert_offsets[e], expert_offsets[e + 1])`` and one GEMM over that range
+    with expert ``e``'s weights is the same work as its tiles one by one.
+    Padding rows (zero in x) stay exactly 0; rows past ``num_rows``
+    (``tile_expert < 0``) are 0 without being computed.
+
+    gate|up stays fp32 through SwiGLU (as a GEMM epilogue on fp32 accumulators
+    does): rounding it to bf16 first would move values across the clamp. hidden
+    is rounded to the input dtype before the down GEMM.
+    """
+    if torch.compiler.is_compiling():
+        # dynamo cannot take sizes from the offsets without a graph break (fullgraph traces of the torch
+        # backend, tests/test_layer.py): run every tile with its own expert's weights instead. Memory
+        # tiles x 2I x H, fine for the shapes one compiles this backend at.
+        return _expert_rows_tiled(x_routed_NH, sched, w13_L2IH, w2_LHI, swiglu_limit)
+    c, h = x_routed_NH.shape
+    i = w2_LHI.shape[2]
+    # The one host read here: [L + 1] ints (a sync when the schedule is on a GPU; this reference path already
+    # syncs once in raise_if_invalid_routes). Every size below comes from it.
+    offsets = sched.expert_offsets.tolist()
+    num_rows = offsets[-1]
+    busy = [e for e in range(len(offsets) - 1) if offsets[e + 1] > offsets[e]]
+    # One unbind (not an index per expert): its backward stacks the per-expert gradients into one tensor
+    # (zeros for experts without rows) instead of one weight-sized zeros tensor per expert.
+    w13_e, w2_e = w13_L2IH.unbind(0), w2_LHI.unbind(0)
+    ys = []
+    # No rows at all: expert 0 on an empty range keeps x and the weights in the graph (zero gradients).
+    for e in busy or [0]:
+        lo, hi = (offsets[e], offsets[e + 1]) if busy else (0, 0)
+        # Only this expert's weights are cast (a no-op when they are fp32 already).
+        gu = x_routed_NH[lo:hi].float() @ w13_e[e].float().t()
+        hid = swiglu(gu[:, :i], gu[:, i:], swiglu_limit).to(x_routed_NH.dtype)
+        ys.append(hid @ w2_e[e].t())
+    if num_rows < c:  # rows past num_rows (and past the last full tile) are never used
+        ys.append(ys[0].new_zeros(c - num_rows, h))
+    return torch.cat(ys)
+
+
+def _expert_rows_tiled(x_routed_NH, sched, w13_L2IH, w2_LHI, swiglu_limit):
+    """``expert_rows`` one ``block_m`` tile at a time, gathering each tile's expert weights: no host read
+    (traceable by dynamo), but ``tiles x 2I x H`` fp32 weight copies. Same values as ``expert_rows`` up to
+    fp32 GEMM accumulation order."""
     bm = sched.block_m
     nt = sched.num_tiles
     c, h = x_routed_NH.shape
@@ -47,9 +92,6 @@ def expert_rows(
     # Tiles past num_rows are all padding (zero rows); any expert gives 0 there.
     te = sched.tile_expert.long().clamp(min=0)
     x_tiles = x_routed_NH[: nt * bm].view(nt, bm, h)
-    # gate|up stays fp32 through SwiGLU (as a GEMM epilogue on fp32
-    # accumulators does): rounding it to bf16 first would move values across
-    # the clamp. hidden is rounded to the input dtype before the down GEMM.
     gu = torch.bmm(x_tiles.float(), w13_L2IH[te].float().transpose(1, 2))
     hid = swiglu(gu[..., :i], gu[..., i:], swiglu_limit).to(x_routed_NH.dtype)
     y = torch.bmm(hid, w2_LHI[te].transpose(1, 2)).reshape(nt * bm, h)
