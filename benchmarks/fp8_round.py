@@ -111,6 +111,22 @@ def main() -> int:
                         lambda c=c, q=q, m=m: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=q, phases=m),
                         warmup=20, rep=args.reps * 10, return_mode="median")
                     print(f"  {prec} forward phases {label:<8} {phase_ms[f'{prec} {label}']:.3f} ms", flush=True)
+            from kittenmoe.kernels import megakernel_bwd as mb
+
+            d_out0 = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
+            bmasks = {"pull": mb.PB_PULL, "+A": mb.PB_PULL | mb.PB_A,
+                      "+B+push": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH,
+                      "+wgrad": mb.PB_PULL | mb.PB_A | mb.PB_B | mb.PB_PUSH | mb.PB_WGRAD, "all": mb.PB_ALL}
+            for prec, c, q in (("fp8", cfg8, fp8), ("bf16", cfg, None)):
+                kept = megakernel_forward_multirank(*a, config=c, peers=peers, fp8=q, save_for_backward=True)
+                for label, m in bmasks.items():
+                    key = f"{prec} backward {label}"
+                    phase_ms[key] = triton.testing.do_bench(
+                        lambda c=c, q=q, m=m, kept=kept: megakernel_backward_multirank(
+                            [d_out0], *a, config=c, peers=peers, saved=kept.saved(), fp8=q, phases=m),
+                        warmup=10, rep=args.reps * 10, return_mode="median")
+                    print(f"  {key:<22} {phase_ms[key]:.3f} ms", flush=True)
+                del kept
 
         def run_fp8():
             return megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8).outputs[0]

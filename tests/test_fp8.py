@@ -6,8 +6,8 @@ CPU only; the Triton kernel runs under the interpreter (conftest sets TRITON_INT
 import pytest
 import torch
 
-from kittenmoe.fp8 import (E4M3_MAX, FP8_DTYPE, MIN_SCALE, FP8Config, dequantize_activations, dequantize_weights,
-                           quantize_activations, quantize_weights)
+from kittenmoe.fp8 import (E4M3_MAX, FP8_DTYPE, MIN_SCALE, FP8Config, FP8ExpertWeights, dequantize_activations,
+                           dequantize_weights, quantize_activations, quantize_weights, quantize_weights_and_transpose)
 from kittenmoe.testing import assert_bitwise_equal, rel_l1, tolerance_for
 
 # The Triton quantiser runs where the tests can: compiled on a GPU, else under the interpreter on the CPU.
@@ -320,3 +320,43 @@ def test_triton_empty_input():
     """M = 0: no launch, empty outputs of the right shapes."""
     q, s = quantize_activations(torch.empty(0, 300, device=DEV), impl="triton")
     assert q.shape == (0, 300) and s.shape == (0, 3) and q.dtype == FP8_DTYPE
+
+
+# ---------------------------------------------------------------- weights with their transposes (the FP8 backward's B)
+
+@pytest.mark.parametrize("shape", [
+    (256, 384),  # [N, K], aligned to both block sizes
+    (3, 200, 260),  # [E, N, K], partial last blocks along both dims
+    (2, 1, 1),  # one element per expert
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # input dtypes
+@pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)
+def test_weights_and_transpose_triton_matches_torch_bitwise(cfg, dtype, shape):
+    """The fused kernel gives quantize_weights' q and scale bit for bit, and q_t is exactly q transposed."""
+    w = (torch.randn(*shape, generator=_gen(13)) * torch.logspace(-3, 3, shape[-1])).to(dtype).to(DEV)
+    q_ref, s_ref = quantize_weights(w, cfg)
+    q, s, q_t = quantize_weights_and_transpose(w, cfg, impl="triton")
+    assert_bitwise_equal(s, s_ref, "scale")
+    assert_bitwise_equal(q, q_ref, "q")
+    assert q_t.is_contiguous() and q_t.dtype == FP8_DTYPE
+    assert_bitwise_equal(q_t, q_ref.transpose(-1, -2), "q_t")
+    q2, s2, q2_t = quantize_weights_and_transpose(w, cfg, impl="torch")
+    assert_bitwise_equal(q2_t, q_t, "torch q_t")
+
+
+def test_expert_weights_carry_transposes():
+    """quantize() makes the transposes, experts() slices them, transposed() returns them (or makes them when
+    absent), and a transpose of the wrong shape is refused."""
+    g = _gen(14)
+    w13 = torch.randn(4, 256, 128, generator=g).to(DEV)
+    w2 = torch.randn(4, 128, 128, generator=g).to(DEV)
+    fw = FP8ExpertWeights.quantize(w13, w2)
+    assert_bitwise_equal(fw.w13_qt, fw.w13_q.transpose(1, 2), "w13_qt")
+    assert_bitwise_equal(fw.w2_qt, fw.w2_q.transpose(1, 2), "w2_qt")
+    part = fw.experts(1, 3)
+    assert_bitwise_equal(part.w13_qt, fw.w13_qt[1:3], "sliced w13_qt")
+    bare = FP8ExpertWeights(fw.w13_q, fw.w13_scale, fw.w2_q, fw.w2_scale, fw.cfg)
+    for got, want in zip(bare.transposed(), fw.transposed()):
+        assert_bitwise_equal(got, want, "transposed() without copies")
+    with pytest.raises(ValueError, match="w13_qt must be"):
+        FP8ExpertWeights(fw.w13_q, fw.w13_scale, fw.w2_q, fw.w2_scale, fw.cfg, fw.w13_q, fw.w2_qt)

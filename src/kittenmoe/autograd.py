@@ -102,7 +102,10 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 # FP8 (issue 7): the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
 # bf16) and whether the activation scales are powers of two. The bf16 master weights stay the differentiable
 # inputs: their gradients are computed from e4m3 data gradients and bf16 weight-gradient products.
-_FP8 = "Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, bool fp8_pow2"
+# w13_qt / w2_qt: the same e4m3 weights transposed ([E, H, 2I], [E, I, H]), which the backward's data-gradient
+# GEMMs read (e4m3 wgmma takes B K-major only); None makes the backward transpose them per call.
+_FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
+        "bool fp8_pow2")
 torch.library.define("kittenmoe::moe_forward",
                      f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
 torch.library.define("kittenmoe::moe_backward",
@@ -110,13 +113,13 @@ torch.library.define("kittenmoe::moe_backward",
                      f"-> {_GRADS}")
 
 
-def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2):
+def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2):
     """The op's FP8 arguments as a kittenmoe.fp8.FP8ExpertWeights, or None (bf16)."""
     if w13_q is None:
         return None
     from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 
-    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(128, pow2_scales=fp8_pow2))
+    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(128, pow2_scales=fp8_pow2), w13_qt, w2_qt)
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
@@ -224,14 +227,14 @@ def _report(st: _DeviceState, flags: list[Tensor]) -> None:
 
 @torch.library.impl("kittenmoe::moe_forward", "default")
 def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                      swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, *config_args):
+                      swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
     res = ops.megakernel_forward_multirank(
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations,
-        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2))
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
     _report(st, [state.err for state in res.states])
     kept = res.saved()[0]
     if kept is None:  # the fake impl's dtypes: an FP8 forward's ring holds e4m3 bits
@@ -243,7 +246,8 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                       shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, x_routed, gate_up,
+                       shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2,
+                       x_routed, gate_up,
                        *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)
@@ -253,7 +257,7 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
         saved=[(x_routed, gate_up) if x_routed.shape[0] else None],
-        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, fp8_pow2))
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
@@ -275,7 +279,7 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 
 
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                  swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, *config_args):
+                  swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
     # An FP8 forward's ring holds e4m3 bits (uint8)
     return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype if w13_q is None else torch.uint8),
@@ -283,7 +287,8 @@ def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                   shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, fp8_pow2, x_routed, gate_up, *rest):
+                   shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, x_routed,
+                   gate_up, *rest):
     return (
         torch.empty_like(x_TH),
         topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
@@ -303,11 +308,11 @@ torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
     _, x_routed, gate_up = output
-    w13_q, w13_scale, w2_q, w2_scale = inputs[8:12]
+    fp8_tensors = inputs[8:14]  # w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                          x_routed, gate_up, w13_q, w13_scale, w2_q, w2_scale)
-    ctx.swiglu_limit, ctx.fp8_pow2 = inputs[7], inputs[12]
-    ctx.config_args = tuple(inputs[13:])
+                          x_routed, gate_up, *fp8_tensors)
+    ctx.swiglu_limit, ctx.fp8_pow2 = inputs[7], inputs[14]
+    ctx.config_args = tuple(inputs[15:])
     # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
     # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
     ctx.mark_non_differentiable(x_routed, gate_up)
@@ -316,18 +321,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up):
     (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
-     gate_up, w13_q, w13_scale, w2_q, w2_scale) = ctx.saved_tensors
+     gate_up, *fp8_tensors) = ctx.saved_tensors
     if d_out_TH is None:  # the output did not reach the loss
         d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, ctx.swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, ctx.fp8_pow2, x_routed, gate_up,
+        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, ctx.fp8_pow2, x_routed, gate_up,
         *ctx.config_args)
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None
     # topk_ids, the e4m3 copies and every non-tensor argument get no gradient.
     return ((d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2)
-            + (None,) * (6 + len(ctx.config_args)))
+            + (None,) * (8 + len(ctx.config_args)))
 
 
 torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_context=_setup_context)
@@ -350,7 +355,8 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
                                                     shared_w2_HS))
     if config.keep_activations and not needs_grad:
         config = config.with_(keep_activations=False)  # no backward will read them
-    fp8 = expert_weight_operands(fp8, w13_E2IH, w2_EHI)  # None or (w13_q, w13_scale, w2_q, w2_scale, cfg)
+    # None or (w13_q, w13_scale, w2_q, w2_scale, cfg, w13_qt, w2_qt)
+    fp8 = expert_weight_operands(fp8, w13_E2IH, w2_EHI)
     if fp8 is not None and fp8[4].scale_block != ops.FP8_BLOCK:
         raise NotImplementedError(f"FP8 megakernels: scale_block={fp8[4].scale_block} is not implemented, only "
                                   f"{ops.FP8_BLOCK}")
@@ -361,7 +367,7 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
         if not (config.keep_activations and ring.resident):
             raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True) and a ring that does "
                                       "not wrap (macrobatch_size None): the FP8 backward cannot replay gate|up in e4m3")
-    q = (None,) * 4 if fp8 is None else fp8[:4]
+    q = (None,) * 6 if fp8 is None else (*fp8[:4], *fp8[5:7])
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         None if swiglu_limit is None else float(swiglu_limit), *q, fp8 is not None and fp8[4].pow2_scales,

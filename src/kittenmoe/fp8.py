@@ -196,6 +196,62 @@ def quantize_weights(w: torch.Tensor, cfg: FP8Config = FP8Config(),
     return apply_scale(x, _expand(_expand(scale, -1, b, k), -2, b, n)), scale
 
 
+def quantize_weights_and_transpose(w: torch.Tensor, cfg: FP8Config = FP8Config(), check_finite: bool = True,
+                                   impl: Literal["torch", "triton", "auto"] = "auto"
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_weights`` plus ``q`` transposed over its last two dims (contiguous): (q, scale, q_t).
+
+    The FP8 backward's data-gradient GEMMs read the e4m3 weights transposed (e4m3 wgmma takes its B operand
+    K-major only). ``impl="triton"`` writes both layouts from one read of ``w`` (``kernels/quant.py``,
+    ``quantize_weights_bxb_kernel``; bit for bit the torch rule); ``"torch"`` quantises and then copies;
+    ``"auto"`` is triton for CUDA tensors (through the ``kittenmoe::quantize_weights_fp8`` op, which
+    ``torch.compile`` traces) and torch otherwise."""
+    _check_input(w, "quantize_weights: w", min_dim=2, max_dim=3, check_finite=check_finite)
+    if impl == "auto":
+        impl = "triton" if w.is_cuda else "torch"
+    if impl == "torch":
+        q, scale = quantize_weights(w, cfg, check_finite=False)
+        return q, scale, q.transpose(-1, -2).contiguous()
+    if impl != "triton":
+        raise ValueError(f"quantize_weights_and_transpose: impl must be 'torch', 'triton' or 'auto', got {impl!r}")
+    if w.device.type == "cpu" and not _interpreting():
+        raise RuntimeError("quantize_weights_and_transpose(impl='triton'): CPU tensors need the Triton interpreter "
+                           "(TRITON_INTERPRET=1 set before kittenmoe.kernels is imported)")
+    return torch.ops.kittenmoe.quantize_weights_fp8(w, cfg.scale_block, cfg.pow2_scales)
+
+
+@torch.library.custom_op("kittenmoe::quantize_weights_fp8", mutates_args=())
+def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of ``quantize_weights_bxb_kernel``: (q, scale, q_t) of ``w`` [N, K] or [E, N, K]."""
+    import triton
+
+    from kittenmoe.kernels import quant
+
+    w3 = w.contiguous().reshape(-1, *w.shape[-2:])
+    e, n, k = w3.shape
+    b = scale_block
+    nb, kb = -(-n // b), -(-k // b)
+    q = torch.empty(w3.shape, dtype=torch.uint8, device=w.device)
+    q_t = torch.empty((e, k, n), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
+    if q.numel():
+        quant.quantize_weights_bxb_kernel[(kb, nb, e)](w3, q, q_t, scale, n, k, nb, kb, SB=b, POW2=pow2_scales,
+                                                      TRANSPOSED=True, num_warps=4 if b == 128 else 1)
+    lead = w.shape[:-2]
+    return (q.view(FP8_DTYPE).reshape(w.shape), scale.reshape(*lead, nb, kb),
+            q_t.view(FP8_DTYPE).reshape(*lead, k, n))
+
+
+@_quantize_weights_fp8_op.register_fake
+def _(w, scale_block, pow2_scales):
+    b = scale_block
+    n, k = w.shape[-2:]
+    lead = w.shape[:-2]
+    return (w.new_empty(w.shape, dtype=FP8_DTYPE), w.new_empty((*lead, -(-n // b), -(-k // b)), dtype=torch.float32),
+            w.new_empty((*lead, k, n), dtype=FP8_DTYPE))
+
+
 def dequantize_weights(q: torch.Tensor, scale: torch.Tensor, cfg: FP8Config = FP8Config()) -> torch.Tensor:
     """fp32 ``q * scale`` for B x B blocks over the last two dims."""
     _check_q_scale(q, scale, "dequantize_weights")
@@ -226,6 +282,10 @@ class FP8ExpertWeights:
     w2_q: torch.Tensor  # [E, H, I] float8_e4m3fn
     w2_scale: torch.Tensor  # [E, H / B, I / B] fp32
     cfg: FP8Config = FP8Config()
+    # The same e4m3 weights transposed, contiguous: the backward's data-gradient GEMMs read these (e4m3 wgmma
+    # takes B K-major only). ``quantize`` makes them; without them each backward transposes (``transposed``).
+    w13_qt: torch.Tensor | None = None  # [E, H, 2I] float8_e4m3fn
+    w2_qt: torch.Tensor | None = None  # [E, I, H] float8_e4m3fn
 
     def __post_init__(self):
         b = self.cfg.scale_block
@@ -242,18 +302,29 @@ class FP8ExpertWeights:
             if tuple(sc.shape) != want:
                 raise ValueError(f"FP8ExpertWeights: {name}_scale shape {tuple(sc.shape)} != {want} "
                                  f"(scale_block {b})")
+        for name, qt, q in (("w13_qt", self.w13_qt, self.w13_q), ("w2_qt", self.w2_qt, self.w2_q)):
+            if qt is not None and (qt.dtype != FP8_DTYPE or tuple(qt.shape) != (e, q.shape[2], q.shape[1])):
+                raise ValueError(f"FP8ExpertWeights: {name} must be {FP8_DTYPE} {(e, q.shape[2], q.shape[1])} (the "
+                                 f"transpose of {name[:-1]}), got {qt.dtype} {tuple(qt.shape)}")
 
     @staticmethod
     def quantize(w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, cfg: FP8Config = FP8Config(),
                  check_finite: bool = True) -> "FP8ExpertWeights":
-        q13, s13 = quantize_weights(w13_E2IH, cfg, check_finite)
-        q2, s2 = quantize_weights(w2_EHI, cfg, check_finite)
-        return FP8ExpertWeights(q13, s13, q2, s2, cfg)
+        """Both weights quantised, with their transposes (``quantize_weights_and_transpose``, impl "auto")."""
+        q13, s13, q13t = quantize_weights_and_transpose(w13_E2IH, cfg, check_finite)
+        q2, s2, q2t = quantize_weights_and_transpose(w2_EHI, cfg, check_finite)
+        return FP8ExpertWeights(q13, s13, q2, s2, cfg, q13t, q2t)
 
     def experts(self, lo: int, hi: int) -> "FP8ExpertWeights":
         """The experts [lo, hi) (one rank's share), as views."""
         return FP8ExpertWeights(self.w13_q[lo:hi], self.w13_scale[lo:hi], self.w2_q[lo:hi], self.w2_scale[lo:hi],
-                                self.cfg)
+                                self.cfg, None if self.w13_qt is None else self.w13_qt[lo:hi],
+                                None if self.w2_qt is None else self.w2_qt[lo:hi])
+
+    def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13_qt, w2_qt), transposing now (a pass over the e4m3 weights) where they were not given."""
+        return (self.w13_q.transpose(1, 2).contiguous() if self.w13_qt is None else self.w13_qt,
+                self.w2_q.transpose(1, 2).contiguous() if self.w2_qt is None else self.w2_qt)
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (w13, w2) as the kernel sees them."""
@@ -263,20 +334,21 @@ class FP8ExpertWeights:
 
 def expert_weight_operands(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor):
     """The ``fp8`` argument of the differentiable entry points as the kernels take it: None (x's dtype), or the
-    tuple ``(w13_q, w13_scale, w2_q, w2_scale, cfg)`` from an ``FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI``
-    now, as a layer with bf16 master weights does every step; without the finite check, a host sync on the hot
-    path) or from ``FP8ExpertWeights`` (as given).
+    tuple ``(w13_q, w13_scale, w2_q, w2_scale, cfg, w13_qt, w2_qt)`` from an ``FP8Config`` (quantise
+    ``w13_E2IH`` / ``w2_EHI`` now, with their transposes, as a layer with bf16 master weights does every step;
+    without the finite check, a host sync on the hot path) or from ``FP8ExpertWeights`` (as given; the
+    transposes may be None).
 
     A plain tuple, not an ``FP8ExpertWeights``: ``torch.compile(fullgraph=True)`` traces this (the layer
     quantises inside the compiled graph) and dynamo cannot build that dataclass (torch 2.11 on the H200:
     "SourcelessBuilder.create does not know how to wrap FP8Config", from its default field value)."""
     if isinstance(fp8, FP8Config):
         with torch.no_grad():
-            q13, s13 = quantize_weights(w13_E2IH.detach(), fp8, False)
-            q2, s2 = quantize_weights(w2_EHI.detach(), fp8, False)
-        return q13, s13, q2, s2, fp8
+            q13, s13, q13t = quantize_weights_and_transpose(w13_E2IH.detach(), fp8, False)
+            q2, s2, q2t = quantize_weights_and_transpose(w2_EHI.detach(), fp8, False)
+        return q13, s13, q2, s2, fp8, q13t, q2t
     if isinstance(fp8, FP8ExpertWeights):
-        return fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg
+        return fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg, fp8.w13_qt, fp8.w2_qt
     if fp8 is not None:
         raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
     return None

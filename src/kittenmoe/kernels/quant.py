@@ -74,6 +74,15 @@ def scale_from_amax(amax, POW2: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_bits(v):
+    """uint8 e4m3fn bits of fp32 ``v`` (|v| < 464), round to nearest even: the GPU's conversion when compiled,
+    the integer path under the interpreter (see the module docstring)."""
+    if HW_E4M3_CVT:
+        return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return _e4m3_bits_rne(v).to(tl.uint8)
+
+
+@triton.jit
 def _reciprocal(scale):
     """1 / scale, correctly rounded (div.rn), as torch's tensor division computes it."""
     return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
@@ -86,11 +95,7 @@ def quantize_rows_1xb(v, R: tl.constexpr, C: tl.constexpr, SB: tl.constexpr, POW
     What the pull dispatch and the gate|up epilogue quantise with, on the data they already hold."""
     vb = tl.reshape(v, (R, C // SB, SB))
     scale = scale_from_amax(tl.max(tl.abs(vb), axis=2), POW2)  # [R, C // SB]
-    q = vb * _reciprocal(scale)[:, :, None]
-    if HW_E4M3_CVT:
-        bits = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        bits = _e4m3_bits_rne(q).to(tl.uint8)
+    bits = _e4m3_bits(vb * _reciprocal(scale)[:, :, None])
     return tl.reshape(bits, (R, C)), scale
 
 
@@ -129,3 +134,32 @@ def quantize_act_1xb_kernel(
     bits = _e4m3_bits_rne(v)
     tl.store(q_ptr + offs, bits.to(tl.uint8), mask=msk)
     tl.store(scale_ptr + rm64 * KB + kb, scale, mask=m_ok)
+
+
+@triton.jit
+def quantize_weights_bxb_kernel(
+    w_ptr,  # [E, N, K] fp32 / bf16 / fp16, contiguous
+    q_ptr,  # [E, N, K] uint8: e4m3fn bits
+    qt_ptr,  # [E, K, N] uint8: the same bits transposed (TRANSPOSED; else a placeholder, never touched)
+    s_ptr,  # [E, NB, KB] fp32 block scales, NB = cdiv(N, SB), KB = cdiv(K, SB)
+    N, K, NB, KB,
+    SB: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr,
+):
+    """One program per SB x SB block (kb, nb, e): amax over the block (a partial block over what it has), the
+    scale rule, q = e4m3(w * (1 / scale)); with TRANSPOSED also q^T, which the FP8 backward's data-gradient
+    GEMMs read (e4m3 wgmma takes B K-major only): written here, where the block is already in registers,
+    instead of by a transpose of the e4m3 weights per backward."""
+    kb = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.program_id(2).to(tl.int64)
+    rn = nb * SB + tl.arange(0, SB)
+    rk = kb * SB + tl.arange(0, SB)
+    msk = (rn < N)[:, None] & (rk < K)[None, :]
+    base = e * N * K
+    w = tl.load(w_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], mask=msk, other=0.0).to(tl.float32)
+    scale = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+    bits = _e4m3_bits(w * _reciprocal(scale))
+    tl.store(q_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], bits, mask=msk)
+    tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
+    if TRANSPOSED:
+        tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits), mask=tl.trans(msk))
