@@ -360,3 +360,10 @@ def test_expert_weights_carry_transposes():
         assert_bitwise_equal(got, want, "transposed() without copies")
     with pytest.raises(ValueError, match="w13_qt must be"):
         FP8ExpertWeights(fw.w13_q, fw.w13_scale, fw.w2_q, fw.w2_scale, fw.cfg, fw.w13_q, fw.w2_qt)
+
+
+@pytest.mark.parametrize("shape", [(130, 260), (2, 128, 256)])  # 2-D with partial blocks; 3-D aligned
+def test_quantize_weights_op_opcheck(shape):
+    """kittenmoe::quantize_weights_fp8 (what torch.compile traces): schema, fake impl and real impl agree."""
+    w = torch.randn(*shape, generator=_gen(15)).to(DEV)
+    torch.library.opcheck(torch.ops.kittenmoe.quantize_weights_fp8, (w, 128, False))
