@@ -605,6 +605,13 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
     else:
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
+    if fp8 is not None and use_tma:  # the routed GEMMs' operands in e4m3 (their bf16 descriptors go unused)
+        f8 = torch.float8_e4m3fn
+        b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, bn]),
+                   TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, bn]), *b_descs[2:])
+        if use_tma_a:
+            a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]), a_descs[1],
+                       TD.from_tensor(w2_qt.reshape(L * I, H), [bn, sb]), *a_descs[3:])
     num_comm = config.num_comm_programs_bwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()

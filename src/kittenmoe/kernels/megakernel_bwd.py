@@ -314,6 +314,46 @@ def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, I
 
 
 @triton.jit
+def _phase_a_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
+                     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr):
+    """As ``_phase_a_fp8`` through float8e4nv TMA descriptors: dq_desc blocks [BM, SB] of the e4m3 d_out rows,
+    w2t_desc blocks [BN, SB] of W2^T viewed [L * I, H] (this expert's rows from w2t_row0)."""
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    rn = nt * BN + tl.arange(0, BN)
+    nb = (nt * BN) // SB
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, SB):
+        kb = k0 // SB
+        a = dq_desc.load([row0, k0])
+        b = w2t_desc.load([w2t_row0 + nt * BN, k0])
+        sa = tl.load(ds_ptr + rows * HB + kb)
+        sw = tl.load(w2s_ptr + kb * IB + nb)
+        acc += tl.dot(a, b.T) * (sa[:, None] * sw)
+    g_rows = gu_ptr + rows[:, None] * (2 * I)
+    acc_g = tl.load(g_rows + rn[None, :])
+    acc_u = tl.load(g_rows + I + rn[None, :])
+    return acc, acc_g, acc_u
+
+
+@triton.jit
+def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, H, I, HB, GB,
+                     BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr):
+    """As ``_phase_b_fp8`` through float8e4nv TMA descriptors: gq_desc blocks [BM, KS] of the e4m3 d(gate|up)
+    rows, w13t_desc blocks [BN2, KS] of W13^T viewed [L * H, 2I] (this expert's rows from w13t_row0; the
+    launcher takes this path only when BN2 divides H)."""
+    rows = (row0 + tl.arange(0, BM)).to(tl.int64)
+    sw_cols = (n0 + tl.arange(0, BN2)) // SB
+    acc = tl.zeros((BM, BN2), dtype=tl.float32)
+    for k0 in range(0, 2 * I, KS):
+        a = gq_desc.load([row0, k0])
+        b = w13t_desc.load([w13t_row0 + n0, k0])
+        sa = tl.load(gs_ptr + rows * GB + k0 // KS)
+        sw = tl.load(w13s_ptr + (k0 // SB) * HB + sw_cols)
+        acc += tl.dot(a, b.T) * (sa[:, None] * sw[None, :])
+    return acc
+
+
+@triton.jit
 def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
                  BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
@@ -396,14 +436,14 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
     # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
-    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK]
-    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2]
+    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (FP8: dguq as float8e4nv, blocks [BM, BN])
+    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2] (FP8: W13^T viewed [L * H, 2I], blocks [BN2, BN])
     sdgu_desc,  # sdgu [T, 2S], blocks [BM, BK]
     sw13_desc,  # sw13 [2S, H], blocks [BK, BN2]
     # and for phase A (USE_TMA_A)
-    dor_desc,  # dor [NR, H], blocks [BM, BK]
+    dor_desc,  # dor [NR, H], blocks [BM, BK] (FP8: dorq as float8e4nv, blocks [BM, SB])
     xr_desc,  # xr [NR, H], blocks [BM, BK]
-    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN]
+    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN] (FP8: W2^T viewed [L * I, H], blocks [BN, SB])
     w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK]
     dol_desc,  # dout_local [T, H], blocks [BM, BK]
     xl_desc,  # x_local [T, H], blocks [BM, BK]
@@ -535,7 +575,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if FP8:  # the launcher requires every row's gate|up kept (GU_MODE > 0)
+                                if FP8 and USE_TMA_A:  # every row's gate|up kept (the launcher checks)
+                                    acc_dh, acc_g, acc_u = _phase_a_fp8_tma(
+                                        dor_desc, dors_ptr, row0, w2_desc, e * I, w2s_ptr + e * (HB * IB), gu_ptr,
+                                        nt, H, I, HB, IB, BM, BN, SB)
+                                elif FP8:
                                     acc_dh, acc_g, acc_u = _phase_a_fp8(
                                         dorq_ptr, dors_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I),
                                         w2s_ptr + e * (HB * IB), gu_ptr, nt, H, I, HB, IB, BM, BN, SB, DOT_FP32)
@@ -573,7 +617,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if FP8:
+                                if FP8 and USE_TMA:
+                                    acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
+                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
+                                                           BM, BN2, BN, SB)
+                                elif FP8:
                                     acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13t_ptr + e.to(tl.int64) * (2 * I * H),
                                                        w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
                                                        BN, SB, DOT_FP32)
