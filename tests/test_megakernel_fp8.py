@@ -124,6 +124,23 @@ def test_fp8_routed_rows_and_scales_are_the_quantiser_s():
     assert (st.x_routed[:n][~real] == 0).all()
 
 
+def test_fp8_forward_keeps_unquantised_rows_for_the_backward():
+    """With save_for_backward the FP8 forward also keeps the routed rows in x's dtype (the backward's weight
+    gradients read them instead of pulling x again): exactly the source rows, padding rows zero."""
+    w, xs, ids, ws, fp8 = _problem(1, 20, seed=5)
+    res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None,
+                                       config=CFG, fp8=fp8, save_for_backward=True)
+    st = res.states[0]
+    kept, gate_up = res.saved()[0]
+    assert kept.dtype == xs[0].dtype and kept.shape == (st.ring.macrobatch, xs[0].shape[1])
+    assert st.x_routed.dtype == torch.uint8  # the GEMMs' ring stays e4m3
+    n = int(st.schedule.num_rows.item())
+    rank, tok = st.schedule.peer_rank[:n], st.schedule.peer_token_idx[:n]
+    real = rank >= 0
+    assert_bitwise_equal(kept[:n][real], xs[0][tok[real].long() // FP8_TINY.k], "kept rows")
+    assert (kept[:n][~real] == 0).all()
+
+
 @pytest.mark.parametrize("change,exc,match", [
     # block_n must be the scale block: one hidden scale per gate|up tile row
     (dict(config=CFG.with_(block_n=64)), ValueError, "block_n must equal the scale block"),

@@ -237,9 +237,9 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
     _report(st, [state.err for state in res.states])
     kept = res.saved()[0]
-    if kept is None:  # the fake impl's dtypes: an FP8 forward's ring holds e4m3 bits
+    if kept is None:  # the fake impl's dtypes (an FP8 forward keeps its rows in x's dtype too)
         H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
-        kept = (x_TH.new_empty(0, H, dtype=x_TH.dtype if w13_q is None else torch.uint8),
+        kept = (x_TH.new_empty(0, H, dtype=x_TH.dtype),
                 x_TH.new_empty(0, two_i, dtype=torch.float32))
     return res.outputs[0], kept[0], kept[1]
 
@@ -281,8 +281,8 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
-    # An FP8 forward's ring holds e4m3 bits (uint8)
-    return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype if w13_q is None else torch.uint8),
+    # (an FP8 forward keeps its routed rows in x's dtype, beside the e4m3 ring its GEMMs read)
+    return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype),
             x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32))
 
 

@@ -125,13 +125,18 @@ class ForwardState:
     # (save_for_backward), else None
     gate_up: torch.Tensor | None = None
     x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
+    # [MAC, H] x's dtype under FP8 with save_for_backward: the routed rows unquantised, for the weight gradients
+    x_kept: torch.Tensor | None = None
     hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up) when this forward kept them
-        (``save_for_backward``), else None (the backward replays)."""
-        return None if self.gate_up is None else (self.x_routed, self.gate_up)
+        (``save_for_backward``; under FP8 the rows in x's dtype, not the e4m3 ring), else None (the backward
+        replays)."""
+        if self.gate_up is None:
+            return None
+        return (self.x_routed if self.x_kept is None else self.x_kept), self.gate_up
 
 
 def _tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> bool:
@@ -258,6 +263,8 @@ def launch_rank_forward(
     if fp8 is not None:
         st.x_scale = torch.empty(ring.macrobatch, H // sb, dtype=torch.float32, device=dev)
         st.hidden_scale = torch.empty(ring.macrobatch, I // sb, dtype=torch.float32, device=dev)
+        if save_gu:
+            st.x_kept = torch.empty(ring.macrobatch, H, dtype=dtype, device=dev)
         w13_rows, w2_rows = fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8)
         fp8_args = (st.x_scale, st.hidden_scale, w13_rows, w2_rows, fp8.w13_scale, fp8.w2_scale)
     else:
@@ -313,7 +320,8 @@ def launch_rank_forward(
         return mk.dispatch_mlp_swiglu_combine_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
-            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed, fp8_args[0], fp8_args[1],
+            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
+            st.y_routed if st.x_kept is None else st.x_kept, fp8_args[0], fp8_args[1],
             st.shared_hidden, st.y_shared, fp8_args[2], fp8_args[3], fp8_args[4], fp8_args[5], sw13, sw2, *descs,
             st.counters, st.err,
             T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
@@ -528,15 +536,14 @@ def launch_rank_backward(
         if not (0 < mac <= NR and mac % bm == 0):
             raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
                              f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
-        x_dt = torch.uint8 if fp8 is not None else dtype  # an FP8 forward's ring holds e4m3 bits
-        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), x_dt),
+        # (an FP8 forward keeps its rows in x's dtype beside the e4m3 ring its GEMMs read)
+        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
                                    ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
             if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
                 raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
                                  f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
-        # Mode 1 also reads the forward's x rows for the weight gradients; an FP8 forward's are e4m3, so FP8
-        # pulls x again (mode 2 over every row).
-        gu_mode, gu_rows = (1, NR) if mac == NR and fp8 is None else (2, mac)
+        # Mode 1 also reads the forward's x rows for the weight gradients.
+        gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,

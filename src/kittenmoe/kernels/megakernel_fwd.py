@@ -233,14 +233,17 @@ def _fp8_operand(bits, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _pull_rows_fp8(src_base, dst_q, dst_s, valid, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                   SB: tl.constexpr, POW2: tl.constexpr):
-    """Quantise rows on their way in: dst_q[r, :H] = e4m3 bits of src[r, :H] / scale, dst_s[r, :HB] = the 1 x SB
-    scales. dst_q / dst_s: [ROWS] pointer vectors into x_routed (uint8 [*, H]) and its scales (fp32 [*, HB]).
+def _pull_rows_fp8(src_base, dst_q, dst_s, dst_keep, valid, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                   SB: tl.constexpr, POW2: tl.constexpr, KEEP: tl.constexpr):
+    """Quantise rows on their way in: dst_q[r, :H] = e4m3 bits of src[r, :H] * (1 / scale), dst_s[r, :HB] = the
+    1 x SB scales. dst_q / dst_s: [ROWS] pointer vectors into x_routed (uint8 [*, H]) and its scales (fp32 [*, HB]).
+    With KEEP the rows also go unquantised to dst_keep ([ROWS] pointers into [*, H] of x's dtype).
     Invalid rows (padding) are written as zeros with the minimum scale: every ring row holds finite values."""
     for h0 in range(0, H, BLOCK_H):
         cols = h0 + tl.arange(0, BLOCK_H)
         v = tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+        if KEEP:  # padding rows as zeros: the backward's weight-gradient sums need no row mask
+            tl.store(dst_keep[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
         store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS, BLOCK_H, SB, POW2)
 
 
@@ -389,6 +392,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     hid_ptr,  # [MAC, I] routed hidden ring
     yr_ptr,  # [MAC, H] routed y ring
     gu_ptr,  # [MAC, 2I] fp32 gate|up pre-activations kept for the backward (SAVE_GU; else a placeholder)
+    xk_ptr,  # [MAC, H] x's dtype: the routed rows unquantised, kept for the backward (FP8 and SAVE_GU; else a
+    #          placeholder): its weight gradients read them, and pulling x again cost it 1.5 ms (Kimi, H200)
     xs_ptr,  # [MAC, H // SB] fp32 row-block scales of x_routed (FP8; x_routed is then uint8 e4m3 bits)
     hs_ptr,  # [MAC, I // SB] fp32 row-block scales of hidden (FP8; hidden is then uint8 e4m3 bits)
     sh_hid_ptr,  # [T, S] shared-expert hidden
@@ -465,8 +470,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                         src = _peer_rows(x_ptrs_ptr, pr, ok, DT) + (pt // K).to(tl.int64) * H
                         drow = (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64)
                         if FP8:  # quantised on the way in: no separate pass over x
-                            _pull_rows_fp8(src, xr_ptr + drow * H, xs_ptr + drow * HB, ok, H, HB, ROWS, BLOCK_H,
-                                           SB, POW2)
+                            _pull_rows_fp8(src, xr_ptr + drow * H, xs_ptr + drow * HB, xk_ptr + drow * H, ok, H, HB,
+                                           ROWS, BLOCK_H, SB, POW2, SAVE_GU)
                         else:
                             # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
                             _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
