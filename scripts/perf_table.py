@@ -152,10 +152,16 @@ def render_fp8() -> str:
             by_file.setdefault(name, []).append(r)
     if not by_file:
         return ""
-    name = max(by_file)  # file names carry the date: the newest run
-    rows = by_file[name]
+    # Per shape, its newest row (file names carry the date): a later run of one shape (a --breakdown round)
+    # replaces that shape's row only.
+    newest: dict[str, tuple[str, dict]] = {}
+    for fname in sorted(by_file):
+        for r in by_file[fname]:
+            newest[r["shape"]] = (fname, r)
+    rows = [r for _, r in newest.values()]
+    name = ", ".join(sorted({f for f, _ in newest.values()}))
     r0 = rows[0]
-    lines = ["", "", f"FP8 (e4m3, 1x128 / 128x128 scales) against our BF16 megakernels, one GPU, same run "
+    lines = ["", "", f"FP8 (e4m3, 1x128 / 128x128 scales) against our BF16 megakernels, one GPU, each row one run "
              f"(`{name}`, {r0['gpu']}, {r0['date'][:10]}; matmul ceilings measured there: bf16 "
              f"{r0['bf16_tflops']:.0f} TFLOP/s, e4m3 {r0['fp8_tflops']:.0f} TFLOP/s):", "",
              "| shape (EP8 slice) | FP8 fwd ms | BF16 fwd ms | FP8 / BF16 speed | FP8 fwd+bwd ms | BF16 fwd+bwd ms "
