@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|quant|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|quant|fp8gemm|all]   (default all; on the nvidia-h200 device)
 #   bash scripts/gpu_round.sh [multi|epbench]   (issue 8, on nvidia-h200-x2/x4/x8: one process per GPU)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
@@ -54,6 +54,9 @@ if [[ $what == fp8 ]]; then  # issue 7: the FP8 forward's tests (all of them on 
 fi
 if [[ $what == quant ]]; then  # why the quantising pull is slow (benchmarks/quant_probe.py)
   step quant python3 benchmarks/quant_probe.py
+fi
+if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
+  step fp8gemm python3 benchmarks/fp8_gemm_probe.py
 fi
 if [[ $what == multi ]]; then  # issue 8: the link, the EP example over NCCL, every multi-process GPU test
   ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
