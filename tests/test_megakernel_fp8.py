@@ -244,18 +244,32 @@ def test_fp8_backward_matches_emulation_and_reference(name):
             f"{n} vs unquantised: rel L1 {rel_l1(got[n].double(), ref):.3e}, cosine {cosine(got[n].double(), ref):.5f}"
 
 
-def test_fp8_backward_needs_the_forward_s_gate_up():
-    """Without the FP8 forward's kept gate|up (or with a ring that wrapped) the FP8 backward refuses: an e4m3
-    replay is not implemented."""
-    w, xs, ids, ws, fp8 = _problem(1, 16, seed=11)
-    d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)]
+@pytest.mark.parametrize("r,t,ring", [
+    (1, 20, None),  # one rank, the ring holds every row: the backward replays all of them (nothing kept)
+    (2, 24, 16),  # two ranks, a ring of one minibatch that wraps: macrobatch 0 kept, the rest replayed
+])
+def test_fp8_backward_replay_equals_kept_gate_up(r, t, ring):
+    """Rows whose gate|up the FP8 forward did not keep are replayed in e4m3 (x re-quantised in the pull, the
+    forward's gate|up tile code): every gradient equals the backward that read the kept gate|up, bit for bit."""
+    w, xs, ids, ws, fp8 = _problem(r, t, seed=11)
+    g = torch.Generator().manual_seed(1)
+    d_out = [torch.randn(t, FP8_TINY.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
-    with pytest.raises(NotImplementedError, match="FP8 backward: needs the FP8 forward's gate.up for every"):
-        megakernel_backward_multirank(d_out, *a, config=CFG, fp8=fp8)
-    ring = CFG.with_(macrobatch_size=16)
-    fwd = megakernel_forward_multirank(*a, config=ring, fp8=fp8, save_for_backward=True)
-    with pytest.raises(NotImplementedError, match="ring that does not wrap"):
-        megakernel_backward_multirank(d_out, *a, config=ring, saved=fwd.saved(), fp8=fp8)
+    kept = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, save_for_backward=True)
+    want = megakernel_backward_multirank(d_out, *a, config=CFG, saved=kept.saved(), fp8=fp8)
+    if ring is None:
+        got = megakernel_backward_multirank(d_out, *a, config=CFG, fp8=fp8)
+    else:
+        cfg = CFG.with_(macrobatch_size=ring)
+        fwd = megakernel_forward_multirank(*a, config=cfg, fp8=fp8, save_for_backward=True)
+        assert fwd.saved()[0][1].shape[0] == ring  # the ring wrapped: only macrobatch 0 kept
+        got = megakernel_backward_multirank(d_out, *a, config=cfg, saved=fwd.saved(), fp8=fp8)
+    got.check_errors()
+    for k in range(r):
+        assert_bitwise_equal(got.d_x[k], want.d_x[k], f"d_x[{k}]")
+        assert_bitwise_equal(got.d_topk_weights[k], want.d_topk_weights[k], f"d_w[{k}]")
+    for n in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+        assert_bitwise_equal(getattr(got, n), getattr(want, n), n)
 
 
 # ----------------------------------------------------------------------------- autograd (kittenmoe.moe(fp8=...))
@@ -282,13 +296,31 @@ def test_fp8_through_autograd_equals_the_ops():
         assert_bitwise_equal(g, v.to(g.dtype), f"grad {i}")
 
 
+@pytest.mark.parametrize("cfg", [
+    CFG.with_(keep_activations=False),  # nothing kept: the backward replays every row's gate|up in e4m3
+    CFG.with_(macrobatch_size=16),  # a ring that wraps: macrobatch 0 kept, the rest replayed
+])
+def test_fp8_training_without_kept_activations(cfg):
+    """kittenmoe.moe(fp8=...) trains with the activations not kept (or a wrapping ring) too: output and every
+    gradient equal the kept-activation run's bit for bit."""
+    from kittenmoe import moe
+
+    w, xs, ids, ws, _ = _problem(1, 40, seed=16)
+    d_out = torch.randn(40, FP8_TINY.h, generator=torch.Generator().manual_seed(17)).to(DEV, torch.bfloat16)
+
+    def run(c):
+        leaves = [xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()] + \
+            [t.clone().requires_grad_() for t in w.tensors()]
+        out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=c, fp8=FP8Config())
+        return [out, *torch.autograd.grad(out, leaves, d_out)]
+
+    for i, (a, b) in enumerate(zip(run(cfg), run(CFG), strict=True)):
+        assert_bitwise_equal(a, b, f"tensor {i}")
+
+
 @pytest.mark.parametrize("kw,exc,match", [
     # the torch backend has no e4m3 path
     (dict(backend="torch"), NotImplementedError, "fp8 runs the megakernel only"),
-    # training without kept activations: the FP8 backward cannot replay
-    (dict(config=CFG.with_(keep_activations=False)), NotImplementedError, "keep_activations=True"),
-    # training with a wrapping ring: same
-    (dict(config=CFG.with_(macrobatch_size=16)), NotImplementedError, "ring that does"),
     # MXFP8 blocks are not in the megakernels
     (dict(fp8=FP8Config(32, pow2_scales=True)), NotImplementedError, "scale_block=32"),
     # not an FP8 description

@@ -360,13 +360,6 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
     if fp8 is not None and fp8[4].scale_block != ops.FP8_BLOCK:
         raise NotImplementedError(f"FP8 megakernels: scale_block={fp8[4].scale_block} is not implemented, only "
                                   f"{ops.FP8_BLOCK}")
-    if fp8 is not None and needs_grad:
-        # The FP8 backward reads the forward's gate|up for every row (no e4m3 replay): say so now, not at backward.
-        ring = ops.RingGeometry.make(routed_capacity(1, x_TH.shape[0], topk_ids_TK.shape[1], w13_E2IH.shape[0],
-                                                     config.block_m), config)
-        if not (config.keep_activations and ring.resident):
-            raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True) and a ring that does "
-                                      "not wrap (macrobatch_size None): the FP8 backward cannot replay gate|up in e4m3")
     q = (None,) * 6 if fp8 is None else (*fp8[:4], *fp8[5:7])
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,

@@ -278,8 +278,5 @@ def moe_ep(
     ``kittenmoe.moe``'s (an ``FP8Config`` quantises this rank's experts now)."""
     config = config or KernelConfig()
     fp8 = resolve_expert_weights(fp8, w13_L2IH, w2_LHI)
-    if fp8 is not None and torch.is_grad_enabled() and not config.keep_activations:
-        raise NotImplementedError("FP8 training needs KernelConfig(keep_activations=True): the FP8 backward "
-                                  "cannot replay gate|up in e4m3")
     return _MoEEP.apply(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                         swiglu_limit, peers, config, fp8)

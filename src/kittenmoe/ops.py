@@ -491,9 +491,10 @@ def launch_rank_backward(
 
     ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
     gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x (block_n / 2)
-    in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The
-    weight gradients stay in x's dtype. Needs ``saved`` from an FP8 forward covering every row (a ring that
-    does not wrap): an e4m3 replay of gate|up is not implemented."""
+    in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The weight
+    gradients stay in x's dtype. Rows whose gate|up the forward did not keep are replayed in e4m3 as the
+    forward computed them: the pull quantises their x rows with the forward's rule and phase A runs the
+    forward's gate|up tile code on them (same bits as keeping them)."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -527,10 +528,6 @@ def launch_rank_backward(
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
-        if saved is None or saved[1].shape[0] != NR:
-            raise NotImplementedError(
-                "FP8 backward: needs the FP8 forward's gate|up for every routed row (save_for_backward with a ring "
-                "that does not wrap, macrobatch_size None); replaying gate|up in e4m3 is not implemented")
     if saved is not None:
         mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
         if not (0 < mac <= NR and mac % bm == 0):
@@ -555,8 +552,12 @@ def launch_rank_backward(
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     if fp8 is not None:
+        # d_out rows and scales, d(gate|up) rows and scales, and for a replay (rows the forward did not keep)
+        # the x rows quantised again, as the forward's pull did
+        replay_rows = NR if gu_mode != 1 else 1
         fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), e(NR, 2 * I, dt=torch.uint8),
-                    e(NR, 2 * I // bn, dt=torch.float32))
+                    e(NR, 2 * I // bn, dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
+                    e(replay_rows, H // sb, dt=torch.float32))
         # The data-gradient GEMMs multiply by W13 and W2 un-transposed (d_x = d(gate|up) W13, d_hidden = dO W2):
         # their K is the weights' row dimension, and e4m3 wgmma takes B only K-major from shared memory, so
         # the kernel reads transposed copies (W13^T [L, H, 2I], W2^T [L, I, H], K contiguous); the square
@@ -565,10 +566,11 @@ def launch_rank_backward(
         # (H200). FP8ExpertWeights.quantize writes the copies as it quantises; weights built without them are
         # transposed here, each call.
         w13_qt, w2_qt = fp8.transposed()
-        fp8_w = (w13_qt.view(torch.uint8), w2_qt.view(torch.uint8), fp8.w13_scale, fp8.w2_scale)
+        fp8_w = (fp8.w13_q.view(torch.uint8), w13_qt.view(torch.uint8), w2_qt.view(torch.uint8), fp8.w13_scale,
+                 fp8.w2_scale)
     else:
-        fp8_bufs = (bufs["dor"],) * 4  # placeholders, never touched
-        fp8_w = (w13_L2IH, w2_LHI, bufs["dwp"], bufs["dwp"])
+        fp8_bufs = (bufs["dor"],) * 6  # placeholders, never touched
+        fp8_w = (w13_L2IH, w13_L2IH, w2_LHI, bufs["dwp"], bufs["dwp"])
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
     # Routes with expert ids outside [0, E) were never computed: flag them as the forward does (device op).
     out["err"].copy_((sched.num_invalid > 0).to(torch.int32) * mk.ERR_BAD_EXPERT_ID)
@@ -616,9 +618,11 @@ def launch_rank_backward(
         f8 = torch.float8_e4m3fn
         b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, bn]),
                    TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, bn]), *b_descs[2:])
-        if use_tma_a:
-            a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]), a_descs[1],
-                       TD.from_tensor(w2_qt.reshape(L * I, H), [bn, sb]), *a_descs[3:])
+        if use_tma_a:  # d_out rows, the replay's x rows, W2^T, and W13 for the replay
+            a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]),
+                       TD.from_tensor(fp8_bufs[4].view(f8), [min(bm, fp8_bufs[4].shape[0]), sb]),
+                       TD.from_tensor(w2_qt.reshape(L * I, H), [bn, sb]),
+                       TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]), *a_descs[4:])
     num_comm = config.num_comm_programs_bwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()

@@ -51,7 +51,8 @@ replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 import triton
 import triton.language as tl
 
-from kittenmoe.kernels.megakernel_fwd import _fp8_operand, _peer_rows, _signal, _wait_geq, store_chunk_fp8
+from kittenmoe.kernels.megakernel_fwd import (_fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _peer_rows, _signal,
+                                              _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -282,10 +283,10 @@ def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w
 
 
 @triton.jit
-def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
-                 BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
-    """FP8 phase A of one tile (gate|up kept by the forward): dh_u = dO W2[e][:, n-tile] on e4m3 operands, K steps
-    of SB along H, each step's product scaled by the d_out row's 1 x SB scale and the weight block's; then g, u.
+def _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, nt, H, I, HB, IB,
+                    BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
+    """FP8 phase A's down dgrad of one tile: dh_u = dO W2[e][:, n-tile] on e4m3 operands, K steps of SB along H,
+    each step's product scaled by the d_out row's 1 x SB scale and the weight block's.
 
     dq_ptr: uint8 [*, H] e4m3 d_out rows, ds_ptr: fp32 [*, HB]; w2t_ptr: one expert's W2 transposed, uint8
     [I, H] = [N, K] (K-major, as e4m3 wgmma takes B), w2s_ptr: W2's fp32 [HB, IB] block scales."""
@@ -307,19 +308,15 @@ def _phase_a_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, gu_ptr, nt, H, I, HB, I
         else:
             p = tl.dot(a, b)
         acc += p * (sa[:, None] * sw)
-    g_rows = gu_ptr + rows[:, None] * (2 * I)
-    acc_g = tl.load(g_rows + rn[None, :])
-    acc_u = tl.load(g_rows + I + rn[None, :])
-    return acc, acc_g, acc_u
+    return acc
 
 
 @triton.jit
-def _phase_a_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, gu_ptr, nt, H, I, HB, IB,
-                     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr):
-    """As ``_phase_a_fp8`` through float8e4nv TMA descriptors: dq_desc blocks [BM, SB] of the e4m3 d_out rows,
+def _down_dgrad_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, nt, H, HB, IB,
+                        BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr):
+    """As ``_down_dgrad_fp8`` through float8e4nv TMA descriptors: dq_desc blocks [BM, SB] of the e4m3 d_out rows,
     w2t_desc blocks [BN, SB] of W2^T viewed [L * I, H] (this expert's rows from w2t_row0)."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-    rn = nt * BN + tl.arange(0, BN)
     nb = (nt * BN) // SB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, SB):
@@ -329,10 +326,15 @@ def _phase_a_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, gu_ptr,
         sa = tl.load(ds_ptr + rows * HB + kb)
         sw = tl.load(w2s_ptr + kb * IB + nb)
         acc += tl.dot(a, b.T) * (sa[:, None] * sw)
-    g_rows = gu_ptr + rows[:, None] * (2 * I)
-    acc_g = tl.load(g_rows + rn[None, :])
-    acc_u = tl.load(g_rows + I + rn[None, :])
-    return acc, acc_g, acc_u
+    return acc
+
+
+@triton.jit
+def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
+    """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order)."""
+    rn = nt * BN + tl.arange(0, BN)
+    g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
+    return tl.load(g_rows + rn[None, :]), tl.load(g_rows + I + rn[None, :])
 
 
 @triton.jit
@@ -426,9 +428,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
     dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8)
     dgus_ptr,  # [NR, 2I // BN] fp32 their 1 x BN scales (FP8)
+    xrq_ptr,  # [NR, H] uint8 e4m3 x rows, quantised in the pull for the gate|up replay (FP8 with GU_MODE != 1)
+    xrs_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (same; else placeholders)
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
+    w13q_ptr,  # [L, 2I, H] uint8 e4m3 W13: the gate|up replay's B (FP8; else a placeholder)
     w13t_ptr,  # [L, H, 2I] uint8 e4m3 W13 transposed: phase B's K-major B (FP8; else a placeholder)
     w2t_ptr,  # [L, I, H] uint8 e4m3 W2 transposed: phase A's K-major B (FP8)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 (FP8)
@@ -442,9 +447,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sw13_desc,  # sw13 [2S, H], blocks [BK, BN2]
     # and for phase A (USE_TMA_A)
     dor_desc,  # dor [NR, H], blocks [BM, BK] (FP8: dorq as float8e4nv, blocks [BM, SB])
-    xr_desc,  # xr [NR, H], blocks [BM, BK]
+    xr_desc,  # xr [NR, H], blocks [BM, BK] (FP8: xrq as float8e4nv, blocks [BM, SB])
     w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN] (FP8: W2^T viewed [L * I, H], blocks [BN, SB])
-    w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK]
+    w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK] (FP8: its e4m3 copy, blocks [BN, SB])
     dol_desc,  # dout_local [T, H], blocks [BM, BK]
     xl_desc,  # x_local [T, H], blocks [BM, BK]
     sw2_desc,  # sw2 [H, S], blocks [BK, BN]
@@ -499,8 +504,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             m = ok[:, None] & (cols < H)[None, :]
                             mc = (cols < H)[None, :]
                             if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
-                                tl.store(xr_ptr + dst[:, None] + cols[None, :],
-                                         tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0), mask=mc)
+                                xv = tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0)
+                                tl.store(xr_ptr + dst[:, None] + cols[None, :], xv, mask=mc)
+                                if FP8:  # the replay's e4m3 rows: the forward's pull quantised the same bits
+                                    store_chunk_fp8(xv, xrq_ptr + dst, xrs_ptr + r.to(tl.int64) * HB, h0, H, HB,
+                                                    ROWS, BLOCK_H, SB, POW2)
                             dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
                             tl.store(dor_ptr + dst[:, None] + cols[None, :], dv, mask=mc)
                             if FP8:  # quantised on the way in (1 x SB along H), for phase A's e4m3 GEMM
@@ -575,14 +583,28 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if FP8 and USE_TMA_A:  # every row's gate|up kept (the launcher checks)
-                                    acc_dh, acc_g, acc_u = _phase_a_fp8_tma(
-                                        dor_desc, dors_ptr, row0, w2_desc, e * I, w2s_ptr + e * (HB * IB), gu_ptr,
-                                        nt, H, I, HB, IB, BM, BN, SB)
-                                elif FP8:
-                                    acc_dh, acc_g, acc_u = _phase_a_fp8(
-                                        dorq_ptr, dors_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I),
-                                        w2s_ptr + e * (HB * IB), gu_ptr, nt, H, I, HB, IB, BM, BN, SB, DOT_FP32)
+                                if FP8:
+                                    if USE_TMA_A:
+                                        acc_dh = _down_dgrad_fp8_tma(dor_desc, dors_ptr, row0, w2_desc, e * I,
+                                                                     w2s_ptr + e * (HB * IB), nt, H, HB, IB, BM, BN,
+                                                                     SB)
+                                    else:
+                                        acc_dh = _down_dgrad_fp8(dorq_ptr, dors_ptr, row0,
+                                                                 w2t_ptr + e.to(tl.int64) * (H * I),
+                                                                 w2s_ptr + e * (HB * IB), nt, H, I, HB, IB, BM, BN,
+                                                                 SB, DOT_FP32)
+                                    # gu_rows: NR when every row was kept, MAC for a ring that wrapped, 0 for none
+                                    if row0 < gu_rows:
+                                        acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
+                                    elif USE_TMA_A:  # replay: the forward's gate|up tile, same code, same bits
+                                        acc_g, acc_u = _gateup_acc_fp8_tma(
+                                            xr_desc, xrs_ptr, row0, w13a_desc, w13s_ptr + e * (2 * IB * HB),
+                                            e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN, nt, H, I, HB, BM, BN,
+                                            SB)
+                                    else:
+                                        acc_g, acc_u = _gateup_acc_fp8(
+                                            xrq_ptr, xrs_ptr, row0, w13q_ptr + e.to(tl.int64) * (2 * I * H),
+                                            w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
                                 elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
                                         dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,

@@ -262,7 +262,8 @@ def store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.
 @triton.jit
 def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
                     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile (BN == SB) through pointer loads.
+    """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile (BN divides SB: the forward's BN == SB, the backward's
+    replay BN == SB / 2) through pointer loads.
 
     a_ptr: uint8 [*, H] e4m3 rows, as_ptr: fp32 [*, HB] their scales; w_ptr: one expert's uint8 [2I, H],
     ws_ptr: its fp32 [2I / SB, HB] block scales (gate blocks then up blocks). H and I are multiples of SB."""
@@ -279,8 +280,8 @@ def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
         wg = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
         wu = _fp8_operand(tl.load(w_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
         sa = tl.load(as_ptr + rows * HB + kb)
-        sg = tl.load(ws_ptr + nt * HB + kb)
-        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
+        sg = tl.load(ws_ptr + ((nt * BN) // SB) * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + (nt * BN) // SB) * HB + kb)
         if EMULATE:
             pg = tl.dot(a, wg, input_precision="ieee")
             pu = tl.dot(a, wu, input_precision="ieee")
@@ -306,8 +307,8 @@ def _gateup_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, wg_row0, wu_row0
         wg = w_desc.load([wg_row0, k0])
         wu = w_desc.load([wu_row0, k0])
         sa = tl.load(as_ptr + rows * HB + kb)
-        sg = tl.load(ws_ptr + nt * HB + kb)
-        su = tl.load(ws_ptr + (I // SB + nt) * HB + kb)
+        sg = tl.load(ws_ptr + ((nt * BN) // SB) * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + (nt * BN) // SB) * HB + kb)
         acc_g += tl.dot(a, wg.T) * (sa[:, None] * sg)
         acc_u += tl.dot(a, wu.T) * (sa[:, None] * su)
     return acc_g, acc_u
