@@ -176,7 +176,7 @@ def test_reciprocal_never_overflows_e4m3():
 
 
 def test_quantised_values_are_e4m3_of_x_over_scale():
-    """q is exactly torch's e4m3 rounding of x / scale (fp32 division), incl. every e4m3 value and midpoint."""
+    """With scale 1, q is exactly torch's e4m3 rounding of x, incl. every e4m3 value and midpoint."""
     v = _e4m3_values()
     mid = (v[1:] + v[:-1]) / 2
     x = torch.cat([v, mid, torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9))])
@@ -328,6 +328,8 @@ def test_triton_empty_input():
     (256, 384),  # [N, K], aligned to both block sizes
     (3, 200, 260),  # [E, N, K], partial last blocks along both dims
     (2, 1, 1),  # one element per expert
+    (0, 128),  # no rows
+    (2, 0, 5),  # experts with no rows
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])  # input dtypes
 @pytest.mark.parametrize("cfg", CFGS, ids=CFG_IDS)

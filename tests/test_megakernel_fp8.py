@@ -244,6 +244,17 @@ def test_fp8_backward_matches_emulation_and_reference(name):
             f"{n} vs unquantised: rel L1 {rel_l1(got[n].double(), ref):.3e}, cosine {cosine(got[n].double(), ref):.5f}"
 
 
+def test_fp8_refuses_non_contiguous_transposes():
+    """Transposed e4m3 weights given as strided views (not contiguous copies) are refused, not misread."""
+    w, xs, ids, ws, fp8 = _problem(1, 16, seed=18)
+    views = FP8ExpertWeights(fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg,
+                             fp8.w13_q.transpose(1, 2), fp8.w2_q.transpose(1, 2))
+    d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(2)).to(DEV, torch.bfloat16)]
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        megakernel_backward_multirank(d_out, *a, config=CFG, fp8=views)
+
+
 @pytest.mark.parametrize("r,t,ring", [
     (1, 20, None),  # one rank, the ring holds every row: the backward replays all of them (nothing kept)
     (2, 24, 16),  # two ranks, a ring of one minibatch that wraps: macrobatch 0 kept, the rest replayed

@@ -228,8 +228,9 @@ def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: boo
 
     from kittenmoe.kernels import quant
 
-    w3 = w.contiguous().reshape(-1, *w.shape[-2:])
-    e, n, k = w3.shape
+    n, k = w.shape[-2:]
+    e = w.shape[0] if w.dim() == 3 else 1
+    w3 = w.contiguous().view(e, n, k)  # (view, not reshape(-1, ...): N or K may be 0)
     b = scale_block
     nb, kb = -(-n // b), -(-k // b)
     q = torch.empty(w3.shape, dtype=torch.uint8, device=w.device)

@@ -187,10 +187,11 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
     if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
         raise ValueError(f"FP8 megakernel: fp8 weights {tuple(fp8.w13_q.shape)} / {tuple(fp8.w2_q.shape)} do not "
                          f"match this rank's experts {(L, 2 * I, H)} / {(L, H, I)}")
-    parts = (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale)
+    # (the transposes, when given: the kernels index them as contiguous [L, H, 2I] / [L, I, H])
+    parts = [t for t in (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.w13_qt, fp8.w2_qt) if t is not None]
     if any(t.device != dev or not t.is_contiguous() for t in parts):
-        raise ValueError(f"FP8 megakernel: the fp8 weights and scales must be contiguous tensors on {dev}, got "
-                         f"{[(str(t.device), t.is_contiguous()) for t in parts]}")
+        raise ValueError(f"FP8 megakernel: the fp8 weights, their transposes and scales must be contiguous tensors "
+                         f"on {dev}, got {[(str(t.device), t.is_contiguous()) for t in parts]}")
 
 
 def _num_programs(device: torch.device, num_comm: int) -> int:
@@ -220,14 +221,15 @@ def launch_rank_forward(
     """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
 
     ``save_for_backward``: also keep the gate|up pre-activations of the rows in the ring (``state.gate_up``,
-    fp32) and write padding rows of ``state.x_routed`` as zeros, for ``launch_rank_backward(saved=...)``. A
+    fp32) and write padding rows of ``state.x_routed`` as zeros (under FP8, whose ring holds e4m3 bits: the
+    rows in x's dtype, padding zeroed, into ``state.x_kept``), for ``launch_rank_backward(saved=...)``. A
     resident ring (``macrobatch_size`` None or at least the capacity) then holds every routed row: the
     backward skips the gate|up replay and the x pull. A wrapping ring ends holding macrobatch 0 (processed
     last): the backward reads those rows' gate|up and replays the others.
 
     ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
     ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
-    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype. Forward only."""
+    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype."""
     R, T, K = ids_all_RTK.shape
     L, two_i, H = w13_L2IH.shape
     I = two_i // 2

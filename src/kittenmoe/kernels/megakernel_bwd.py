@@ -341,10 +341,11 @@ def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
 def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, H, I, HB, GB,
                      BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr):
     """As ``_phase_b_fp8`` through float8e4nv TMA descriptors: gq_desc blocks [BM, KS] of the e4m3 d(gate|up)
-    rows, w13t_desc blocks [BN2, KS] of W13^T viewed [L * H, 2I] (this expert's rows from w13t_row0; the
-    launcher takes this path only when BN2 divides H)."""
+    rows, w13t_desc blocks [BN2, KS] of W13^T viewed [L * H, 2I] (this expert's rows from w13t_row0). When BN2
+    does not divide H the last tile's rows past H are the next expert's (or TMA's zero fill past the last):
+    those columns are computed and never stored, and their scale index is clamped inside this expert's."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-    sw_cols = (n0 + tl.arange(0, BN2)) // SB
+    sw_cols = tl.minimum(n0 + tl.arange(0, BN2), H - 1) // SB
     acc = tl.zeros((BM, BN2), dtype=tl.float32)
     for k0 in range(0, 2 * I, KS):
         a = gq_desc.load([row0, k0])
