@@ -25,8 +25,8 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.config import SEED_SHAPES, default_config
-from kittenmoe.fp8 import FP8ExpertWeights
-from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference, moe_reference_fp8
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--comm", default="",
                     help="communication program counts to try for the FP8 forward (e.g. 12,16,24; default: the BF16 "
                          "heuristic's); the fastest, with block_m 128 or 64, is the FP8 config of the row")
+    ap.add_argument("--scale-block", type=int, default=128, choices=(32, 128),
+                    help="FP8 scale block: 128 (DeepSeek-V3) or 32 (MXFP8, power-of-two scales)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time subsets of the FP8 and BF16 forwards' phases (pull, +gate|up, +down, all)")
     args = ap.parse_args()
@@ -80,11 +82,11 @@ def main() -> int:
         w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
         x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
         ids, wts = routing_uniform(T, shape.e, shape.k, generator=g, device=dev)
-        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
+        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(args.scale_block, args.scale_block == 32))
         peers = LocalPeers(1, dev)
         cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev)
         a = a_args(x, ids, wts, w, shape)
-        cfg8 = cfg.with_(block_n=fp8.cfg.scale_block)
+        cfg8 = cfg.with_(block_n=max(128, fp8.cfg.scale_block))
         # block_m 64 as well: the per-step promotion holds each K step's fp32 product beside the accumulators,
         # and at 128 x 128 tiles (gate and up) that spills on sm_90 (scripts/sm90_compile.py --fp8: a 232-byte
         # stack; 0 at block_m 64). The faster forward decides the config of the rest of the row.
@@ -161,6 +163,10 @@ def main() -> int:
             f = megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8, save_for_backward=True)
             return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, saved=f.saved(), fp8=fp8)
 
+        def run_fp8_fb_replay():  # nothing kept: the backward replays gate|up in e4m3
+            megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, fp8=fp8)
+
         def run_bf16_fb():
             f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=True)
             return megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved())
@@ -168,7 +174,7 @@ def main() -> int:
         fb = run_fp8_fb()
         fb.check_errors()
         emu_g = moe_backward_reference_fp8(d_out, x, ids, wts, fp8, w.shared_w13_2SH, w.shared_w2_HS,
-                                           shape.swiglu_limit, dgu_block=cfg8.block_n // 2,
+                                           shape.swiglu_limit, dgu_block=fp8_dgu_block(cfg8, fp8.cfg.scale_block),
                                            compute_dtype=torch.float32)
         row["grad_rel_l1_vs_emulation"] = {n: rel_l1(got, emu_g[key]) for n, got, key in (
             ("d_x", fb.d_x[0], "d_x"), ("d_w", fb.d_topk_weights[0], "d_topk_weights"), ("d_w13", fb.d_w13, "d_w13"),
@@ -179,7 +185,7 @@ def main() -> int:
         bench = dict(fp8=run_fp8, bf16=run_bf16,
                      grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
                                                            w.shared_w2_HS, shape.swiglu_limit),
-                     fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb)
+                     fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb, fp8_fwd_bwd_replay=run_fp8_fb_replay)
         for label, fn in bench.items():
             row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
         routed = 6 * T * shape.k * shape.h * shape.i
@@ -190,7 +196,8 @@ def main() -> int:
         print(f"  fp8 {row['ms_fp8']:.3f} ms, bf16 {row['ms_bf16']:.3f} ms ({row['speedup_vs_bf16']:.2f}x), "
               f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s; fwd+bwd fp8 "
               f"{row['ms_fp8_fwd_bwd']:.3f} ms, bf16 {row['ms_bf16_fwd_bwd']:.3f} ms "
-              f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x)", flush=True)
+              f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x); fp8 replaying gate|up {row['ms_fp8_fwd_bwd_replay']:.3f} ms",
+              flush=True)
         rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -157,7 +157,7 @@ def render_fp8() -> str:
     newest: dict[str, tuple[str, dict]] = {}
     for fname in sorted(by_file):
         for r in by_file[fname]:
-            newest[r["shape"]] = (fname, r)
+            newest[(r["shape"], r.get("scale_block", 128))] = (fname, r)  # MXFP8 (32) rows beside 128's
     rows = [r for _, r in newest.values()]
     name = ", ".join(sorted({f for f, _ in newest.values()}))
     r0 = rows[0]
@@ -167,7 +167,8 @@ def render_fp8() -> str:
              "| shape (EP8 slice) | FP8 fwd ms | BF16 fwd ms | FP8 / BF16 speed | FP8 fwd+bwd ms | BF16 fwd+bwd ms "
              "| FP8 / BF16 speed | rel L1 vs fp32 ref |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['ms_fp8']:.3f} | {r['ms_bf16']:.3f} | {r['ms_bf16'] / r['ms_fp8']:.2f}x | "
+        label = r["shape"] if r.get("scale_block", 128) == 128 else f"{r['shape']} (MXFP8, 32-blocks)"
+        lines.append(f"| {label} | {r['ms_fp8']:.3f} | {r['ms_bf16']:.3f} | {r['ms_bf16'] / r['ms_fp8']:.2f}x | "
                      f"{r['ms_fp8_fwd_bwd']:.3f} | {r['ms_bf16_fwd_bwd']:.3f} | {r['ms_bf16_fwd_bwd'] / r['ms_fp8_fwd_bwd']:.2f}x | "
                      f"{r['rel_l1_fp8']:.1e} |")
     return "\n".join(lines)

@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--shape", default="kimi-k2.7")
     ap.add_argument("--config", default="", help="KernelConfig overrides, e.g. block_n=64,num_stages=3")
     ap.add_argument("--fp8", action="store_true", help="e4m3 routed experts (128 x 128 scales), forward and backward")
+    ap.add_argument("--fp8-block", type=int, default=128, help="the FP8 scale block with --fp8 (32: MXFP8, pow2)")
     ap.add_argument("--resident", action="store_true",
                     help="the variants that keep the forward's activations for the backward (SAVE_GU / RESIDENT)")
     args = ap.parse_args()
@@ -120,14 +121,14 @@ def main() -> int:
                 if which == "fwd":
                     fp8 = None
                     if args.fp8:
-                        from kittenmoe.fp8 import FP8ExpertWeights
-                        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
+                        from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+                        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(args.fp8_block, args.fp8_block == 32))
                     ops.megakernel_forward_multirank(*a, config=cfg, save_for_backward=args.resident, fp8=fp8)
                 else:
                     fwd = fp8 = None
                     if args.fp8:
-                        from kittenmoe.fp8 import FP8ExpertWeights
-                        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI)
+                        from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+                        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(args.fp8_block, args.fp8_block == 32))
                     if args.resident or args.fp8:  # the forward's states (compile-only launch) carry the buffers
                         JITFunction.run = lambda self, *a_, grid, warmup, **k_: _orig_run(self, *a_, grid=grid,
                                                                                         warmup=True, **k_)

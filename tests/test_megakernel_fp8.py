@@ -18,7 +18,7 @@ import torch
 
 from kittenmoe.config import SEED_SHAPES, KernelConfig, ModelShape
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
-from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference_fp8, moe_reference_multirank
 from kittenmoe.testing import assert_bitwise_equal, assert_close, make_weights, routing_uniform, ROUTINGS
@@ -51,10 +51,13 @@ CASES = {
     # H = 384, a multiple of the scale block but not of the down GEMM's 256-wide tile: the last tile's
     # columns past H are masked (neither read nor written)
     "h384": dict(r=2, t=12, shape=ModelShape(name="fp8-h384", e=4, h=384, i=128, k=2)),
+    # MXFP8 blocks (1 x 32 / 32 x 32, power-of-two scales), two ranks: four scale blocks per 128-wide tile
+    # (per-column weight scales, four hidden scales a tile row), K steps of 32
+    "mx32": dict(r=2, t=12, sb=32),
 }
 
 
-def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=False, device=DEV):
+def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=False, device=DEV, sb=128):
     g = torch.Generator().manual_seed(seed)
     w = make_weights(shape, dtype=torch.bfloat16, device=device, generator=g, shared=shared)
     xs = [torch.randn(t, shape.h, generator=g).to(device, torch.bfloat16) for _ in range(r)]
@@ -66,7 +69,7 @@ def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=
             i, wt = routing_uniform(t, shape.e, shape.k, generator=g)
         ids.append(i.to(device))
         ws.append(wt.float().to(device))
-    fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(128, pow2_scales=pow2))
+    fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(sb, pow2_scales=pow2 or sb == 32))
     return w, xs, ids, ws, fp8
 
 
@@ -76,7 +79,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
     r, t = c["r"], c["t"]
     limit = c.get("swiglu_limit")
     w, xs, ids, ws, fp8 = _problem(r, t, shape=c.get("shape", FP8_TINY), shared=c.get("shared", True),
-                                   routing=c.get("routing", "uniform"), pow2=c.get("pow2", False))
+                                   routing=c.get("routing", "uniform"), pow2=c.get("pow2", False),
+                                   sb=c.get("sb", 128))
     cfg = CFG.with_(macrobatch_size=c.get("macrobatch"))
     res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit,
                                        config=cfg, fp8=fp8)
@@ -142,17 +146,13 @@ def test_fp8_forward_keeps_unquantised_rows_for_the_backward():
 
 
 @pytest.mark.parametrize("change,exc,match", [
-    # block_n must be the scale block: one hidden scale per gate|up tile row
-    (dict(config=CFG.with_(block_n=64)), ValueError, "block_n must equal the scale block"),
-    # MXFP8's 32-wide blocks are not implemented in the megakernel
-    (dict(scale_block=32), NotImplementedError, "scale_block=32 is not implemented"),
+    # block_n must hold whole scale blocks: a 64-wide gate|up tile would split a 128-block's hidden scale
+    (dict(config=CFG.with_(block_n=64)), ValueError, "block_n must be a multiple of the scale block"),
     # not an FP8ExpertWeights
     (dict(fp8="e4m3"), TypeError, "FP8ExpertWeights"),
 ])
 def test_fp8_forward_refuses(change, exc, match):
     w, xs, ids, ws, fp8 = _problem(1, 8, seed=5)
-    if "scale_block" in change:
-        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(32, pow2_scales=True))
     kw = dict(config=change.get("config", CFG), fp8=change.get("fp8", fp8),
               save_for_backward=change.get("save_for_backward", False))
     with pytest.raises(exc, match=match):
@@ -184,6 +184,9 @@ BWD_CASES = {
     "pow2-no-shared": dict(r=1, t=20, pow2=True, shared=False),
     # H = 384: the gate|up dgrad's last 256-wide tile passes H (masked)
     "h384": dict(r=1, t=16, shape=ModelShape(name="fp8-h384", e=4, h=384, i=128, k=2)),
+    # MXFP8 blocks, two ranks: d_out 1 x 32, d(gate|up) 1 x 32 (narrower than phase A's 64-wide tile), K steps
+    # of 32 in both data-gradient GEMMs, per-column weight scales
+    "mx32": dict(r=2, t=12, sb=32),
 }
 
 
@@ -209,7 +212,8 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     c = BWD_CASES[name]
     r, t, limit = c["r"], c["t"], c.get("swiglu_limit")
     shape = c.get("shape", FP8_TINY)
-    w, xs, ids, ws, fp8 = _problem(r, t, shape=shape, seed=9, shared=c.get("shared", True), pow2=c.get("pow2", False))
+    w, xs, ids, ws, fp8 = _problem(r, t, shape=shape, seed=9, shared=c.get("shared", True), pow2=c.get("pow2", False),
+                                   sb=c.get("sb", 128))
     g = torch.Generator().manual_seed(10)
     d_outs = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
@@ -218,7 +222,7 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
     bwd.check_errors()
     emu = [moe_backward_reference_fp8(d_outs[k], xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS,
-                                      limit, dgu_block=CFG.block_n // 2) for k in range(r)]
+                                      limit, dgu_block=fp8_dgu_block(CFG, fp8.cfg.scale_block)) for k in range(r)]
     got = {f"d_x[{k}]": bwd.d_x[k] for k in range(r)}
     got.update({f"d_w[{k}]": bwd.d_topk_weights[k] for k in range(r)})
     want = {f"d_x[{k}]": emu[k]["d_x"] for k in range(r)}
@@ -332,8 +336,6 @@ def test_fp8_training_without_kept_activations(cfg):
 @pytest.mark.parametrize("kw,exc,match", [
     # the torch backend has no e4m3 path
     (dict(backend="torch"), NotImplementedError, "fp8 runs the megakernel only"),
-    # MXFP8 blocks are not in the megakernels
-    (dict(fp8=FP8Config(32, pow2_scales=True)), NotImplementedError, "scale_block=32"),
     # not an FP8 description
     (dict(fp8="e4m3"), TypeError, "FP8Config or FP8ExpertWeights"),
 ])
@@ -418,7 +420,7 @@ def test_gpu_fp8_seed_slice(name):
     b = megakernel_backward_multirank([d_out], *a, config=GPU_CFG, peers=peers, saved=f.saved(), fp8=fp8)
     b.check_errors()
     emu_g = moe_backward_reference_fp8(d_out, xs[0], ids[0], ws[0], fp8, w.shared_w13_2SH, w.shared_w2_HS,
-                                       shape.swiglu_limit, dgu_block=GPU_CFG.block_n // 2)
+                                       shape.swiglu_limit, dgu_block=fp8_dgu_block(GPU_CFG, fp8.cfg.scale_block))
     for n, got in (("d_x", b.d_x[0]), ("d_topk_weights", b.d_topk_weights[0]), ("d_w13", b.d_w13),
                    ("d_w2", b.d_w2), ("d_shared_w13", b.d_shared_w13), ("d_shared_w2", b.d_shared_w2)):
         want = emu_g[n]

@@ -357,9 +357,6 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
         config = config.with_(keep_activations=False)  # no backward will read them
     # None or (w13_q, w13_scale, w2_q, w2_scale, cfg, w13_qt, w2_qt)
     fp8 = expert_weight_operands(fp8, w13_E2IH, w2_EHI)
-    if fp8 is not None and fp8[4].scale_block != ops.FP8_BLOCK:
-        raise NotImplementedError(f"FP8 megakernels: scale_block={fp8[4].scale_block} is not implemented, only "
-                                  f"{ops.FP8_BLOCK}")
     q = (None,) * 6 if fp8 is None else (*fp8[:4], *fp8[5:7])
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,

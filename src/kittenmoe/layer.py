@@ -212,8 +212,9 @@ class MoELayer(nn.Module):
         ranks = 1 if self.ep is None else self.ep.num_ranks
         cfg = KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
-        # FP8: one hidden scale per gate|up tile row, so its width is the scale block
-        return cfg if self.fp8 is None else cfg.with_(block_n=self.fp8.scale_block)
+        # FP8: a gate|up tile holds whole hidden scale blocks, so its width is a multiple of the scale block
+        # (128 wide for both 128- and MXFP8's 32-blocks)
+        return cfg if self.fp8 is None else cfg.with_(block_n=max(128, self.fp8.scale_block))
 
     def extra_repr(self) -> str:
         sh = self.shape

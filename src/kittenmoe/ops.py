@@ -173,15 +173,18 @@ def _check_fp8_type(fp8) -> None:
         raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8ExpertWeights or None, got {type(fp8).__name__}")
 
 
+def fp8_dgu_block(config: KernelConfig, scale_block: int) -> int:
+    """The FP8 backward's d(gate|up) quantisation block (1 x this along 2I), also its gate|up dgrad's K step:
+    phase A's tile width (block_n / 2), or the scale block when that is narrower (MXFP8's 32)."""
+    return min(max(16, config.block_n // 2), scale_block)
+
+
 def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.device):
     _check_fp8_type(fp8)
     b = fp8.cfg.scale_block
-    if b != FP8_BLOCK:
-        raise NotImplementedError(f"FP8 megakernel: scale_block={b} is not implemented, only {FP8_BLOCK} "
-                                  f"(MXFP8's 32 would need four scale steps per K tile)")
-    if config.block_n != b:
-        raise ValueError(f"FP8 megakernel: block_n must equal the scale block ({b}) so each gate|up tile's "
-                         f"hidden row block gets one scale; got block_n={config.block_n}")
+    if config.block_n % b:
+        raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
+                         f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
     if H % b or I % b:
         raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
     if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
@@ -558,7 +561,7 @@ def launch_rank_backward(
         # the x rows quantised again, as the forward's pull did
         replay_rows = NR if gu_mode != 1 else 1
         fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), e(NR, 2 * I, dt=torch.uint8),
-                    e(NR, 2 * I // bn, dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
+                    e(NR, 2 * I // fp8_dgu_block(config, sb), dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
                     e(replay_rows, H // sb, dt=torch.float32))
         # The data-gradient GEMMs multiply by W13 and W2 un-transposed (d_x = d(gate|up) W13, d_hidden = dO W2):
         # their K is the weights' row dimension, and e4m3 wgmma takes B only K-major from shared memory, so
@@ -618,8 +621,9 @@ def launch_rank_backward(
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
     if fp8 is not None and use_tma:  # the routed GEMMs' operands in e4m3 (their bf16 descriptors go unused)
         f8 = torch.float8_e4m3fn
-        b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, bn]),
-                   TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, bn]), *b_descs[2:])
+        dgb = fp8_dgu_block(config, sb)
+        b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
+                   TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, dgb]), *b_descs[2:])
         if use_tma_a:  # d_out rows, the replay's x rows, W2^T, and W13 for the replay
             a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]),
                        TD.from_tensor(fp8_bufs[4].view(f8), [min(bm, fp8_bufs[4].shape[0]), sb]),
@@ -633,7 +637,8 @@ def launch_rank_backward(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
+        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, DGB=fp8_dgu_block(config, sb),
+        POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).

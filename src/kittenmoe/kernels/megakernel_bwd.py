@@ -294,7 +294,7 @@ def _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, nt, H, I, HB, IB,
     rn = nt * BN + tl.arange(0, BN)
     rk = tl.arange(0, SB)
     rows = (row0 + rm).to(tl.int64)
-    nb = (nt * BN) // SB  # BN divides SB: the tile sits in one weight block column
+    nb = (nt * BN + tl.arange(0, BN)) // SB  # each column's weight-scale column (one per tile when BN <= SB)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, SB):
         kb = k0 // SB
@@ -302,7 +302,7 @@ def _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr, w2s_ptr, nt, H, I, HB, IB,
         a = _fp8_operand(tl.load(dq_ptr + rows[:, None] * H + kk[None, :]), EMULATE)
         b = _fp8_operand(tl.load(w2t_ptr + rn[:, None].to(tl.int64) * H + kk[None, :]), EMULATE).T
         sa = tl.load(ds_ptr + rows * HB + kb)
-        sw = tl.load(w2s_ptr + kb * IB + nb)
+        sw = tl.load(w2s_ptr + kb * IB + nb)[None, :]
         if EMULATE:
             p = tl.dot(a, b, input_precision="ieee")
         else:
@@ -317,14 +317,14 @@ def _down_dgrad_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, nt, 
     """As ``_down_dgrad_fp8`` through float8e4nv TMA descriptors: dq_desc blocks [BM, SB] of the e4m3 d_out rows,
     w2t_desc blocks [BN, SB] of W2^T viewed [L * I, H] (this expert's rows from w2t_row0)."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
-    nb = (nt * BN) // SB
+    nb = (nt * BN + tl.arange(0, BN)) // SB
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, SB):
         kb = k0 // SB
         a = dq_desc.load([row0, k0])
         b = w2t_desc.load([w2t_row0 + nt * BN, k0])
         sa = tl.load(ds_ptr + rows * HB + kb)
-        sw = tl.load(w2s_ptr + kb * IB + nb)
+        sw = tl.load(w2s_ptr + kb * IB + nb)[None, :]
         acc += tl.dot(a, b.T) * (sa[:, None] * sw)
     return acc
 
@@ -385,17 +385,20 @@ def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
 
 
 @triton.jit
-def _quantize_dgu(dgc, duc, gq_ptr, gs_ptr, row0, nt, I, GB, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """d(gate) and d(up) of one phase-A tile quantised per row over its BN columns (one 1 x BN block each):
-    gq_ptr uint8 [*, 2I] at columns nt*BN.. and I + nt*BN.., gs_ptr fp32 [*, GB] at nt and I/BN + nt."""
+def _quantize_dgu(dgc, duc, gq_ptr, gs_ptr, row0, nt, I, GB, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  KS: tl.constexpr):
+    """d(gate) and d(up) of one phase-A tile quantised per row in 1 x KS blocks (KS = min(BN, SB), phase B's K
+    step): gq_ptr uint8 [*, 2I] at columns nt*BN.. and I + nt*BN.., gs_ptr fp32 [*, GB] (GB = 2I / KS) at
+    nt*BN/KS.. and (I + nt*BN)/KS.."""
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rn = nt * BN + tl.arange(0, BN)
-    gb, gsc = quantize_rows_1xb(dgc, BM, BN, BN, POW2)
-    ub, usc = quantize_rows_1xb(duc, BM, BN, BN, POW2)
+    gb, gsc = quantize_rows_1xb(dgc, BM, BN, KS, POW2)
+    ub, usc = quantize_rows_1xb(duc, BM, BN, KS, POW2)
     tl.store(gq_ptr + rows[:, None] * (2 * I) + rn[None, :], gb)
     tl.store(gq_ptr + rows[:, None] * (2 * I) + I + rn[None, :], ub)
-    tl.store(gs_ptr + rows * GB + nt, tl.reshape(gsc, (BM,)))
-    tl.store(gs_ptr + rows * GB + I // BN + nt, tl.reshape(usc, (BM,)))
+    sc = (nt * BN) // KS + tl.arange(0, BN // KS)
+    tl.store(gs_ptr + rows[:, None] * GB + sc[None, :], gsc)
+    tl.store(gs_ptr + rows[:, None] * GB + I // KS + sc[None, :], usc)
 
 
 @triton.jit
@@ -464,7 +467,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
-    GU_MODE: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr,
+    GU_MODE: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr, POW2: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -473,7 +476,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     DT = xr_ptr.dtype.element_ty
     HB = H // SB
     IB = I // SB
-    GB = (2 * I) // BN
+    GB = (2 * I) // DGB
     pull_ready = cnt_ptr
     a_ready = cnt_ptr + NMB
     b_ready = cnt_ptr + 2 * NMB
@@ -628,7 +631,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
                                                            True, BM, BN)
                                 if FP8:
-                                    _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN)
+                                    _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
                     else:
                         p = rnd - LAG
@@ -643,11 +646,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 if FP8 and USE_TMA:
                                     acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
                                                            w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
-                                                           BM, BN2, BN, SB)
+                                                           BM, BN2, DGB, SB)
                                 elif FP8:
                                     acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13t_ptr + e.to(tl.int64) * (2 * I * H),
                                                        w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
-                                                       BN, SB, DOT_FP32)
+                                                       DGB, SB, DOT_FP32)
                                 elif USE_TMA:
                                     acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
                                                       BM, BN2, BK)

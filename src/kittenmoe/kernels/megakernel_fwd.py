@@ -262,8 +262,8 @@ def store_chunk_fp8(v, dst_q, dst_s, h0, H, HB, ROWS: tl.constexpr, BLOCK_H: tl.
 @triton.jit
 def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
                     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile (BN divides SB: the forward's BN == SB, the backward's
-    replay BN == SB / 2) through pointer loads.
+    """fp32 (A W_gate^T, A W_up^T) of one BM x BN tile through pointer loads, K steps of one scale block (SB);
+    a tile narrower than SB sits in one weight-scale row, a wider one (MXFP8's SB = 32) spans BN / SB of them.
 
     a_ptr: uint8 [*, H] e4m3 rows, as_ptr: fp32 [*, HB] their scales; w_ptr: one expert's uint8 [2I, H],
     ws_ptr: its fp32 [2I / SB, HB] block scales (gate blocks then up blocks). H and I are multiples of SB."""
@@ -271,6 +271,7 @@ def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
     rn = nt * BN + tl.arange(0, BN)
     rk = tl.arange(0, SB)
     rows = (a_row0 + rm).to(tl.int64)
+    sn = (nt * BN + tl.arange(0, BN)) // SB  # each column's weight-scale row (one per tile when BN <= SB)
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, SB):
@@ -280,16 +281,16 @@ def _gateup_acc_fp8(a_ptr, as_ptr, a_row0, w_ptr, ws_ptr, nt, H, I, HB,
         wg = _fp8_operand(tl.load(w_ptr + rn[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
         wu = _fp8_operand(tl.load(w_ptr + (rn + I)[None, :].to(tl.int64) * H + kk[:, None]), EMULATE)
         sa = tl.load(as_ptr + rows * HB + kb)
-        sg = tl.load(ws_ptr + ((nt * BN) // SB) * HB + kb)
-        su = tl.load(ws_ptr + (I // SB + (nt * BN) // SB) * HB + kb)
+        sg = tl.load(ws_ptr + sn * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + sn) * HB + kb)
         if EMULATE:
             pg = tl.dot(a, wg, input_precision="ieee")
             pu = tl.dot(a, wu, input_precision="ieee")
         else:
             pg = tl.dot(a, wg)
             pu = tl.dot(a, wu)
-        acc_g += pg * (sa[:, None] * sg)
-        acc_u += pu * (sa[:, None] * su)
+        acc_g += pg * (sa[:, None] * sg[None, :])
+        acc_u += pu * (sa[:, None] * su[None, :])
     return acc_g, acc_u
 
 
@@ -299,6 +300,7 @@ def _gateup_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, wg_row0, wu_row0
     """As ``_gateup_acc_fp8`` with float8e4nv TMA descriptors: a_desc blocks [BM, SB] of x_routed, w_desc
     blocks [BN, SB] of the [L*2I, H] weight view (gate rows wg_row0.., up rows wu_row0..)."""
     rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
+    sn = (nt * BN + tl.arange(0, BN)) // SB  # each column's weight-scale row
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, SB):
@@ -307,27 +309,29 @@ def _gateup_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, wg_row0, wu_row0
         wg = w_desc.load([wg_row0, k0])
         wu = w_desc.load([wu_row0, k0])
         sa = tl.load(as_ptr + rows * HB + kb)
-        sg = tl.load(ws_ptr + ((nt * BN) // SB) * HB + kb)
-        su = tl.load(ws_ptr + (I // SB + (nt * BN) // SB) * HB + kb)
-        acc_g += tl.dot(a, wg.T) * (sa[:, None] * sg)
-        acc_u += tl.dot(a, wu.T) * (sa[:, None] * su)
+        sg = tl.load(ws_ptr + sn * HB + kb)
+        su = tl.load(ws_ptr + (I // SB + sn) * HB + kb)
+        acc_g += tl.dot(a, wg.T) * (sa[:, None] * sg[None, :])
+        acc_u += tl.dot(a, wu.T) * (sa[:, None] * su[None, :])
     return acc_g, acc_u
 
 
 @triton.jit
 def _swiglu_store_fp8(acc_g, acc_u, q_ptr, s_ptr, row0, nt, I, IB, swiglu_limit,
-                      HAS_LIMIT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """hidden = silu(g) * u (clamped when HAS_LIMIT), quantised per row over this tile's BN == SB columns:
-    q_ptr uint8 [*, I] e4m3 bits, s_ptr fp32 [*, IB] (column nt)."""
+                      HAS_LIMIT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      SB: tl.constexpr):
+    """hidden = silu(g) * u (clamped when HAS_LIMIT), quantised 1 x SB (BN a multiple of SB: BN / SB scales a
+    row): q_ptr uint8 [*, I] e4m3 bits, s_ptr fp32 [*, IB] (columns nt * BN / SB..)."""
     if HAS_LIMIT:
         acc_g = tl.minimum(acc_g, swiglu_limit)
         acc_u = tl.minimum(tl.maximum(acc_u, -swiglu_limit), swiglu_limit)
     hid = acc_g * tl.sigmoid(acc_g) * acc_u
-    bits, scale = quantize_rows_1xb(hid, BM, BN, BN, POW2)
+    bits, scale = quantize_rows_1xb(hid, BM, BN, SB, POW2)
     rows = (row0 + tl.arange(0, BM)).to(tl.int64)
     rn = nt * BN + tl.arange(0, BN)
     tl.store(q_ptr + rows[:, None] * I + rn[None, :], bits)
-    tl.store(s_ptr + rows * IB + nt, tl.reshape(scale, (BM,)))
+    sc = (nt * BN) // SB + tl.arange(0, BN // SB)
+    tl.store(s_ptr + rows[:, None] * IB + sc[None, :], scale)
 
 
 @triton.jit
@@ -550,7 +554,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                 xr_ptr, xs_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H),
                                                 w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
                                         _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB, swiglu_limit,
-                                                          HAS_LIMIT, POW2, BM, BN)
+                                                          HAS_LIMIT, POW2, BM, BN, SB)
                                     else:
                                         if USE_TMA:
                                             acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
