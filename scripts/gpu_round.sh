@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|quant|fp8gemm|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|all]   (default all; on the nvidia-h200 device)
 #   bash scripts/gpu_round.sh [multi|epbench]   (issue 8, on nvidia-h200-x2/x4/x8: one process per GPU)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
@@ -54,6 +54,12 @@ if [[ $what == fp8 ]]; then  # issue 7: the FP8 forward's tests (all of them on 
 fi
 if [[ $what == quant ]]; then  # why the quantising pull is slow (benchmarks/quant_probe.py)
   step quant python3 benchmarks/quant_probe.py
+fi
+if [[ $what == fp8next ]]; then  # what the 2026-12-01 session left unrun on a GPU (about 8 minutes)
+  step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_megakernel_fp8.py
+  step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --breakdown --shapes kimi-k2.7 --reps 5 --out "$OUT"
+  step mx32 python3 benchmarks/fp8_round.py --comm 16 --scale-block 32 --shapes kimi-k2.7 --reps 5 --out "$OUT"
+  step fp8gemm python3 benchmarks/fp8_gemm_probe.py
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
