@@ -722,12 +722,17 @@ def _task_ep_forward_backward(rank, world, p):
     peers = SymmetricPeers()
     try:
         args = (a["x"], a["ids"], a["w"], a["w13"], a["w2"], a["sw13"], a["sw2"], a["limit"])
+        fp8 = None
+        if a.get("fp8_block"):  # this rank's experts in e4m3, as the single-process run quantises all of them
+            from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+            fp8 = FP8ExpertWeights.quantize(a["w13"], a["w2"], FP8Config(a["fp8_block"], a["fp8_block"] == 32))
         outs = []
         keep = a.get("keep", False)
         for _ in range(a.get("runs", 2)):  # more calls through the same buffers: same bits
-            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"], save_for_backward=keep)
+            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"], save_for_backward=keep, fp8=fp8)
             assert (fwd.saved() is not None) == keep
-            bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"], saved=fwd.saved())
+            bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"], saved=fwd.saved(),
+                                         fp8=fp8)
             fwd.check_errors()
             bwd.check_errors()
             outs.append({"out": fwd.output, "d_x": bwd.d_x, "d_w": bwd.d_topk_weights, "d_w13": bwd.d_w13,
@@ -753,10 +758,11 @@ EP_CASES = {
 }
 
 
-def _ep_run_vs_local_peers(gpu_worlds, name, shape, r, t, keep, routing="uniform", runs=2):
+def _ep_run_vs_local_peers(gpu_worlds, name, shape, r, t, keep, routing="uniform", runs=2, fp8_block=None):
     """Run one EP forward+backward ``runs`` times in R processes (each rank checks its runs agree bitwise) and
     once in this process over LocalPeers; assert every output and gradient equal bit for bit (shared-expert
-    gradients summed over ranks in rank order, as the single-process run does). Returns (inputs, got)."""
+    gradients summed over ranks in rank order, as the single-process run does). ``fp8_block``: the routed
+    experts in e4m3 with that scale block (128, or 32 for MXFP8). Returns (inputs, got)."""
     from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
     from kittenmoe.testing import routing_uniform, routing_zipf
 
@@ -767,16 +773,22 @@ def _ep_run_vs_local_peers(gpu_worlds, name, shape, r, t, keep, routing="uniform
     routes = [route(t, shape.e, shape.k, generator=gen, device="cpu") for _ in range(r)]
     d_outs = [torch.randn(t, shape.h, generator=gen).to(torch.bfloat16) for _ in range(r)]
     L = shape.e // r
+    cfg = EP_CFG if fp8_block is None else EP_CFG.with_(block_n=128)  # FP8: gate|up tiles of whole scale blocks
     payloads = [dict(x=xs[k], ids=routes[k][0], w=routes[k][1], d_out=d_outs[k], w13=w.w13_E2IH[k * L:(k + 1) * L],
                      w2=w.w2_EHI[k * L:(k + 1) * L], sw13=w.shared_w13_2SH, sw2=w.shared_w2_HS,
-                     limit=shape.swiglu_limit, config=EP_CFG, keep=keep, runs=runs) for k in range(r)]
+                     limit=shape.swiglu_limit, config=cfg, keep=keep, runs=runs, fp8_block=fp8_block)
+                for k in range(r)]
     got = gpu_worlds(r).run_ok("ep_forward_backward", payloads, timeout_s=EP_TIMEOUT_S)
 
     cu = lambda v: v.to("cuda") if v is not None else None  # noqa: E731
     a = ([cu(x) for x in xs], [cu(i) for i, _ in routes], [cu(v) for _, v in routes], cu(w.w13_E2IH),
          cu(w.w2_EHI), cu(w.shared_w13_2SH), cu(w.shared_w2_HS), shape.swiglu_limit)
-    fwd = megakernel_forward_multirank(*a, config=EP_CFG, save_for_backward=keep)
-    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=EP_CFG, saved=fwd.saved())
+    fp8 = None
+    if fp8_block is not None:
+        from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+        fp8 = FP8ExpertWeights.quantize(a[3], a[4], FP8Config(fp8_block, fp8_block == 32))
+    fwd = megakernel_forward_multirank(*a, config=cfg, save_for_backward=keep, fp8=fp8)
+    bwd = megakernel_backward_multirank([cu(g) for g in d_outs], *a, config=cfg, saved=fwd.saved(), fp8=fp8)
     fwd.check_errors()
     bwd.check_errors()
     for k in range(r):
@@ -805,6 +817,16 @@ def test_gpu_ep_megakernels_equal_local_peers_bitwise(gpu_worlds, name, keep):
     if isinstance(shape, str):
         shape = SEED_SHAPES[shape].with_(e=6 * r)  # K=10 needs E >= 10
     _ep_run_vs_local_peers(gpu_worlds, name, shape, r, t, keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep", [False, True])  # the e4m3 replay of gate|up, or the forward's kept gate|up
+@pytest.mark.parametrize("fp8_block", [128, 32])  # DeepSeek-V3's blocks, MXFP8's
+def test_gpu_ep_fp8_megakernels_equal_local_peers_bitwise(gpu_worlds, fp8_block, keep):
+    """The FP8 megakernels over 2 processes and real symmetric memory give the single-process LocalPeers
+    run's outputs and gradients bit for bit (rows quantised by the puller, on either side of the link)."""
+    shape = ModelShape(name="fp8-ep", e=8, h=256, i=128, k=2)
+    _ep_run_vs_local_peers(gpu_worlds, f"fp8-{fp8_block}", shape, 2, 96, keep, fp8_block=fp8_block)
 
 
 @pytest.mark.gpu

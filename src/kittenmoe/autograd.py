@@ -6,15 +6,17 @@ Layering (DESIGN.md "Where code lives"): launcher (``kittenmoe.ops``) -> the cus
 Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
-  swiglu_limit?, <KernelConfig fields>) -> (out_TH, x_routed, gate_up)``: the forward megakernel. With
+  swiglu_limit?, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?, fp8_pow2, <KernelConfig fields>)
+  -> (out_TH, x_routed, gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their 128 x 128
+  scales and transposes; None for x's dtype). With
   ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and fp32 gate|up
   pre-activations ``[MAC, 2I]`` for the backward (every routed row when the ring does not wrap, else
   macrobatch 0); otherwise ``[0, H]`` / ``[0, 2I]`` (``moe_megakernel`` turns the knob off when no gradient
   is needed).
 - ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, <KernelConfig fields>) -> (d_x_TH,
   d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
-  megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold. Without a shared
-  expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
+  megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold (in e4m3
+  under FP8). Without a shared expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
   autograd turns them into ``None``.
 
 The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
