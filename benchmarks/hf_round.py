@@ -7,7 +7,8 @@ The model (issue 9's speed goal): a few DeepSeek-V3 layers, H 2048, I 1408, E 64
 expert, 8 k tokens a step, bf16, randomly initialised from its config (no download). Each
 ``experts_implementation`` (grouped_mm, kittenmoe, sonicmoe when importable) trains from the same weights on
 the same batches; a step is forward + backward + AdamW, timed with CUDA events after warm-up, median of the
-timed steps. Rows (with the losses, so a wrong implementation shows) go to ``benchmarks/results/`` as JSON.
+timed steps. A third run with the routed experts computing nothing gives the step's floor (the most any
+experts kernel could gain) and each implementation's routed-expert milliseconds. Rows (with the losses, so a wrong implementation shows) go to ``benchmarks/results/`` as JSON.
 """
 
 from __future__ import annotations
@@ -44,8 +45,24 @@ def build(tiny: bool, device: str, dtype: torch.dtype):
     return transformers.DeepseekV3ForCausalLM(cfg).to(device, dtype), cfg
 
 
+NO_EXPERTS = "no-routed-experts"
+
+
+def register_no_experts() -> None:
+    """An experts implementation that computes nothing (its output is ``hidden_states * 0``, which keeps the
+    graph connected): the step time without the routed experts, i.e. the floor under any implementation's
+    step, so that ``grouped_mm / no-routed-experts`` bounds the whole-step speed-up an experts kernel can give."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states * 0
+
+    ExpertsInterface.register(NO_EXPERTS, forward)
+
+
 def implementations() -> list[str]:
-    impls = ["grouped_mm", "kittenmoe"]
+    register_no_experts()
+    impls = ["grouped_mm", "kittenmoe", NO_EXPERTS]
     try:
         import sonicmoe  # noqa: F401
         impls.append("sonicmoe")
@@ -106,8 +123,15 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     base = next(r for r in rows if r["experts_implementation"] == "grouped_mm")
+    floor = next(r for r in rows if r["experts_implementation"] == NO_EXPERTS)
     for r in rows:
         r["speedup_vs_grouped_mm"] = base["ms_median"] / r["ms_median"]
+        # the routed experts' share of the step (forward + backward + their optimizer share is not separated)
+        r["ms_routed_experts"] = r["ms_median"] - floor["ms_median"]
+    print(f"\nwithout routed experts: {floor['ms_median']:.2f} ms/step, so no experts kernel can make the step more "
+          f"than {base['ms_median'] / floor['ms_median']:.2f}x faster than grouped_mm's "
+          f"(routed experts: grouped_mm {base['ms_routed_experts']:.2f} ms, kittenmoe "
+          f"{next(r for r in rows if r['experts_implementation'] == 'kittenmoe')['ms_routed_experts']:.2f} ms)")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"hf-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json")
     with open(path, "w") as f:
