@@ -78,6 +78,7 @@ if [[ $what == epbench ]]; then  # issue 8: kittenmoe bench, one process per GPU
   step ep-2048 $run --model $all --tokens 2048
   step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
   step ep-4096 $run --model $all --tokens 4096
+  step ep-fp8 $run --model $all --tokens 2048 --fp8 128
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

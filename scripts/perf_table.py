@@ -4,7 +4,10 @@
     python3 scripts/perf_table.py --print  # print the table only
 
 For each (kind, shape, tokens, dtype) the newest row wins. Nothing here is
-typed by hand: every figure comes from a JSON row a benchmark wrote.
+typed by hand: every figure comes from a JSON row a benchmark wrote. Rows of
+`kittenmoe bench --fp8` (``"precision": "fp8-e4m3/<block>"``: FP8 kittenmoe
+against the BF16 baseline) stay out of the one-GPU BF16 table; the EP table
+shows them labelled, beside the BF16 rows.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ def load_rows() -> list[dict]:
             continue
         if r.get("routing", "uniform") != "uniform" or r.get("ranks", 1) != 1:  # the table's conditions
             continue
+        if _is_fp8(r):  # FP8 kittenmoe vs a BF16 baseline: not a row of this BF16 table
+            continue
         r["_file"] = name
         rows.append(r)
     latest: dict[tuple, dict] = {}
@@ -50,6 +55,11 @@ def load_rows() -> list[dict]:
         if key not in latest or r["date"] > latest[key]["date"]:
             latest[key] = r
     return sorted(latest.values(), key=lambda r: (r["kind"], r["shape"], r["tokens"]))
+
+
+def _is_fp8(r: dict) -> bool:
+    """A ``kittenmoe bench --fp8`` row (rows before that field existed are BF16 or their dtype)."""
+    return str(r.get("precision", "")).startswith("fp8")
 
 
 def render(rows: list[dict]) -> str:
@@ -126,21 +136,26 @@ def render_ep() -> str:
     for name, r in _result_rows():
         if r.get("ranks_mode") != "processes" or r.get("device") != "cuda" or r.get("share_gpu"):
             continue
-        key = (r["kind"], r["shape"], r["tokens"], r["ranks"], r.get("routing", "uniform"), r.get("dtype", "bf16"))
+        key = (r["kind"], r["shape"], r["tokens"], r["ranks"], r.get("routing", "uniform"), r.get("dtype", "bf16"),
+               r.get("precision", r.get("dtype", "bf16")))
         if key not in latest or r["date"] > latest[key][1]["date"]:
             latest[key] = (name, r)
     if not latest:
         return ""
     rows = sorted(latest.values(), key=lambda nr: (nr[1]["ranks"], nr[1].get("routing", ""), nr[1]["kind"],
-                                                   nr[1]["shape"], nr[1]["tokens"]))
+                                                   nr[1]["shape"], nr[1]["tokens"], _is_fp8(nr[1])))
+    fp8 = (" FP8 rows (pass labelled `fp8-e4m3/<scale block>`): kittenmoe's routed experts in e4m3 against the same "
+           "BF16 baseline, their speedup FP8 over BF16, rel L1 against the fp32 reference of the unquantised "
+           "weights." if any(_is_fp8(r) for _, r in rows) else "")
     lines = ["", "", "Expert parallelism, one process per GPU (`kittenmoe bench` under torchrun over `SymmetricPeers`; "
              "baseline NCCL all-to-all + grouped_mm in the same run; the slowest rank's latency per iteration, "
-             "median; routed TFLOP/s summed over the GPUs):", "",
+             "median; routed TFLOP/s summed over the GPUs):" + fp8, "",
              "| pass | shape (E_local per GPU) | T per GPU | GPUs | routing | kittenmoe ms | NCCL+PyTorch ms | speedup "
              "| routed TFLOP/s | rel L1 | GPU | date | file |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, r in rows:
-        lines.append(f"| {r['kind']} | {r['shape']} ({r['experts_local']}) | {r['tokens']} | {r['ranks']} | "
+        kind = f"{r['kind']} ({r['precision']})" if _is_fp8(r) else r["kind"]
+        lines.append(f"| {kind} | {r['shape']} ({r['experts_local']}) | {r['tokens']} | {r['ranks']} | "
                      f"{r.get('routing', 'uniform')} | {r['ms_kittenmoe']:.3f} | {r['ms_baseline']:.3f} | "
                      f"{r['speedup']:.2f}x | {r['routed_tflops']:.0f} | {r['rel_l1']:.1e} | {r['gpu']} | "
                      f"{r['date'][:10]} | `{name}` |")

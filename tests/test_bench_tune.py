@@ -33,6 +33,7 @@ from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "20,32,16,8,2"  # T=20 tokens, H=32, I=16, E=8 experts, K=2
+FP8_TINY = "32,256,128,4,2"  # the smallest FP8 shape: H=256 and I=128 multiples of the 128 scale block
 # What scripts/perf_table.py reads from every row.
 PERF_TABLE_FIELDS = ("kind", "shape", "tokens", "experts_local", "ms_kittenmoe", "ms_grouped_mm", "speedup",
                      "routed_tflops", "baseline_routed_tflops", "rel_l1", "gpu", "torch", "triton", "date",
@@ -105,6 +106,16 @@ BAD_ARGS = [
     (["tune", "--shape", TINY, "--grid", "minibatch_size=lots"], "bad --grid value minibatch_size='lots'"),
     # tune: bad --config key, as in bench
     (["tune", "--shape", TINY, "--config", "nope=1"], "bad --config key 'nope'"),
+    # --fp8 with fp32 inputs: the FP8 megakernels take bf16, so it is refused rather than run in bf16 silently
+    (["bench", "--shape", FP8_TINY, "--fp8", "128", "--dtype", "fp32"], "--fp8 128 needs --dtype bf16"),
+    # --fp8 128 with H=192, not a multiple of the scale block: named with the shape, before anything runs
+    (["bench", "--shape", "32,192,128,4,2", "--fp8", "128"],
+     "H192-I128-E4-K2: --fp8 128 needs H and I multiples of the scale block 128, got H=192 I=128"),
+    # --fp8 32 with I=48, not a multiple of MXFP8's 32-block (H=256 is)
+    (["bench", "--shape", "32,256,48,4,2", "--fp8", "32"], "needs H and I multiples of the scale block 32"),
+    # a --config block_n that splits a 128 scale block: the user's override is refused, not replaced
+    (["bench", "--shape", FP8_TINY, "--fp8", "128", "--config", "block_n=64"],
+     "bad --config block_n=64 with --fp8 128: block_n must be a multiple of the scale block 128"),
 ]
 
 
@@ -124,6 +135,8 @@ def test_cli_rejects_bad_arguments(argv, message, capsys, tmp_path):
     ["bench", "--shape", TINY, "--dtype", "fp8"],  # --dtype outside bf16|fp32
     ["tune", "--shape", TINY, "--mode", "both"],  # tune times one mode, not both
     ["bench", "--shape", TINY, "--ranks", "two"],  # an int option given a word
+    ["bench", "--shape", FP8_TINY, "--fp8", "64"],  # --fp8 outside its scale blocks 128|32
+    ["tune", "--shape", FP8_TINY, "--fp8", "128"],  # tune stays BF16: no --fp8 there
 ])
 def test_cli_argparse_errors(argv, capsys):
     # argparse's own checks: usage plus an error on stderr, exit status 2.
@@ -192,6 +205,7 @@ def test_bench_end_to_end(tmp_path, capsys):
         assert r["device"] == "cpu-interpreter" and r["gpu"] == "cpu"
         assert (r["tokens"], r["h"], r["i"], r["e"], r["k"], r["ranks"], r["experts_local"]) == (20, 32, 16, 8, 2, 1, 8)
         assert r["shape"] == "H32-I16-E8-K2" and r["dtype"] == "fp32" and r["routing"] == "uniform"
+        assert r["precision"] == "fp32" and r["ms_fp8_weight_quantisation"] is None  # no --fp8
         for f in ("ms_kittenmoe", "ms_grouped_mm", "speedup", "routed_tflops", "baseline_routed_tflops"):
             assert math.isfinite(r[f]) and r[f] > 0, f
         assert r["ms_kittenmoe_p20"] <= r["ms_kittenmoe"] <= r["ms_kittenmoe_p80"]
@@ -249,6 +263,82 @@ def test_tune_end_to_end(tmp_path, capsys):
     # what bench (and the layer) now pick for this problem
     cfg, source = config_for(20, 32, 16, 8, 2, 1, "cpu", "fp32")
     assert cfg == best and source == "tuned cache"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run; on a GPU bench times the real thing")
+@pytest.mark.parametrize("block,extra", [
+    # DeepSeek-V3's 1x128 / 128x128 scales, one rank: forward and forward+backward (every gradient on FP8's bar)
+    (128, []),
+    # MXFP8's 32-blocks (power-of-two scales) on 2 virtual ranks: each rank's slice of the quantised experts
+    (32, ["--ranks", "2"]),
+])
+def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
+    # FP8 kittenmoe against the BF16 grouped_mm baseline: rows labelled with the precision (and the baseline's),
+    # the weight quantisation timed apart, block_n raised to 128 over the CPU heuristic's, checked against the
+    # fp32 reference at FP8's bar.
+    from kittenmoe.testing import tolerance_for
+
+    out = tmp_path / "results"
+    argv = ["bench", "--shape", FP8_TINY, "--fp8", str(block), "--mode", "both", "--reps", "1", "--warmup", "0",
+            "--out", str(out)] + extra
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    files = list(out.glob("bench-*.json"))
+    assert len(files) == 1
+    rows = json.loads(files[0].read_text())
+    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    for r in rows:
+        for f in PERF_TABLE_FIELDS:
+            assert f in r, f
+        assert r["precision"] == f"fp8-e4m3/{block}" and r["baseline_precision"] == "bf16" and r["dtype"] == "bf16"
+        assert r["baseline"] == "grouped_mm" and r["ranks"] == (2 if extra else 1)
+        for f in ("ms_kittenmoe", "ms_baseline", "speedup", "ms_fp8_weight_quantisation"):
+            assert math.isfinite(r[f]) and r[f] > 0, f
+        assert r["ms_fp8_weight_quantisation"] == rows[0]["ms_fp8_weight_quantisation"]  # once per problem
+        assert r["rel_l1_tolerance"] == tolerance_for("fp8").rel_l1
+        assert r["rel_l1_ok"] and 0 < r["rel_l1"] <= r["rel_l1_tolerance"]
+        assert r["config"]["block_n"] == 128 and f"block_n 128 for --fp8 {block}" in r["config_source"]
+    assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    assert f"fp8-e4m3/{block}" in text and "routed experts in" in text
+
+
+@pytest.mark.parametrize("overrides,block,block_n", [
+    ({}, 128, 128),  # no override: the CPU heuristic's block_n (32) becomes 128
+    ({}, 32, 128),  # MXFP8: still 128 wide (four 32-blocks a tile), as MoELayer picks
+    ({"block_n": 256}, 128, 256),  # a user's block_n that holds whole scale blocks is kept
+    ({"block_n": 64}, 32, 64),  # ... also for 32-blocks
+    ({"block_n": 64}, None, 64),  # BF16: no FP8 rule
+])
+def test_fp8_block_n_in_config(overrides, block, block_n):
+    from kittenmoe.bench import config_for_problem, make_problems
+
+    prob, = make_problems(None, FP8_TINY, None, None, None, "bf16", "uniform", block)
+    cfg, source = config_for_problem(prob, torch.device("cpu"), overrides)
+    assert cfg.block_n == block_n
+    assert ("for --fp8" in source) == (block is not None and not overrides)
+
+
+def test_perf_table_keeps_fp8_rows_out_of_bf16_tables(monkeypatch):
+    # Edge: a --fp8 bench row has the same (kind, shape, tokens, dtype) as a BF16 one; the one-GPU BF16 table
+    # leaves it out (its speedup is FP8 over BF16), the EP table shows it labelled beside the BF16 row.
+    pt = _perf_table()
+    base = dict(kind="forward", shape="kimi-k2.7", tokens=2048, dtype="bf16", routing="uniform", experts_local=48,
+                ms_kittenmoe=1.0, ms_grouped_mm=2.0, ms_baseline=2.0, speedup=2.0, routed_tflops=500.0,
+                baseline_routed_tflops=250.0, rel_l1=1e-3, gpu="H200", torch="2", triton="3", device="cuda",
+                date="2026-12-01T00:00:00+00:00")
+    one = dict(base, ranks=1)
+    ep = dict(base, ranks=2, ranks_mode="processes")
+    fp8 = dict(precision="fp8-e4m3/128", baseline_precision="bf16", rel_l1=4e-2, speedup=3.0,
+               date="2026-12-02T00:00:00+00:00")
+    monkeypatch.setattr(pt, "_result_rows", lambda: iter([("a.json", dict(one)), ("b.json", dict(one, **fp8))]))
+    assert [r["_file"] for r in pt.load_rows()] == ["a.json"]
+    monkeypatch.setattr(pt, "_result_rows", lambda: iter([("a.json", dict(ep)), ("b.json", dict(ep, **fp8))]))
+    table = pt.render_ep()
+    assert "| forward | kimi-k2.7 (48) |" in table and "| forward (fp8-e4m3/128) | kimi-k2.7 (48) |" in table
+    assert "FP8 rows" in table and "3.00x" in table and "2.00x" in table
+    monkeypatch.setattr(pt, "_result_rows", lambda: iter([("a.json", dict(ep))]))
+    assert "FP8" not in pt.render_ep()
 
 
 # ----------------------------------------------------------------------------- the cache

@@ -45,6 +45,16 @@ equal the world size; CUDA only (no CPU symmetric memory). One GPU per rank
 not EP figures). TFLOP/s there are the whole world's. Only rank 0 prints and
 writes; rows carry ``"ranks_mode": "processes"`` (``"virtual"`` otherwise).
 
+FP8 (``--fp8 128``, DeepSeek-V3's 1 x 128 / 128 x 128 block scales; ``--fp8 32``, MXFP8's 32-blocks with
+power-of-two scales): kittenmoe runs the routed experts in e4m3 (``kittenmoe.fp8``; bf16 inputs and outputs,
+``--dtype bf16`` only; H and I multiples of the scale block; ``block_n`` a multiple of it, 128 unless
+``--config`` says otherwise) against the same BF16 baseline, so the speedup is FP8 kittenmoe over BF16
+grouped_mm (or NCCL + PyTorch); rows say ``"precision": "fp8-e4m3/128"`` and ``"baseline_precision":
+"bf16"``. The expert weights are quantised once per problem, outside the timed calls; that quantisation's
+own time (what a training step adds, re-quantising its weights) is in ``ms_fp8_weight_quantisation``. The
+accuracy bar is then FP8's (``kittenmoe.testing.tolerance_for("fp8")``), against the same fp32 reference
+of the unquantised weights.
+
 Output: a table on the terminal, one JSON file of rows (``bench-<date>.json``
 in ``--out``, the fields ``scripts/perf_table.py`` reads plus more), and
 optionally a PNG plot (needs matplotlib).
@@ -72,6 +82,8 @@ from kittenmoe.config import SHAPES, KernelConfig, ModelShape, get_shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MODES = ("forward", "backward", "both")
+FP8_BLOCKS = (128, 32)  # --fp8: the scale block (128: DeepSeek-V3's; 32: MXFP8, power-of-two scales)
+FP8_QUANT_REPS = 10  # timed runs of the weight quantisation (measured once per problem)
 KIND = {"forward": "forward", "backward": "forward+backward"}
 QUANTILES = (0.2, 0.5, 0.8)
 DEFAULT_EP_MODEL = 8
@@ -196,6 +208,18 @@ class Problem:
     experts_local: int  # E_local = E_model / ep
     dtype: str  # "bf16" | "fp32"
     routing: RoutingSpec
+    fp8_block: int | None = None  # --fp8: routed experts in e4m3 with this scale block; None: in dtype
+
+    @property
+    def precision(self) -> str:
+        """What kittenmoe computes the routed experts in: the dtype, or ``fp8-e4m3/<scale block>``."""
+        return self.dtype if self.fp8_block is None else f"fp8-e4m3/{self.fp8_block}"
+
+    def fp8_config(self):
+        """The ``kittenmoe.fp8.FP8Config`` of ``--fp8`` (32: MXFP8, power-of-two scales), or None."""
+        from kittenmoe.fp8 import FP8Config
+
+        return None if self.fp8_block is None else FP8Config(self.fp8_block, pow2_scales=self.fp8_block == 32)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -214,14 +238,16 @@ class Problem:
     def describe(self) -> str:
         t, h, i, e, k = self.dims
         return (f"{self.label}: T={t} H={h} I={i} E={e} (E_local={self.experts_local} x R={self.ranks}) K={k} "
-                f"S={self.shared_width} {self.dtype} routing={self.routing}")
+                f"S={self.shared_width} {self.dtype}"
+                f"{'' if self.fp8_block is None else f' (routed experts in {self.precision})'} routing={self.routing}")
 
 
 def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: int | None, ranks: int | None,
-                  dtype: str, routing: str) -> list[Problem]:
+                  dtype: str, routing: str, fp8: int | None = None) -> list[Problem]:
     """Validate the shape arguments (clear ``ValueError`` on any mistake) and build the problems.
 
     ``model`` may name several registered shapes, comma-separated. ``ranks`` None (``--ranks`` not given) is 1.
+    ``fp8``: ``--fp8``'s scale block (None: no FP8); needs bf16 and H, I multiples of it.
     """
     if (model is None) == (shape is None):
         raise ValueError("give exactly one of --model NAME or --shape T,H,I,E,K")
@@ -234,6 +260,12 @@ def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: 
         raise ValueError(f"--tokens must be a positive integer, got {tokens}")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if fp8 is not None:
+        if fp8 not in FP8_BLOCKS:
+            raise ValueError(f"--fp8 must be one of {', '.join(map(str, FP8_BLOCKS))} (the scale block), got {fp8!r}")
+        if dtype != "bf16":
+            raise ValueError(f"--fp8 {fp8} needs --dtype bf16 (the FP8 megakernels take bf16 inputs and write bf16 "
+                             f"outputs), got --dtype {dtype}")
     spec = parse_routing(routing)
     bases: list[tuple[str, ModelShape, int]] = []
     if model is not None:
@@ -257,7 +289,10 @@ def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: 
         if base.k > e_total:
             raise ValueError(f"{label}: top-k K={base.k} exceeds the {e_total} experts of the sliced problem "
                              f"(E/ep={local} per rank x {ranks} ranks); use a smaller --ep or more --ranks")
-        out.append(Problem(label, base.with_(e=e_total), t, ranks, ep, local, dtype, spec))
+        if fp8 is not None and (base.h % fp8 or base.i % fp8):
+            raise ValueError(f"{label}: --fp8 {fp8} needs H and I multiples of the scale block {fp8}, got H={base.h} "
+                             f"I={base.i}")
+        out.append(Problem(label, base.with_(e=e_total), t, ranks, ep, local, dtype, spec, fp8))
     return out
 
 
@@ -390,8 +425,17 @@ class Runner:
         self.ws = [r[1].float().contiguous() for r in routes]
         self.d_out = [torch.randn(T, H, generator=g).to(device, dt) for _ in range(R)]
         self.peers = LocalPeers(R, device)
+        # --fp8: all experts quantised once, outside the timed calls (quantize_weights times it apart)
+        self.fp8 = None if p.fp8_block is None else self.quantize_weights(check_finite=True)
         self._ref_fwd: list[torch.Tensor] | None = None
         self._ref_grads: dict | None = None
+
+    def quantize_weights(self, check_finite: bool = False):
+        """The routed experts in e4m3 with their transposes (``FP8ExpertWeights.quantize``), as a layer
+        re-quantises them every step (without the finite check, a host sync)."""
+        from kittenmoe.fp8 import FP8ExpertWeights
+
+        return FP8ExpertWeights.quantize(self.w.w13_E2IH, self.w.w2_EHI, self.problem.fp8_config(), check_finite)
 
     # megakernel ------------------------------------------------------------
     def _margs(self):
@@ -402,15 +446,16 @@ class Runner:
     def kittenmoe(self, mode: str, config: KernelConfig) -> Callable[[], object]:
         from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 
-        a = self._margs()
+        a, fp8 = self._margs(), self.fp8
         if mode == "forward":
-            return lambda: megakernel_forward_multirank(*a, config=config, peers=self.peers)
+            return lambda: megakernel_forward_multirank(*a, config=config, peers=self.peers, fp8=fp8)
 
         def fwd_bwd():
             # as autograd runs them: the forward keeps its activations for the backward (keep_activations)
             f = megakernel_forward_multirank(*a, config=config, peers=self.peers,
-                                             save_for_backward=config.keep_activations)
-            b = megakernel_backward_multirank(self.d_out, *a, config=config, peers=self.peers, saved=f.saved())
+                                             save_for_backward=config.keep_activations, fp8=fp8)
+            b = megakernel_backward_multirank(self.d_out, *a, config=config, peers=self.peers, saved=f.saved(),
+                                              fp8=fp8)
             return f, b
 
         return fwd_bwd
@@ -499,9 +544,12 @@ class Runner:
 
 
 def rel_l1_bar(problem: Problem, device: torch.device) -> float:
-    """Relative-L1 bar: bf16 1e-2; fp32 3e-3 on a GPU (tensor cores round to tf32), 1e-5 interpreted."""
+    """Relative-L1 bar (``kittenmoe.testing.tolerance_for``): FP8 experts fp8's; else bf16 1e-2; fp32 3e-3 on a
+    GPU (tensor cores round to tf32), 1e-5 interpreted."""
     from kittenmoe.testing import tolerance_for
 
+    if problem.fp8_block is not None:
+        return tolerance_for("fp8").rel_l1
     if problem.dtype == "bf16":
         return tolerance_for("bf16").rel_l1
     return tolerance_for("tf32" if device.type == "cuda" else "fp32").rel_l1
@@ -520,7 +568,10 @@ def flops(problem: Problem, mode: str) -> tuple[float, float]:
 
 
 def config_for_problem(problem: Problem, device: torch.device, overrides: dict) -> tuple[KernelConfig, str]:
-    """The config the layer would use (tuned cache, else the heuristic) with ``--config`` overrides on top."""
+    """The config the layer would use (tuned cache, else the heuristic) with ``--config`` overrides on top.
+
+    FP8: a gate|up tile must hold whole scale blocks, so ``block_n`` becomes max(128, scale block), as
+    ``MoELayer`` does, unless ``--config`` sets it (then it must be a multiple of the scale block)."""
     from kittenmoe.tune import config_for
 
     t, h, i, e, k = problem.dims
@@ -528,6 +579,16 @@ def config_for_problem(problem: Problem, device: torch.device, overrides: dict) 
     if overrides:
         cfg = apply_overrides(cfg, overrides)
         source += " + --config overrides"
+    b = problem.fp8_block
+    if b is not None:
+        if "block_n" in overrides:
+            if cfg.block_n % b:
+                raise ValueError(f"bad --config block_n={cfg.block_n} with --fp8 {b}: block_n must be a multiple of "
+                                 f"the scale block {b} (each gate|up tile holds whole scale blocks); leave it out "
+                                 f"for {max(128, b)}")
+        elif cfg.block_n != max(128, b):
+            cfg = cfg.with_(block_n=max(128, b))
+            source += f" + block_n {cfg.block_n} for --fp8 {b}"
     return cfg, source
 
 
@@ -536,6 +597,9 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
     """Time kittenmoe and grouped_mm for each mode; one row dict per mode (without environment stamps)."""
     run = Runner(problem, device, seed)
     tol = run.tolerance()
+    ms_quant = None
+    if run.fp8 is not None:  # once per problem: what re-quantising the expert weights adds to a training step
+        ms_quant = measure(run.quantize_weights, device, min(reps, FP8_QUANT_REPS), min(warmup, 2)).p50
     rows = []
     for mode in modes:
         k_fn, b_fn = run.kittenmoe(mode, config), run.grouped_mm(mode)
@@ -554,7 +618,8 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
         rows.append(dict(
             kind=KIND[mode], shape=problem.label, tokens=t, h=h, i=i, e=e, k=k, s=problem.shared_width,
             experts_local=problem.experts_local, ep_slice=problem.ep, ranks=problem.ranks, ranks_mode="virtual",
-            dtype=problem.dtype, routing=str(problem.routing),
+            dtype=problem.dtype, precision=problem.precision, baseline_precision=problem.dtype,
+            ms_fp8_weight_quantisation=ms_quant, routing=str(problem.routing),
             ms_kittenmoe=tk.p50, ms_kittenmoe_p20=tk.p20, ms_kittenmoe_p80=tk.p80,
             ms_grouped_mm=tb.p50, ms_grouped_mm_p20=tb.p20, ms_grouped_mm_p80=tb.p80,
             # the provider-neutral names every row has (under torchrun the baseline is not grouped_mm)
@@ -811,7 +876,16 @@ class EPRunner:
         ids, w = problem.routing.generate(T, E, K, g_tokens, device)
         self.ids, self.w = ids.contiguous(), w.float().contiguous()
         self.d_out = torch.randn(T, H, generator=g_tokens).to(device, dt)
+        # --fp8: this rank's experts quantised once, outside the timed calls (quantize_weights times it apart)
+        self.fp8 = None if problem.fp8_block is None else self.quantize_weights(check_finite=True)
         self._ref: dict | None = None
+
+    def quantize_weights(self, check_finite: bool = False):
+        """This rank's experts in e4m3 with their transposes (``FP8ExpertWeights.quantize``), as a layer
+        re-quantises them every step (without the finite check, a host sync). Local: no collective."""
+        from kittenmoe.fp8 import FP8ExpertWeights
+
+        return FP8ExpertWeights.quantize(self.w13, self.w2, self.problem.fp8_config(), check_finite)
 
     def _weights(self) -> list[torch.Tensor | None]:
         return [self.w13, self.w2, self.sw13, self.sw2]
@@ -820,13 +894,13 @@ class EPRunner:
     def kittenmoe(self, mode: str, config: KernelConfig) -> Callable[[], object]:
         from kittenmoe.ep import megakernel_backward_ep, megakernel_forward_ep
 
-        a = (self.x, self.ids, self.w, *self._weights(), self.problem.shape.swiglu_limit)
+        a, fp8 = (self.x, self.ids, self.w, *self._weights(), self.problem.shape.swiglu_limit), self.fp8
         if mode == "forward":
-            return lambda: megakernel_forward_ep(*a, peers=self.peers, config=config)
+            return lambda: megakernel_forward_ep(*a, peers=self.peers, config=config, fp8=fp8)
 
         def fwd_bwd():
-            f = megakernel_forward_ep(*a, peers=self.peers, config=config)
-            b = megakernel_backward_ep(self.d_out, *a, peers=self.peers, config=config)
+            f = megakernel_forward_ep(*a, peers=self.peers, config=config, fp8=fp8)
+            b = megakernel_backward_ep(self.d_out, *a, peers=self.peers, config=config, fp8=fp8)
             return f, b
 
         return fwd_bwd
@@ -923,6 +997,10 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
     problem, device, group = run.problem, run.device, run.group
     tol = rel_l1_bar(problem, device)
     run.reference(grads="backward" in modes)  # before any kittenmoe call: collective, so every rank gets here
+    ms_quant = None
+    if run.fp8 is not None:  # once per problem, each rank its own experts; the slowest rank's p50
+        ms_quant = max(_gather_or_raise(group, "timing the FP8 weight quantisation", lambda: measure(
+            run.quantize_weights, device, min(reps, FP8_QUANT_REPS), min(warmup, 2)).p50))
     rows = []
     for mode in modes:
         k_fn = run.kittenmoe(mode, config)
@@ -949,7 +1027,8 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
         rows.append(dict(
             kind=KIND[mode], shape=problem.label, tokens=t, h=h, i=i, e=e, k=k, s=problem.shared_width,
             experts_local=problem.experts_local, ep_slice=problem.ep, ranks=problem.ranks, ranks_mode="processes",
-            dtype=problem.dtype, routing=str(problem.routing),
+            dtype=problem.dtype, precision=problem.precision, baseline_precision=problem.dtype,
+            ms_fp8_weight_quantisation=ms_quant, routing=str(problem.routing),
             ms_kittenmoe=tk.p50, ms_kittenmoe_p20=tk.p20, ms_kittenmoe_p80=tk.p80,
             baseline=EP_BASELINES[baseline], ms_baseline=tb.p50, ms_baseline_p20=tb.p20, ms_baseline_p80=tb.p80,
             speedup=tb.p50 / tk.p50, routed_tflops=routed / tk.p50 / 1e9, effective_tflops=total / tk.p50 / 1e9,
@@ -965,8 +1044,9 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
 
 
 def format_table(rows: list[dict]) -> str:
-    """One line per row; R is suffixed ``p`` when the ranks were processes (torchrun), not virtual."""
-    head = (f"{'pass':<17}{'shape':<20}{'T':>6}{'R':>4}{'E_loc':>6}{'routing':>10}{'dtype':>6}"
+    """One line per row; R is suffixed ``p`` when the ranks were processes (torchrun), not virtual; precision is
+    kittenmoe's (the baseline's is the dtype: BF16 beside an FP8 kittenmoe)."""
+    head = (f"{'pass':<17}{'shape':<20}{'T':>6}{'R':>4}{'E_loc':>6}{'routing':>10}{'precision':>13}"
             f"{'kmoe ms p50 [p20-p80]':>32}{'baseline':>25}{'base ms':>9}{'x':>8}{'routed TF/s':>12}"
             f"{'base TF/s':>10}{'rel L1':>9}")
     lines = [head, "-" * len(head)]
@@ -974,8 +1054,9 @@ def format_table(rows: list[dict]) -> str:
         rng = f"{r['ms_kittenmoe']:.3f} [{r['ms_kittenmoe_p20']:.3f}-{r['ms_kittenmoe_p80']:.3f}]"
         flag = "" if r.get("rel_l1_ok", True) else " !"
         ranks = f"{r['ranks']}{'p' if r.get('ranks_mode') == 'processes' else ''}"
+        prec = r.get("precision", r["dtype"])
         lines.append(f"{r['kind']:<17}{r['shape']:<20}{r['tokens']:>6}{ranks:>4}{r['experts_local']:>6}"
-                     f"{r['routing']:>10}{r['dtype']:>6}{rng:>32}{r['baseline']:>25}{r['ms_baseline']:>9.3f}"
+                     f"{r['routing']:>10}{prec:>13}{rng:>32}{r['baseline']:>25}{r['ms_baseline']:>9.3f}"
                      f"{r['speedup']:>7.2f}x{r['routed_tflops']:>12.4g}{r['baseline_routed_tflops']:>10.4g}"
                      f"{r['rel_l1']:>9.1e}{flag}")
     return "\n".join(lines)
@@ -1013,6 +1094,8 @@ def plot_rows(rows: list[dict], path: str, log: Callable[[str], None] = print) -
         return False
     labels = [f"{r['kind']}\n{r['shape']}\nT={r['tokens']} R={r['ranks']}"
               f"{'p' if r.get('ranks_mode') == 'processes' else ''} {r['routing']}" for r in rows]
+    labels = [lab + ("\n" + r["precision"] if r.get("precision", "").startswith("fp8") else "")
+              for lab, r in zip(labels, rows)]
     xs = list(range(len(rows)))
     width = 0.38
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8.0, 2.6 * len(rows) + 4), 4.8))
@@ -1082,6 +1165,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     add_problem_args(p)
     p.add_argument("--mode", default="forward", choices=MODES,
                    help="forward, backward (forward + backward together) or both (default forward)")
+    p.add_argument("--fp8", type=int, default=None, choices=FP8_BLOCKS, metavar="{128,32}",
+                   help="run kittenmoe's routed experts in FP8 e4m3 with this scale block (128: 1x128 / 128x128 "
+                   "scales; 32: MXFP8, power-of-two scales) against the same BF16 baseline; needs --dtype bf16 "
+                   "and H, I multiples of the block (default: no FP8)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON rows (default %(default)s)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="also draw a PNG (needs matplotlib)")
     p.add_argument("--ep-baseline", default=None, choices=tuple(EP_BASELINES),
@@ -1100,11 +1187,13 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
     if args.ep_baseline is not None:
         raise ValueError(f"--ep-baseline {args.ep_baseline} applies under torchrun (one process per rank); this "
                          f"run has virtual ranks in one process, timed against grouped_mm")
-    problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing)
+    problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing,
+                             args.fp8)
     overrides = parse_config_overrides(args.config)
     if args.plot is not None and not str(args.plot).lower().endswith(".png"):
         raise ValueError(f"--plot must name a .png file, got {args.plot!r}")
     device = resolve_device(args.device)
+    configs = [config_for_problem(prob, device, overrides) for prob in problems]  # (before anything is printed)
     if share_gpu_requested():
         log(f"note: {SHARE_GPU_ENV}=1 applies under torchrun only; this run has virtual ranks in one process")
     reps, warmup = resolve_reps(args, device)
@@ -1116,8 +1205,7 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
         log("note: CPU under the Triton interpreter: these times test the tool, they are not GPU figures")
     skipped = skipped_baselines(log)
     rows = []
-    for prob in problems:
-        cfg, source = config_for_problem(prob, device, overrides)
+    for prob, (cfg, source) in zip(problems, configs):
         log(f"{prob.describe()}\n  config ({source}): {cfg}")
         for row in bench_problem(prob, cfg, modes, device, reps, warmup, args.seed, log):
             row.update(stamp, config_source=source, skipped_baselines=skipped)
@@ -1152,7 +1240,7 @@ def run_bench_ranks(args: argparse.Namespace, launch: Launch, argv: list[str] | 
     The arguments are checked before the process group exists (every rank raises the same ValueError);
     every rank returns the same exit status."""
     problems = make_problems(args.model, args.shape, args.ep, args.tokens, check_world(args.ranks, launch),
-                             args.dtype, args.routing)
+                             args.dtype, args.routing, args.fp8)
     overrides = parse_config_overrides(args.config)
     if args.plot is not None and not str(args.plot).lower().endswith(".png"):
         raise ValueError(f"--plot must name a .png file, got {args.plot!r}")
@@ -1162,6 +1250,7 @@ def run_bench_ranks(args: argparse.Namespace, launch: Launch, argv: list[str] | 
     modes = ["forward", "backward"] if args.mode == "both" else [args.mode]
     say = log if launch.rank == 0 else (lambda _line: None)
     group, backend, peers = init_world(launch, device)
+    configs = [config_for_problem(prob, device, overrides) for prob in problems]  # (on this rank's GPU, set there)
     env = environment(device)
     stamp = dict(**env, date=now_iso(), command=command_line(argv), process_group=backend,
                  share_gpu=launch.share_gpu)
@@ -1173,8 +1262,7 @@ def run_bench_ranks(args: argparse.Namespace, launch: Launch, argv: list[str] | 
         say("note: the ranks share one GPU: these times test the tool, they are not EP figures")
     skipped = skipped_baselines(say, processes=True)
     rows = []
-    for prob in problems:
-        cfg, source = config_for_problem(prob, device, overrides)
+    for prob, (cfg, source) in zip(problems, configs):
         agree_config(group, cfg)
         say(f"{prob.describe()} as {launch.world_size} processes\n  config ({source}): {cfg}")
         for row in bench_problem_ep(prob, cfg, modes, device, peers, group, baseline, reps, warmup, args.seed,
