@@ -160,6 +160,16 @@ def test_fp8_forward_refuses(change, exc, match):
                                      **kw)
 
 
+def test_fp8_refuses_i_off_the_gate_up_tile():
+    """MXFP8 blocks with I = 96 (a multiple of 32, not of the 128-wide gate|up tile): a clear error, not gate
+    tiles reading up rows."""
+    shape = ModelShape(name="fp8-i96", e=4, h=256, i=96, k=2)
+    w, xs, ids, ws, fp8 = _problem(1, 8, shape=shape, seed=6, sb=32)
+    with pytest.raises(ValueError, match="must be a multiple of block_n=128"):
+        megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None,
+                                     config=CFG, fp8=fp8)
+
+
 def test_fp8_forward_refuses_widths_off_the_scale_block():
     """H or I not a multiple of 128: a clear error, not a partial scale block read past the row."""
     shape = ModelShape(name="fp8-odd", e=4, h=192, i=128, k=2)

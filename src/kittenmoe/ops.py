@@ -187,6 +187,9 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
     if H % b or I % b:
         raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
+    if I % config.block_n:  # the e4m3 gate|up tiles are not masked at I: a partial tile would read up rows as gate
+        raise ValueError(f"FP8 megakernel: I={I} must be a multiple of block_n={config.block_n} (whole gate|up "
+                         f"tiles)")
     if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
         raise ValueError(f"FP8 megakernel: fp8 weights {tuple(fp8.w13_q.shape)} / {tuple(fp8.w2_q.shape)} do not "
                          f"match this rank's experts {(L, 2 * I, H)} / {(L, H, I)}")
