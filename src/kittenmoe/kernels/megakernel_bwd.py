@@ -330,6 +330,18 @@ def _down_dgrad_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, w2t_row0, w2s_ptr, nt, 
 
 
 @triton.jit
+def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_ptr, e, nt, H, I, HB, IB,
+                        BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, USE_TMA_A: tl.constexpr,
+                        EMULATE: tl.constexpr):
+    """Phase A's e4m3 down dgrad of expert e's tile, through TMA (USE_TMA_A) or pointer loads."""
+    if USE_TMA_A:
+        return _down_dgrad_fp8_tma(dq_desc, ds_ptr, row0, w2t_desc, e * I, w2s_ptr + e * (HB * IB), nt, H, HB, IB,
+                                   BM, BN, SB)
+    return _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I), w2s_ptr + e * (HB * IB), nt, H,
+                           I, HB, IB, BM, BN, SB, EMULATE)
+
+
+@triton.jit
 def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
     """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order)."""
     rn = nt * BN + tl.arange(0, BN)
@@ -588,27 +600,28 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
                                 if FP8:
-                                    if USE_TMA_A:
-                                        acc_dh = _down_dgrad_fp8_tma(dor_desc, dors_ptr, row0, w2_desc, e * I,
-                                                                     w2s_ptr + e * (HB * IB), nt, H, HB, IB, BM, BN,
-                                                                     SB)
-                                    else:
-                                        acc_dh = _down_dgrad_fp8(dorq_ptr, dors_ptr, row0,
-                                                                 w2t_ptr + e.to(tl.int64) * (H * I),
-                                                                 w2s_ptr + e * (HB * IB), nt, H, I, HB, IB, BM, BN,
-                                                                 SB, DOT_FP32)
                                     # gu_rows: NR when every row was kept, MAC for a ring that wrapped, 0 for none
                                     if row0 < gu_rows:
+                                        acc_dh = _down_dgrad_fp8_any(
+                                            dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, e, nt, H,
+                                            I, HB, IB, BM, BN, SB, USE_TMA_A, DOT_FP32)
                                         acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
-                                    elif USE_TMA_A:  # replay: the forward's gate|up tile, same code, same bits
-                                        acc_g, acc_u = _gateup_acc_fp8_tma(
-                                            xr_desc, xrs_ptr, row0, w13a_desc, w13s_ptr + e * (2 * IB * HB),
-                                            e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN, nt, H, I, HB, BM, BN,
-                                            SB)
                                     else:
-                                        acc_g, acc_u = _gateup_acc_fp8(
-                                            xrq_ptr, xrs_ptr, row0, w13q_ptr + e.to(tl.int64) * (2 * I * H),
-                                            w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
+                                        # The replay first (the forward's gate|up tile code, same bits), then the
+                                        # down dgrad: its accumulator is not live beside gate, up and their
+                                        # products, four tiles at most instead of five.
+                                        if USE_TMA_A:
+                                            acc_g, acc_u = _gateup_acc_fp8_tma(
+                                                xr_desc, xrs_ptr, row0, w13a_desc, w13s_ptr + e * (2 * IB * HB),
+                                                e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN, nt, H, I, HB, BM,
+                                                BN, SB)
+                                        else:
+                                            acc_g, acc_u = _gateup_acc_fp8(
+                                                xrq_ptr, xrs_ptr, row0, w13q_ptr + e.to(tl.int64) * (2 * I * H),
+                                                w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
+                                        acc_dh = _down_dgrad_fp8_any(
+                                            dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, e, nt, H,
+                                            I, HB, IB, BM, BN, SB, USE_TMA_A, DOT_FP32)
                                 elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
                                         dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,
