@@ -69,6 +69,14 @@ def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=
             i, wt = routing_uniform(t, shape.e, shape.k, generator=g)
         ids.append(i.to(device))
         ws.append(wt.float().to(device))
+    if sb == 32:
+        # Each 32 x 32 weight block times its own power of two (exact in bf16): without it every block of the
+        # tiny problem gets nearly the same scale, and a kernel reading one scale per tile instead of per
+        # block column passes (found by mutation in review).
+        for t in (w.w13_E2IH, w.w2_EHI):
+            e, n, k = t.shape
+            pw = torch.randint(-3, 4, (e, n // 32, k // 32), generator=g).float().exp2()
+            t.mul_(pw.repeat_interleave(32, 1).repeat_interleave(32, 2).to(t.device, t.dtype))
     fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(sb, pow2_scales=pow2 or sb == 32))
     return w, xs, ids, ws, fp8
 
@@ -158,6 +166,15 @@ def test_fp8_forward_refuses(change, exc, match):
     with pytest.raises(exc, match=match):
         megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None,
                                      **kw)
+
+
+def test_fp8_refuses_d_gate_up_blocks_under_32():
+    """MXFP8 blocks with block_n = 32 would quantise d(gate|up) 1 x 16, a 16-deep e4m3 dot that a GPU cannot
+    compile (the interpreter would run it): refused on every backend."""
+    w, xs, ids, ws, fp8 = _problem(1, 8, seed=6, sb=32)
+    with pytest.raises(ValueError, match="use block_n >= 64"):
+        megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None,
+                                     config=CFG.with_(block_n=32), fp8=fp8)
 
 
 def test_fp8_refuses_i_off_the_gate_up_tile():
@@ -269,16 +286,21 @@ def test_fp8_refuses_non_contiguous_transposes():
         megakernel_backward_multirank(d_out, *a, config=CFG, fp8=views)
 
 
-@pytest.mark.parametrize("r,t,ring", [
-    (1, 20, None),  # one rank, the ring holds every row: the backward replays all of them (nothing kept)
-    (2, 24, 16),  # two ranks, a ring of one minibatch that wraps: macrobatch 0 kept, the rest replayed
+@pytest.mark.parametrize("r,t,ring,sb,shape", [
+    (1, 20, None, 128, FP8_TINY),  # one rank, nothing kept: the backward replays every row
+    (2, 24, 16, 128, FP8_TINY),  # two ranks, a ring of one minibatch that wraps: macrobatch 0 kept, rest replayed
+    (1, 20, None, 32, FP8_TINY),  # MXFP8 blocks (power-of-two scales, 32-deep K steps) replayed
+    (2, 24, 16, 32, FP8_TINY),  # MXFP8 with a wrapping ring
+    # H = 384: the forward's down GEMM leaves TMA for pointer loads on a GPU (H not a multiple of 256) while
+    # the backward keeps TMA, and the replay must still give the forward's bits
+    (1, 20, None, 128, ModelShape(name="fp8-h384", e=4, h=384, i=128, k=2)),
 ])
-def test_fp8_backward_replay_equals_kept_gate_up(r, t, ring):
+def test_fp8_backward_replay_equals_kept_gate_up(r, t, ring, sb, shape):
     """Rows whose gate|up the FP8 forward did not keep are replayed in e4m3 (x re-quantised in the pull, the
     forward's gate|up tile code): every gradient equals the backward that read the kept gate|up, bit for bit."""
-    w, xs, ids, ws, fp8 = _problem(r, t, seed=11)
+    w, xs, ids, ws, fp8 = _problem(r, t, shape=shape, seed=11, sb=sb)
     g = torch.Generator().manual_seed(1)
-    d_out = [torch.randn(t, FP8_TINY.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
+    d_out = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
     kept = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, save_for_backward=True)
     want = megakernel_backward_multirank(d_out, *a, config=CFG, saved=kept.saved(), fp8=fp8)
@@ -321,11 +343,12 @@ def test_fp8_through_autograd_equals_the_ops():
         assert_bitwise_equal(g, v.to(g.dtype), f"grad {i}")
 
 
-@pytest.mark.parametrize("cfg", [
-    CFG.with_(keep_activations=False),  # nothing kept: the backward replays every row's gate|up in e4m3
-    CFG.with_(macrobatch_size=16),  # a ring that wraps: macrobatch 0 kept, the rest replayed
+@pytest.mark.parametrize("cfg,fp8_cfg", [
+    (CFG.with_(keep_activations=False), FP8Config()),  # nothing kept: the backward replays every row in e4m3
+    (CFG.with_(macrobatch_size=16), FP8Config()),  # a ring that wraps: macrobatch 0 kept, the rest replayed
+    (CFG.with_(keep_activations=False), FP8Config(32, pow2_scales=True)),  # MXFP8 blocks replayed
 ])
-def test_fp8_training_without_kept_activations(cfg):
+def test_fp8_training_without_kept_activations(cfg, fp8_cfg):
     """kittenmoe.moe(fp8=...) trains with the activations not kept (or a wrapping ring) too: output and every
     gradient equal the kept-activation run's bit for bit."""
     from kittenmoe import moe
@@ -336,7 +359,7 @@ def test_fp8_training_without_kept_activations(cfg):
     def run(c):
         leaves = [xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()] + \
             [t.clone().requires_grad_() for t in w.tensors()]
-        out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=c, fp8=FP8Config())
+        out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=c, fp8=fp8_cfg)
         return [out, *torch.autograd.grad(out, leaves, d_out)]
 
     for i, (a, b) in enumerate(zip(run(cfg), run(CFG), strict=True)):

@@ -121,7 +121,13 @@ def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2):
         return None
     from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 
-    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(128, pow2_scales=fp8_pow2), w13_qt, w2_qt)
+    # The scale block (128, or MXFP8's 32) from the shapes: w13's scales are [E, cdiv(2I, block), cdiv(H, block)]
+    # (2I >= 64 whenever I is a multiple of 32, so the two blocks never give the same shape).
+    dims, sdims = tuple(w13_q.shape[-2:]), tuple(w13_scale.shape[-2:])
+    block = next((b for b in (128, 32) if tuple(-(-d // b) for d in dims) == sdims), None)
+    if block is None:
+        raise ValueError(f"FP8 weights: w13 scales {sdims} for w13 {dims} match neither 128- nor 32-blocks")
+    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(block, pow2_scales=fp8_pow2), w13_qt, w2_qt)
 
 # ----------------------------------------------------------------------------- device errors, workspace
 

@@ -185,6 +185,10 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
     if config.block_n % b:
         raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
+    if fp8_dgu_block(config, b) < 32:  # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less)
+        raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks "
+                         f"{fp8_dgu_block(config, b)} wide, its gate|up dgrad's K step, under the 32 an e4m3 dot "
+                         f"needs: use block_n >= 64")
     if H % b or I % b:
         raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
     if I % config.block_n:  # the e4m3 gate|up tiles are not masked at I: a partial tile would read up rows as gate
@@ -498,8 +502,8 @@ def launch_rank_backward(
     replay and the others replay it.
 
     ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
-    gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x (block_n / 2)
-    in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The weight
+    gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x
+    ``fp8_dgu_block`` (min(block_n / 2, B)) in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The weight
     gradients stay in x's dtype. Rows whose gate|up the forward did not keep are replayed in e4m3 as the
     forward computed them: the pull quantises their x rows with the forward's rule and phase A runs the
     forward's gate|up tile code on them (same bits as keeping them)."""

@@ -372,7 +372,7 @@ def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, 
 def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
                  BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
-    block of d(gate|up), = phase A's tile width) along 2I. gq_ptr: uint8 [*, 2I], gs_ptr: fp32 [*, GB];
+    block of d(gate|up): min(phase A's tile width, SB), ``ops.fp8_dgu_block``) along 2I. gq_ptr: uint8 [*, 2I], gs_ptr: fp32 [*, GB];
     w13t_ptr: one expert's W13 transposed, uint8 [H, 2I] = [N, K] (K-major), w13s_ptr: W13's fp32 [2I / SB, HB]."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN2)
@@ -443,7 +443,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
     dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8)
-    dgus_ptr,  # [NR, 2I // BN] fp32 their 1 x BN scales (FP8)
+    dgus_ptr,  # [NR, 2I // DGB] fp32 their 1 x DGB scales (FP8)
     xrq_ptr,  # [NR, H] uint8 e4m3 x rows, quantised in the pull for the gate|up replay (FP8 with GU_MODE != 1)
     xrs_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (same; else placeholders)
     # weights of this rank (their gradients come from weight_grad_kernel)
@@ -457,8 +457,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
     # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
-    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (FP8: dguq as float8e4nv, blocks [BM, BN])
-    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2] (FP8: W13^T viewed [L * H, 2I], blocks [BN2, BN])
+    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (FP8: dguq as float8e4nv, blocks [BM, DGB])
+    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2] (FP8: W13^T viewed [L * H, 2I], blocks [BN2, DGB])
     sdgu_desc,  # sdgu [T, 2S], blocks [BM, BK]
     sw13_desc,  # sw13 [2S, H], blocks [BK, BN2]
     # and for phase A (USE_TMA_A)

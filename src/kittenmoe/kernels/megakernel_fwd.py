@@ -219,10 +219,10 @@ def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
-# Routed GEMMs on e4m3 operands, one K step per scale block (SB = 128): each step's fp32 product is scaled by
-# the row's activation scale and the weight block's scale and added to the fp32 accumulator (DeepSeek-V3's
-# promotion). Operands are uint8 buffers of e4m3 bits; EMULATE (the interpreter) decodes them to fp32 and
-# multiplies in fp32, a GPU reinterprets them as float8e4nv for the tensor cores.
+# Routed GEMMs on e4m3 operands, one K step per scale block (SB: 128, or MXFP8's 32): each step's fp32 product
+# is scaled by the row's activation scale and the weight block's scale and added to the fp32 accumulator
+# (DeepSeek-V3's promotion). Operands are uint8 buffers of e4m3 bits; EMULATE (the interpreter) decodes them to
+# fp32 and multiplies in fp32, a GPU reinterprets them as float8e4nv for the tensor cores.
 
 
 @triton.jit
