@@ -2,7 +2,8 @@
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
 #   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|all]   (default all; on the nvidia-h200 device)
-#   bash scripts/gpu_round.sh [multi|epbench]   (issue 8, on nvidia-h200-x2/x4/x8: one process per GPU)
+#   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8]   (issue 8, on nvidia-h200-x2/x4/x8:
+#   one process per GPU)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
 # device's 10-minute limit: "all" takes about 6-8 minutes (compiles included); split it when it does not fit.
@@ -71,14 +72,17 @@ if [[ $what == multi ]]; then  # issue 8: the link, the EP example over NCCL, ev
   step epnccl python3 -m torch.distributed.run --nproc-per-node "$ngpu" examples/ep_layer.py
   step eptests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py
 fi
-if [[ $what == epbench ]]; then  # issue 8: kittenmoe bench, one process per GPU, vs NCCL + PyTorch (all-to-all)
+if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GPU, vs NCCL + PyTorch (all-to-all)
+  # epbench: all four rows; epbench2048 / epbench4096 / epbenchfp8: one of them (each fits one 10-minute call)
   ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   run="python3 -m torch.distributed.run --nproc-per-node $ngpu -m kittenmoe.cli bench --ep 8 --mode both --reps 20 --out $OUT"
   all=kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2
-  step ep-2048 $run --model $all --tokens 2048
-  step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
-  step ep-4096 $run --model $all --tokens 4096
-  step ep-fp8 $run --model $all --tokens 2048 --fp8 128
+  if [[ $what == epbench || $what == epbench2048 ]]; then
+    step ep-2048 $run --model $all --tokens 2048
+    step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
+  fi
+  [[ $what == epbench || $what == epbench4096 ]] && step ep-4096 $run --model $all --tokens 4096
+  [[ $what == epbench || $what == epbenchfp8 ]] && step ep-fp8 $run --model $all --tokens 2048 --fp8 128
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
