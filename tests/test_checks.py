@@ -233,6 +233,13 @@ BAD_INPUTS = [
                  id="x-elem-list"),
     # w13 not a tensor
     pytest.param(_put("w13_E2IH", lambda v: v.numpy()), TypeError, r"w13 must be a torch.Tensor", id="w13-numpy"),
+    # ---- devices: one rank's x on another device than the rest (the meta device needs no GPU)
+    # rank 1's x on meta while the weights and rank 0 are on CPU
+    pytest.param(_set("x_RTH", 1, lambda v: v.to("meta")), ValueError, r"x\[1\] is on meta but the inputs are on cpu",
+                 id="x-other-device"),
+    # w2 on meta
+    pytest.param(_put("w2_EHI", lambda v: v.to("meta")), ValueError, r"w2 is on meta but the inputs are on cpu",
+                 id="w2-other-device"),
     # ---- expert ids: E not divisible by R, out of range
     # R=3 ranks cannot split E=8 experts
     pytest.param(lambda kw: kw.update(make_inputs(r=3)), ValueError,
