@@ -668,3 +668,20 @@ def test_gpu_spin_wait_timeout_flagged(cuda_cleanup):
     torch.cuda.synchronize()
     with pytest.raises(MegakernelError, match="timed out"):
         check_errors(st.err)
+
+
+def test_atomics_only_touch_counters_and_error_flags():
+    """Determinism rests on no atomics on data (DESIGN.md): every ``tl.atomic_*`` in the kernels targets a
+    counter (``cnt_ptr``, through _wait_geq / _signal) or the error flag (``err_ptr``), never a data buffer.
+    A source scan, so a new atomic on data fails here before any bitwise test has to catch its nondeterminism."""
+    import pathlib
+    import re
+
+    kernels = pathlib.Path(__file__).resolve().parents[1] / "src" / "kittenmoe" / "kernels"
+    calls = []
+    for path in sorted(kernels.glob("*.py")):
+        for m in re.finditer(r"tl\.atomic_\w+\(\s*([A-Za-z_][\w.]*)", path.read_text()):
+            calls.append((path.name, m.group(1)))
+    assert calls, "no atomics found: the scan is broken"
+    bad = [c for c in calls if c[1] not in ("cnt_ptr", "err_ptr")]
+    assert not bad, f"atomics on something other than a counter or the error flag: {bad}"
