@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 
 from kittenmoe import ops
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, ModelShape
+from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.ops import MegakernelError, megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -626,6 +628,48 @@ def test_out_of_range_expert_ids_leave_valid_routes_intact(bad_id_run):
     got, ref = _named(res), _reference_grads64(case, inp)
     for gname, g in got.items():
         _assert_grad_close(gname, g, ref[gname], "fp32", rescale=False)
+
+
+# ----------------------------------------------------------------------------- spin-wait timeout
+
+# Each omits one producer role, so one of the backward's four bounded waits never sees its counter reach the
+# target (DESIGN.md "No deadlock").
+TIMEOUT_MISSING_PHASE = {
+    # no pull: phase A waits on pull_ready for d_out / x rows that never arrive
+    "no-pull": mb.PB_PULL,
+    # no phase A (down dgrad + SwiGLU backward): phase B waits on a_ready
+    "no-phase-a": mb.PB_A,
+    # no phase B (gate|up dgrad): the push waits on b_ready
+    "no-phase-b": mb.PB_B,
+    # no shared-expert phase A: the shared phase B waits on sa_ready
+    "no-shared-a": mb.PB_SHARED_A,
+}
+
+
+@pytest.mark.parametrize("name", list(TIMEOUT_MISSING_PHASE))
+def test_spin_wait_timeout_flagged_without_hang(name):
+    """bf16, two ranks, max_spin = 50 polls, one producer role left out: every rank's error flag says timeout
+    (not a bad id), ``check_errors`` raises "timed out", and the call returns (bounded waits, no hang). Under the
+    interpreter the same max_spin with every phase reports nothing: the timeout comes from the missing producer."""
+    case = Case(TINY, r=2, t=8, dtype=torch.bfloat16)
+    inp = _make_inputs(case, seed=9)
+    args = (inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), None)
+    if not HAS_CUDA:
+        # Under the interpreter every producer finishes before its consumer starts, so 50 polls are plenty when
+        # nothing is left out (on a GPU the roles run concurrently and a legitimate wait may need more polls).
+        megakernel_backward_multirank(*args, config=case.config(), max_spin=50).check_errors()
+    t0 = time.monotonic()
+    res = megakernel_backward_multirank(*args, config=case.config(), max_spin=50,
+                                        phases=mb.PB_ALL & ~TIMEOUT_MISSING_PHASE[name])
+    codes = [int(e.max()) for e in res.errs]  # syncs on CUDA: the launches have returned
+    assert time.monotonic() - t0 < 120, "the bounded wait took far too long"
+    for r, code in enumerate(codes):
+        assert code & mk.ERR_TIMEOUT, f"rank {r}: err={code}"
+        assert not code & mk.ERR_BAD_EXPERT_ID, f"rank {r}: a timeout reported as a bad id (err={code})"
+        with pytest.raises(MegakernelError, match="timed out"):
+            ops.check_errors(res.errs[r])
+    with pytest.raises(MegakernelError, match="spin-wait timed out"):
+        res.check_errors()
 
 
 # ----------------------------------------------------------------------------- host-side checks

@@ -13,12 +13,18 @@ e4m3 bits and multiplies in fp32; the float8 tensor-core path runs on a GPU only
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
+from kittenmoe import ops
 from kittenmoe.config import SEED_SHAPES, KernelConfig, ModelShape
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
-from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.kernels import megakernel_bwd as mb
+from kittenmoe.kernels import megakernel_fwd as mk
+from kittenmoe.ops import (MegakernelError, fp8_dgu_block, megakernel_backward_multirank,
+                           megakernel_forward_multirank)
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference_fp8, moe_reference_multirank
 from kittenmoe.testing import assert_bitwise_equal, assert_close, make_weights, routing_uniform, ROUTINGS
@@ -65,6 +71,8 @@ def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=
     for _ in range(r):
         if routing == "one_hot":
             i, wt = ROUTINGS["one_hot"](t, shape.e, shape.k, hot=1, generator=g)
+        elif routing == "few_experts":  # experts 0..2 only: the last expert (at R=E, the last rank) gets no row
+            i, wt = ROUTINGS["few_experts"](t, shape.e, shape.k, [0, 1, 2], generator=g)
         else:
             i, wt = routing_uniform(t, shape.e, shape.k, generator=g)
         ids.append(i.to(device))
@@ -103,18 +111,33 @@ def test_fp8_forward_matches_emulation_and_reference(name):
         assert_close(out.double(), ref[k], "fp8", f"rank {k} vs the unquantised reference")
 
 
+# Forward knobs that must leave the FP8 output's bits unchanged; each differs from CFG (minibatch 16, two comm
+# programs, no ring wrap, push by the comm programs).
+FP8_FWD_KNOBS = {
+    # two row tiles per handoff, one comm program pulling (and quantising) every chunk
+    "minibatch-32-comm-1": dict(minibatch_size=32, num_comm_programs_fwd=1),
+    # the down GEMM's epilogue pushes each finished row straight into its origin's combine buffer
+    "push-in-epilogue": dict(push_in_epilogue=True),
+    # a one-slot ring that wraps: the e4m3 x / hidden rows and their scales are overwritten every minibatch
+    "macrobatch-16": dict(macrobatch_size=16),
+}
+
+
 def test_fp8_forward_bitwise_repeatable_and_across_knobs():
-    """Same inputs, same bits: twice, and with another minibatch and comm-program count (each row's arithmetic,
-    its quantisation included, does not depend on how rows are handed over)."""
+    """Same inputs, same bits: twice, and with each of FP8_FWD_KNOBS (each row's arithmetic, its quantisation
+    included, does not depend on how rows are handed over or pushed back)."""
     w, xs, ids, ws, fp8 = _problem(2, 12, seed=3)
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
     base = megakernel_forward_multirank(*a, config=CFG, fp8=fp8).outputs
+    assert all(torch.isfinite(o).all() for o in base)
     again = megakernel_forward_multirank(*a, config=CFG, fp8=fp8).outputs
-    other = megakernel_forward_multirank(*a, config=CFG.with_(minibatch_size=32, num_comm_programs_fwd=1),
-                                         fp8=fp8).outputs
     for k in range(2):
         assert_bitwise_equal(again[k], base[k], f"rank {k} repeat")
-        assert_bitwise_equal(other[k], base[k], f"rank {k} minibatch 32, one comm program")
+    for name, kw in FP8_FWD_KNOBS.items():
+        res = megakernel_forward_multirank(*a, config=CFG.with_(**kw), fp8=fp8)
+        res.check_errors()
+        for k in range(2):
+            assert_bitwise_equal(res.outputs[k], base[k], f"rank {k} with {name}")
 
 
 def test_fp8_routed_rows_and_scales_are_the_quantiser_s():
@@ -228,6 +251,30 @@ def _grads_of_unquantised(w, xs, ids, ws, d_outs, limit):
     return got
 
 
+def _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit, config=CFG):
+    """Every gradient of ``bwd`` against moe_backward_reference_fp8 (routes with ids outside [0, E) contribute
+    nothing there) at bf16 tolerance on the reference's RMS scale; returns (got, want) by name."""
+    r = len(xs)
+    emu = [moe_backward_reference_fp8(d_outs[k], xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS,
+                                      limit, dgu_block=fp8_dgu_block(config, fp8.cfg.scale_block)) for k in range(r)]
+    got = {f"d_x[{k}]": bwd.d_x[k] for k in range(r)}
+    got.update({f"d_w[{k}]": bwd.d_topk_weights[k] for k in range(r)})
+    want = {f"d_x[{k}]": emu[k]["d_x"] for k in range(r)}
+    want.update({f"d_w[{k}]": emu[k]["d_topk_weights"] for k in range(r)})
+    # each rank's routes land on every rank's experts: the expert gradients are the sum over origin ranks
+    got["d_w13"], want["d_w13"] = bwd.d_w13, sum(m["d_w13"] for m in emu)
+    got["d_w2"], want["d_w2"] = bwd.d_w2, sum(m["d_w2"] for m in emu)
+    if w.shared_w13_2SH is not None:
+        got["d_sw13"], want["d_sw13"] = bwd.d_shared_w13, sum(m["d_shared_w13"] for m in emu)
+        got["d_sw2"], want["d_sw2"] = bwd.d_shared_w2, sum(m["d_shared_w2"] for m in emu)
+    for n, v in got.items():
+        # bf16 tolerances on the reference's RMS scale (gradients are sums of many rows, see test_megakernel_bwd)
+        scale = want[n].pow(2).mean().sqrt().clamp_min(1e-30)
+        tol = "fp8-clamp-emulated" if limit is not None else "bf16"
+        assert_close(v.double() / scale, want[n] / scale, tol, f"{n} vs the fp8 emulation")
+    return got, want
+
+
 @pytest.mark.parametrize("name", list(BWD_CASES))
 def test_fp8_backward_matches_emulation_and_reference(name):
     """FP8 forward (keeping gate|up) then the FP8 backward: down dgrad and gate|up dgrad on e4m3 operands (d_out
@@ -248,23 +295,7 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
     bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
     bwd.check_errors()
-    emu = [moe_backward_reference_fp8(d_outs[k], xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS,
-                                      limit, dgu_block=fp8_dgu_block(CFG, fp8.cfg.scale_block)) for k in range(r)]
-    got = {f"d_x[{k}]": bwd.d_x[k] for k in range(r)}
-    got.update({f"d_w[{k}]": bwd.d_topk_weights[k] for k in range(r)})
-    want = {f"d_x[{k}]": emu[k]["d_x"] for k in range(r)}
-    want.update({f"d_w[{k}]": emu[k]["d_topk_weights"] for k in range(r)})
-    # each rank's routes land on every rank's experts: the expert gradients are the sum over origin ranks
-    got["d_w13"], want["d_w13"] = bwd.d_w13, sum(m["d_w13"] for m in emu)
-    got["d_w2"], want["d_w2"] = bwd.d_w2, sum(m["d_w2"] for m in emu)
-    if w.shared_w13_2SH is not None:
-        got["d_sw13"], want["d_sw13"] = bwd.d_shared_w13, sum(m["d_shared_w13"] for m in emu)
-        got["d_sw2"], want["d_sw2"] = bwd.d_shared_w2, sum(m["d_shared_w2"] for m in emu)
-    for n, v in got.items():
-        # bf16 tolerances on the reference's RMS scale (gradients are sums of many rows, see test_megakernel_bwd)
-        scale = want[n].pow(2).mean().sqrt().clamp_min(1e-30)
-        tol = "fp8-clamp-emulated" if limit is not None else "bf16"
-        assert_close(v.double() / scale, want[n] / scale, tol, f"{n} vs the fp8 emulation")
+    got, _ = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit)
     if c.get("emulation_only"):
         return
     plain = _grads_of_unquantised(w, xs, ids, ws, d_outs, limit)
@@ -317,6 +348,264 @@ def test_fp8_backward_replay_equals_kept_gate_up(r, t, ring, sb, shape):
         assert_bitwise_equal(got.d_topk_weights[k], want.d_topk_weights[k], f"d_w[{k}]")
     for n in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
         assert_bitwise_equal(getattr(got, n), getattr(want, n), n)
+
+
+# ----------------------------------------------------------------------------- no dropped routes (NaN-poisoned buffers)
+
+
+def _nan_scratch(monkeypatch) -> None:
+    """test_megakernel_bwd's: every floating-point ``torch.empty`` (the launchers' scratch: scales, gate|up,
+    x_kept, d_out / d(gate|up) rows, weight gradients ...) comes back NaN until ``monkeypatch.undo()``."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(ops.torch, "empty", nan_empty)
+
+
+def _poisoned_peers(r, t, shape=FP8_TINY):
+    """NaN in every rank's forward combine and backward d_x / d_w combine buffers: a route never pushed stays NaN."""
+    peers = LocalPeers(r, DEV)
+    peers.alloc("combine", (t * shape.k, shape.h), torch.bfloat16, fill=float("nan"))
+    peers.alloc("dx_comb", (t * shape.k, shape.h), torch.bfloat16, fill=float("nan"))
+    peers.alloc("dw_comb", (t * shape.k,), torch.float32, fill=float("nan"))
+    return peers
+
+
+def _route_rows_fp8(x, ids, fp8, limit=None):
+    """[T*K, H] fp64: route t*K + j through expert ids[t, j] alone, unweighted, as the FP8 emulation computes it
+    (zero for ids outside [0, E))."""
+    t, k = ids.shape
+    one = torch.ones(t, 1, dtype=torch.float32, device=x.device)
+    return torch.stack([moe_reference_fp8(x, ids[:, j:j + 1], one, fp8, None, None, limit) for j in range(k)],
+                       dim=1).reshape(t * k, -1)
+
+
+def _check_combine_rows(peers, xs, ids, fp8, limit=None):
+    """Every valid route's forward combine row written (finite) with its own expert's output; the routes with ids
+    outside [0, E) never written (still NaN)."""
+    for k in range(len(xs)):
+        comb = peers.buffer("combine", k)
+        flat = ids[k].reshape(-1)
+        valid = (flat >= 0) & (flat < FP8_TINY.e)
+        unwritten = (~torch.isfinite(comb[valid])).any(dim=1)
+        assert not unwritten.any(), \
+            f"rank {k}: combine rows (t*K+j) never pushed: {valid.nonzero().flatten()[unwritten].tolist()}"
+        assert torch.isnan(comb[~valid]).all(), f"rank {k}: a route with an out-of-range expert id was written"
+        want = _route_rows_fp8(xs[k], ids[k], fp8, limit)
+        assert_close(comb[valid].double(), want[valid], "bf16", f"combine[{k}] vs the fp8 emulation")
+
+
+def _check_pushed_grads(peers, bwd, ids):
+    """Every valid route's d_x row and d_w pushed back (finite), the bad routes' never (NaN), and the epilogue's
+    d_topk_weights equal to the pushed d_w (exactly 0 for the bad routes)."""
+    for k in range(len(ids)):
+        dxc, dwc = peers.buffer("dx_comb", k), peers.buffer("dw_comb", k)
+        flat = ids[k].reshape(-1)
+        valid = (flat >= 0) & (flat < FP8_TINY.e)
+        unwritten = (~torch.isfinite(dxc[valid])).any(dim=1) | ~torch.isfinite(dwc[valid])
+        assert not unwritten.any(), \
+            f"rank {k}: routes (t*K+j) never pushed back: {valid.nonzero().flatten()[unwritten].tolist()}"
+        assert torch.isnan(dxc[~valid]).all() and torch.isnan(dwc[~valid]).all(), \
+            f"rank {k}: a route with an out-of-range expert id was pushed back"
+        dtw = bwd.d_topk_weights[k].reshape(-1)
+        assert_bitwise_equal(dtw[valid], dwc[valid], f"d_topk_weights[{k}] vs pushed d_w")
+        assert torch.all(dtw[~valid] == 0), f"d_topk_weights[{k}]: nonzero gradient for an out-of-range id"
+
+
+DROP_CASES = {
+    # T=7: 14 routes a rank, every expert segment one partial row tile, the shared expert's row tile partial
+    "R2-T7": dict(r=2, t=7),
+    # one token a rank: two routes each, every segment almost all padding; experts 0 and 1 get none (seed 20),
+    # so rank 0 receives no row
+    "R2-T1": dict(r=2, t=1),
+    # four ranks of one expert each (E=4), routes to experts 0..2 only: rank 3 receives no row at all (its
+    # forward and backward run the shared expert only, its expert gradients must be exactly 0)
+    "R4-E4-rank-without-rows": dict(r=4, t=6, routing="few_experts"),
+}
+
+
+@pytest.mark.parametrize("name", list(DROP_CASES))
+def test_fp8_no_dropped_routes_nan_poisoned(name, monkeypatch):
+    """FP8 forward (keeping gate|up) then backward with every float scratch buffer and the peers' combine,
+    d_x-combine and d_w-combine buffers NaN: every route's combine row is pushed, holding its expert's output
+    (the emulation's); outputs match moe_reference_fp8 and gradients moe_backward_reference_fp8 at bf16
+    tolerance; every route's d_x row and d_w are pushed back."""
+    c = DROP_CASES[name]
+    r, t = c["r"], c["t"]
+    w, xs, ids, ws, fp8 = _problem(r, t, seed=20, routing=c.get("routing", "uniform"))
+    d_outs = [torch.randn(t, FP8_TINY.h, generator=torch.Generator().manual_seed(21)).to(DEV, torch.bfloat16)
+              for _ in range(r)]
+    if c.get("routing") == "few_experts":
+        assert not any((i == FP8_TINY.e - 1).any() for i in ids), "the last rank must receive no row"
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    peers = _poisoned_peers(r, t)
+    _nan_scratch(monkeypatch)
+    fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
+    fwd.check_errors()
+    bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
+    bwd.check_errors()
+    monkeypatch.undo()
+    _check_combine_rows(peers, xs, ids, fp8)
+    for k in range(r):
+        emu = moe_reference_fp8(xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS, None)
+        assert_close(fwd.outputs[k].double(), emu, "bf16", f"out[{k}] vs the fp8 emulation")
+    _check_pushed_grads(peers, bwd, ids)
+    _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, None)
+    if c.get("routing") == "few_experts":
+        for n in ("d_w13", "d_w2"):
+            assert torch.all(getattr(bwd, n)[FP8_TINY.e - 1] == 0), f"{n}: nonzero gradient on an expert without rows"
+
+
+# ----------------------------------------------------------------------------- out-of-range expert ids
+
+
+@pytest.fixture(scope="module")
+def fp8_bad_id_run():
+    """R=2, T=8: id E (one past the last expert) on rank 0 and -1 on rank 1, the rest valid; FP8 forward (keeping
+    gate|up) and backward over NaN-poisoned combine buffers, run without raising."""
+    w, xs, ids, ws, fp8 = _problem(2, 8, seed=22)
+    ids[0][3, 1] = FP8_TINY.e
+    ids[1][5, 0] = -1
+    d_outs = [torch.randn(8, FP8_TINY.h, generator=torch.Generator().manual_seed(23)).to(DEV, torch.bfloat16)
+              for _ in range(2)]
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    peers = _poisoned_peers(2, 8)
+    fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
+    comb = [peers.buffer("combine", k).clone() for k in range(2)]
+    bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
+    return w, xs, ids, ws, fp8, d_outs, peers, fwd, comb, bwd
+
+
+def test_fp8_out_of_range_expert_ids_flagged(fp8_bad_id_run):
+    """Both FP8 kernels report the bad ids through every rank's error flag (not as a timeout), and
+    check_errors raises."""
+    *_, fwd, _, bwd = fp8_bad_id_run
+    for what, errs in (("forward", [st.err for st in fwd.states]), ("backward", bwd.errs)):
+        for r, err in enumerate(errs):
+            code = int(err.max())
+            assert code & mk.ERR_BAD_EXPERT_ID, f"{what} rank {r}: err={code}"
+            assert not code & mk.ERR_TIMEOUT, f"{what} rank {r}: a bad id must not cause a timeout (err={code})"
+            with pytest.raises(MegakernelError, match="outside"):
+                ops.check_errors(err)
+    with pytest.raises(MegakernelError, match="expert ids"):
+        fwd.check_errors()
+    with pytest.raises(MegakernelError, match="expert ids"):
+        bwd.check_errors()
+
+
+def test_fp8_out_of_range_expert_ids_leave_valid_routes_intact(fp8_bad_id_run):
+    """Only the two bad routes are dropped: their combine rows and pushed gradients never written (still NaN),
+    their router-weight gradient exactly 0; every output and gradient equals the FP8 emulation's, in which a
+    route with an id outside [0, E) contributes nothing."""
+    w, xs, ids, ws, fp8, d_outs, peers, fwd, comb, bwd = fp8_bad_id_run
+    assert bwd.d_topk_weights[0][3, 1] == 0 and bwd.d_topk_weights[1][5, 0] == 0
+    for k in range(2):  # the forward's combine rows, as they were before the backward ran
+        peers.buffer("combine", k).copy_(comb[k])
+    _check_combine_rows(peers, xs, ids, fp8)
+    for k in range(2):
+        emu = moe_reference_fp8(xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS, None)
+        assert_close(fwd.outputs[k].double(), emu, "bf16", f"out[{k}] vs the fp8 emulation")
+    _check_pushed_grads(peers, bwd, ids)
+    _, want = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, None)
+    assert want["d_w[0]"][3, 1] == 0 and want["d_w[1]"][5, 0] == 0  # the emulation drops them too
+
+
+# ----------------------------------------------------------------------------- spin-wait timeout
+
+# Each leaves one producer role out of one FP8 kernel, so a bounded wait never sees its counter reach the target.
+FP8_TIMEOUT_CASES = {
+    # forward without the pull (x rows quantised on the way in): gate|up waits on x_ready
+    "forward-no-pull": ("forward", mk.PH_ALL & ~mk.PH_PULL),
+    # backward without the pull (d_out rows quantised on the way in): phase A waits on pull_ready
+    "backward-no-pull": ("backward", mb.PB_ALL & ~mb.PB_PULL),
+    # backward without phase A (the e4m3 d(gate|up) never quantised): the e4m3 phase B waits on a_ready
+    "backward-no-phase-a": ("backward", mb.PB_ALL & ~mb.PB_A),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_TIMEOUT_CASES))
+def test_fp8_spin_wait_timeout_flagged_without_hang(name):
+    """FP8, 128-blocks, two ranks, max_spin = 50 polls, one producer left out: every rank's flag says timeout
+    (not a bad id), check_errors raises "timed out", and the call returns (bounded waits, no hang). Under the
+    interpreter the same max_spin with every phase reports nothing: the timeout comes from the missing
+    producer."""
+    kind, phases = FP8_TIMEOUT_CASES[name]
+    w, xs, ids, ws, fp8 = _problem(2, 6, seed=24)
+    d_outs = [torch.randn(6, FP8_TINY.h, generator=torch.Generator().manual_seed(25)).to(DEV, torch.bfloat16)
+              for _ in range(2)]
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+
+    def run(**kw):
+        if kind == "forward":
+            res = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, max_spin=50, **kw)
+            return res, [st.err for st in res.states]
+        res = megakernel_backward_multirank(d_outs, *a, config=CFG, fp8=fp8, max_spin=50, **kw)
+        return res, res.errs
+
+    if not HAS_CUDA:  # (on a GPU the roles run concurrently and a legitimate wait may need more than 50 polls)
+        run()[0].check_errors()
+    t0 = time.monotonic()
+    res, errs = run(phases=phases)
+    codes = [int(e.max()) for e in errs]  # syncs on CUDA: the launches have returned
+    assert time.monotonic() - t0 < 120, "the bounded wait took far too long"
+    for r, code in enumerate(codes):
+        assert code & mk.ERR_TIMEOUT, f"rank {r}: err={code}"
+        assert not code & mk.ERR_BAD_EXPERT_ID, f"rank {r}: a timeout reported as a bad id (err={code})"
+        with pytest.raises(MegakernelError, match="timed out"):
+            ops.check_errors(errs[r])
+    with pytest.raises(MegakernelError, match="spin-wait timed out"):
+        res.check_errors()
+
+
+# ----------------------------------------------------------------------------- backward bitwise across knobs
+
+# Backward knobs that must leave every FP8 gradient's bits unchanged (each d_x row and d_w one row's arithmetic,
+# each weight-gradient element summed by one program in row order); each differs from CFG (16 bwd comm programs,
+# minibatch 16). The forward runs with the same config (its kept activations are sized by the minibatch).
+FP8_BWD_KNOBS = {
+    # one communication program pulls (and quantises) every d_out chunk and pushes every d_x row
+    "comm-1": dict(num_comm_programs_bwd=1),
+    # three communication programs
+    "comm-3": dict(num_comm_programs_bwd=3),
+    # minibatch 32: two row tiles per handoff
+    "minibatch-32": dict(minibatch_size=32),
+}
+
+
+def _fp8_fwd_bwd_grads(cfg, w, xs, ids, ws, fp8, d_outs):
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    fwd = megakernel_forward_multirank(*a, config=cfg, fp8=fp8, save_for_backward=True)
+    bwd = megakernel_backward_multirank(d_outs, *a, config=cfg, saved=fwd.saved(), fp8=fp8)
+    bwd.check_errors()
+    got = {f"d_x[{k}]": g for k, g in enumerate(bwd.d_x)}
+    got.update({f"d_w[{k}]": g for k, g in enumerate(bwd.d_topk_weights)})
+    got.update({n: getattr(bwd, n) for n in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2")})
+    return got
+
+
+@pytest.fixture(scope="module")
+def fp8_bwd_base():
+    w, xs, ids, ws, fp8 = _problem(2, 12, seed=26)
+    d_outs = [torch.randn(12, FP8_TINY.h, generator=torch.Generator().manual_seed(27)).to(DEV, torch.bfloat16)
+              for _ in range(2)]
+    prob = (w, xs, ids, ws, fp8, d_outs)
+    base = _fp8_fwd_bwd_grads(CFG, *prob)
+    for n, g in base.items():
+        assert torch.isfinite(g).all(), n
+    return prob, base
+
+
+@pytest.mark.parametrize("variant", list(FP8_BWD_KNOBS))
+def test_fp8_backward_bitwise_across_knobs(fp8_bwd_base, variant):
+    prob, base = fp8_bwd_base
+    got = _fp8_fwd_bwd_grads(CFG.with_(**FP8_BWD_KNOBS[variant]), *prob)
+    for n in base:
+        assert_bitwise_equal(got[n], base[n], f"{n} with {variant}")
 
 
 # ----------------------------------------------------------------------------- autograd (kittenmoe.moe(fp8=...))
