@@ -782,13 +782,30 @@ def test_gpu_fp8_layer_cuda_graph_and_compile():
     graph.replay()
     torch.cuda.synchronize()
     check_errors()
-    cap = [static_out.detach().clone()] + [p.grad.clone() for p in params]
+    static_grads = [p.grad for p in params]  # the graph's gradient buffers, rewritten by every replay
+    cap = [static_out.detach().clone()] + [t.clone() for t in static_grads]
     for p in params:
         p.grad = None
     out = layer(x)
     eager = [out.detach()] + list(torch.autograd.grad(out, params, d_out))
     for i, (a, b) in enumerate(zip(cap, eager, strict=True)):
         assert_bitwise_equal(a, b, f"replayed tensor {i}")
+    # New tokens and new bf16 master weights copied into the captured tensors: the replay quantises the new
+    # weights inside the graph and gives the eager bits of the new problem (nothing baked in at capture).
+    with torch.no_grad():
+        x.copy_(torch.randn(x.shape, generator=g).to(x.device, x.dtype))
+        for p in layer.parameters():
+            p.mul_(torch.rand(p.shape, generator=g).add(0.5).to(p.device, p.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_errors()
+    cap2 = [static_out.detach().clone()] + [t.clone() for t in static_grads]
+    out = layer(x)
+    eager2 = [out.detach()] + list(torch.autograd.grad(out, params, d_out))
+    assert not torch.equal(eager2[0], eager[0]), "the new problem should give a new output"
+    for i, (a, b) in enumerate(zip(cap2, eager2, strict=True)):
+        assert_bitwise_equal(a, b, f"replayed tensor {i} after new inputs and weights")
+    eager = eager2
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True)
     out_c = compiled(x)
