@@ -56,11 +56,10 @@ fi
 if [[ $what == quant ]]; then  # why the quantising pull is slow (benchmarks/quant_probe.py)
   step quant python3 benchmarks/quant_probe.py
 fi
-if [[ $what == fp8next ]]; then  # what the 2026-12-01 session left unrun on a GPU (about 8 minutes)
+if [[ $what == fp8next ]]; then  # what the 2026-12-01 session left unrun on a GPU (then `fp8gemm` on its own)
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_megakernel_fp8.py
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --breakdown --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step mx32 python3 benchmarks/fp8_round.py --comm 16 --scale-block 32 --shapes kimi-k2.7 --reps 5 --out "$OUT"
-  step fp8gemm python3 benchmarks/fp8_gemm_probe.py
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
