@@ -224,8 +224,6 @@ def quantize_weights_and_transpose(w: torch.Tensor, cfg: FP8Config = FP8Config()
 def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of ``quantize_weights_bxb_kernel``: (q, scale, q_t) of ``w`` [N, K] or [E, N, K]."""
-    import triton
-
     from kittenmoe.kernels import quant
 
     n, k = w.shape[-2:]
