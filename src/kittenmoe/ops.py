@@ -185,10 +185,10 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
     if config.block_n % b:
         raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
-    if fp8_dgu_block(config, b) < 32:  # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less)
-        raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks "
-                         f"{fp8_dgu_block(config, b)} wide, its gate|up dgrad's K step, under the 32 an e4m3 dot "
-                         f"needs: use block_n >= 64")
+    dgb = fp8_dgu_block(config, b)
+    if dgb < 32:  # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less)
+        raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks {dgb} "
+                         f"wide, its gate|up dgrad's K step, under the 32 an e4m3 dot needs: use block_n >= 64")
     if H % b or I % b:
         raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
     if I % config.block_n:  # the e4m3 gate|up tiles are not masked at I: a partial tile would read up rows as gate
@@ -503,10 +503,11 @@ def launch_rank_backward(
 
     ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
     gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x
-    ``fp8_dgu_block`` (min(block_n / 2, B)) in the SwiGLU backward's epilogue, the weights' B x B blocks (square: the transpose keeps them). The weight
-    gradients stay in x's dtype. Rows whose gate|up the forward did not keep are replayed in e4m3 as the
-    forward computed them: the pull quantises their x rows with the forward's rule and phase A runs the
-    forward's gate|up tile code on them (same bits as keeping them)."""
+    ``fp8_dgu_block`` (min(block_n / 2, B)) in the SwiGLU backward's epilogue, the weights' B x B blocks
+    (square: the transpose keeps them). The weight gradients stay in x's dtype. Rows whose gate|up the
+    forward did not keep are replayed in e4m3 as the forward computed them: the pull quantises their x rows
+    with the forward's rule and phase A runs the forward's gate|up tile code on them (same bits as keeping
+    them)."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -563,12 +564,13 @@ def launch_rank_backward(
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
+    dgb = fp8_dgu_block(config, sb)  # (a placeholder constexpr without FP8)
     if fp8 is not None:
         # d_out rows and scales, d(gate|up) rows and scales, and for a replay (rows the forward did not keep)
         # the x rows quantised again, as the forward's pull did
         replay_rows = NR if gu_mode != 1 else 1
         fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), e(NR, 2 * I, dt=torch.uint8),
-                    e(NR, 2 * I // fp8_dgu_block(config, sb), dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
+                    e(NR, 2 * I // dgb, dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
                     e(replay_rows, H // sb, dt=torch.float32))
         # The data-gradient GEMMs multiply by W13 and W2 un-transposed (d_x = d(gate|up) W13, d_hidden = dO W2):
         # their K is the weights' row dimension, and e4m3 wgmma takes B only K-major from shared memory, so
@@ -628,7 +630,6 @@ def launch_rank_backward(
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
     if fp8 is not None and use_tma:  # the routed GEMMs' operands in e4m3 (their bf16 descriptors go unused)
         f8 = torch.float8_e4m3fn
-        dgb = fp8_dgu_block(config, sb)
         b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
                    TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, dgb]), *b_descs[2:])
         if use_tma_a:  # d_out rows, the replay's x rows, W2^T, and W13 for the replay
@@ -644,7 +645,7 @@ def launch_rank_backward(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, DGB=fp8_dgu_block(config, sb),
+        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, DGB=dgb,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n

@@ -250,6 +250,17 @@ def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: t
 
 
 @triton.jit
+def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
+    """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order;
+    columns past I, in a last tile wider than what is left, read as 0)."""
+    rn = nt * BN + tl.arange(0, BN)
+    g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
+    n_ok = (rn < I)[None, :]
+    return (tl.load(g_rows + rn[None, :], mask=n_ok, other=0.0),
+            tl.load(g_rows + I + rn[None, :], mask=n_ok, other=0.0))
+
+
+@triton.jit
 def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -260,10 +271,7 @@ def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I
     else:
         acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nt * BN, I, H, BM, BN, BK,
                          DOT_FP32, PRECISION)
-    rn = nt * BN + tl.arange(0, BN)
-    rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
-    acc_g = tl.load(rows + rn[None, :], mask=(rn < I)[None, :], other=0.0).to(tl.float32)
-    acc_u = tl.load(rows + I + rn[None, :], mask=(rn < I)[None, :], other=0.0).to(tl.float32)
+    acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
     return acc_dh, acc_g, acc_u
 
 
@@ -342,14 +350,6 @@ def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_pt
 
 
 @triton.jit
-def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
-    """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order)."""
-    rn = nt * BN + tl.arange(0, BN)
-    g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
-    return tl.load(g_rows + rn[None, :]), tl.load(g_rows + I + rn[None, :])
-
-
-@triton.jit
 def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, H, I, HB, GB,
                      BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr):
     """As ``_phase_b_fp8`` through float8e4nv TMA descriptors: gq_desc blocks [BM, KS] of the e4m3 d(gate|up)
@@ -372,8 +372,9 @@ def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, 
 def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
                  BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
-    block of d(gate|up): min(phase A's tile width, SB), ``ops.fp8_dgu_block``) along 2I. gq_ptr: uint8 [*, 2I], gs_ptr: fp32 [*, GB];
-    w13t_ptr: one expert's W13 transposed, uint8 [H, 2I] = [N, K] (K-major), w13s_ptr: W13's fp32 [2I / SB, HB]."""
+    block of d(gate|up): min(phase A's tile width, SB), ``ops.fp8_dgu_block``) along 2I. gq_ptr: uint8
+    [*, 2I], gs_ptr: fp32 [*, GB]; w13t_ptr: one expert's W13 transposed, uint8 [H, 2I] = [N, K] (K-major),
+    w13s_ptr: W13's fp32 [2I / SB, HB]."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN2)
     rk = tl.arange(0, KS)
