@@ -183,6 +183,22 @@ def _perf_table():
     return mod
 
 
+def _bench_rows(argv, out, capsys):
+    """Run ``kittenmoe`` with ``argv`` (which writes to ``out``); it must exit 0 and write one JSON file of a
+    forward and a forward+backward row, each with the fields scripts/perf_table.py reads.
+    (rows, stdout, the JSON file)."""
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    files = list(out.glob("bench-*.json"))
+    assert len(files) == 1
+    rows = json.loads(files[0].read_text())
+    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    for r in rows:
+        for f in PERF_TABLE_FIELDS:
+            assert f in r, f
+    return rows, text, files[0]
+
+
 # The interpreter computes on the uninitialised padding rows of the routed buffers; numpy warns there.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run; on a GPU bench times the real thing")
@@ -193,15 +209,8 @@ def test_bench_end_to_end(tmp_path, capsys):
     png = tmp_path / "plot.png"
     argv = ["bench", "--shape", TINY, "--mode", "both", "--dtype", "fp32", "--reps", "2", "--warmup", "0",
             "--out", str(out), "--plot", str(png)]
-    assert cli.main(argv) == 0
-    text = capsys.readouterr().out
-    files = list(out.glob("bench-*.json"))
-    assert len(files) == 1
-    rows = json.loads(files[0].read_text())
-    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    rows, text, path = _bench_rows(argv, out, capsys)
     for r in rows:
-        for f in PERF_TABLE_FIELDS:
-            assert f in r, f
         assert r["device"] == "cpu-interpreter" and r["gpu"] == "cpu"
         assert (r["tokens"], r["h"], r["i"], r["e"], r["k"], r["ranks"], r["experts_local"]) == (20, 32, 16, 8, 2, 1, 8)
         assert r["shape"] == "H32-I16-E8-K2" and r["dtype"] == "fp32" and r["routing"] == "uniform"
@@ -218,13 +227,13 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
     # terminal: the note, the skipped baseline, the table, the JSON path and the plot (or why not)
     assert "not GPU figures" in text and "skipped: deep_ep not importable" in text
-    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(files[0]) in text
+    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(path) in text
     if importlib.util.find_spec("matplotlib") is None:
         assert "plot skipped: matplotlib is not installed" in text and not png.exists()
     else:
         assert png.exists() and png.stat().st_size > 0
     pt = _perf_table()
-    table = pt.render([dict(r, _file=files[0].name) for r in rows])
+    table = pt.render([dict(r, _file=path.name) for r in rows])
     assert "H32-I16-E8-K2" in table and "forward+backward" in table
 
 
@@ -282,15 +291,8 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
     out = tmp_path / "results"
     argv = ["bench", "--shape", FP8_TINY, "--fp8", str(block), "--mode", "both", "--reps", "1", "--warmup", "0",
             "--out", str(out)] + extra
-    assert cli.main(argv) == 0
-    text = capsys.readouterr().out
-    files = list(out.glob("bench-*.json"))
-    assert len(files) == 1
-    rows = json.loads(files[0].read_text())
-    assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    rows, text, _ = _bench_rows(argv, out, capsys)
     for r in rows:
-        for f in PERF_TABLE_FIELDS:
-            assert f in r, f
         assert r["precision"] == f"fp8-e4m3/{block}" and r["baseline_precision"] == "bf16" and r["dtype"] == "bf16"
         assert r["baseline"] == "grouped_mm" and r["ranks"] == (2 if extra else 1)
         for f in ("ms_kittenmoe", "ms_baseline", "speedup", "ms_fp8_weight_quantisation"):

@@ -32,6 +32,7 @@ from kittenmoe.ops import MegakernelError, megakernel_backward_multirank, megake
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
+    nan_scratch,
     routing_few_experts,
     ROUTINGS,
     MoEWeights,
@@ -119,20 +120,6 @@ def _make_inputs(case: Case, seed: int = 0, device=DEV) -> Inputs:
     mw = make_weights(case.shape, dtype=case.dtype, device=device, generator=gen, shared=case.shared)
     d_outs = [torch.randn(case.t, case.shape.h, generator=gen).to(device, case.dtype) for _ in range(case.r)]
     return Inputs(xs, ids, ws, mw, d_outs)
-
-
-def _nan_scratch(monkeypatch) -> None:
-    """Every floating-point ``torch.empty`` in the launchers (``kittenmoe.ops``) comes back filled with NaN, until
-    ``monkeypatch.undo()``: a buffer row read before it is written shows up in the results."""
-    real_empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ops.torch, "empty", nan_empty)
 
 
 def _poison(peers: LocalPeers, t: int, k: int, h: int, dtype: torch.dtype) -> LocalPeers:
@@ -395,7 +382,7 @@ def test_scratch_buffers_poisoned_with_nan(name, monkeypatch):
     (schedule padding in the weight-gradient sums, for one) or a gradient they never write shows as NaN."""
     case = MATCH_CASES[name]
     inp = _make_inputs(case)
-    _nan_scratch(monkeypatch)
+    nan_scratch(monkeypatch)
     got = _named(_backward(case, inp))
     monkeypatch.undo()
     ref = _reference_grads64(case, inp)
@@ -436,7 +423,7 @@ def test_resident_backward_matches_replay(name, monkeypatch):
     case = RESIDENT_CASES[name]
     inp = _make_inputs(case, seed=5)
     cfg = case.config()
-    _nan_scratch(monkeypatch)
+    nan_scratch(monkeypatch)
     peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
     fwd = _forward_saved(case, inp, cfg, peers)
     assert all(st.ring.resident and st.gate_up is not None for st in fwd.states)
@@ -466,7 +453,7 @@ def test_wrapping_ring_keeps_macrobatch_zero(t, monkeypatch):
     case = Case(TINY, r=2, t=t)
     inp = _make_inputs(case, seed=6)
     cfg = case.config().with_(macrobatch_size=32)
-    _nan_scratch(monkeypatch)
+    nan_scratch(monkeypatch)
     peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
     fwd = _forward_saved(case, inp, cfg, peers)
     assert all(not st.ring.resident and st.gate_up.shape == (32, 2 * TINY.i) for st in fwd.states)

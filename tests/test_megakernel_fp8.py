@@ -27,7 +27,8 @@ from kittenmoe.ops import (MegakernelError, fp8_dgu_block, megakernel_backward_m
                            megakernel_forward_multirank)
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference_fp8, moe_reference_multirank
-from kittenmoe.testing import assert_bitwise_equal, assert_close, make_weights, routing_uniform, ROUTINGS
+from kittenmoe.testing import (assert_bitwise_equal, assert_close, make_weights, nan_scratch, routing_uniform,
+                               ROUTINGS)
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
@@ -353,20 +354,6 @@ def test_fp8_backward_replay_equals_kept_gate_up(r, t, ring, sb, shape):
 # ----------------------------------------------------------------------------- no dropped routes (NaN-poisoned buffers)
 
 
-def _nan_scratch(monkeypatch) -> None:
-    """test_megakernel_bwd's: every floating-point ``torch.empty`` (the launchers' scratch: scales, gate|up,
-    x_kept, d_out / d(gate|up) rows, weight gradients ...) comes back NaN until ``monkeypatch.undo()``."""
-    real_empty = torch.empty
-
-    def nan_empty(*shape, **kw):
-        t = real_empty(*shape, **kw)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(ops.torch, "empty", nan_empty)
-
-
 def _poisoned_peers(r, t, shape=FP8_TINY):
     """NaN in every rank's forward combine and backward d_x / d_w combine buffers: a route never pushed stays NaN."""
     peers = LocalPeers(r, DEV)
@@ -444,7 +431,7 @@ def test_fp8_no_dropped_routes_nan_poisoned(name, monkeypatch):
         assert not any((i == FP8_TINY.e - 1).any() for i in ids), "the last rank must receive no row"
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
     peers = _poisoned_peers(r, t)
-    _nan_scratch(monkeypatch)
+    nan_scratch(monkeypatch)
     fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
     fwd.check_errors()
     bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)

@@ -175,3 +175,18 @@ def make_weights(shape: ModelShape, dtype=torch.float32, device="cpu", generator
         shared_w13_2SH=rnd(2 * s, h, fan_in=h) if shared and s else None,
         shared_w2_HS=rnd(h, s, fan_in=s) if shared and s else None,
     )
+
+
+def nan_scratch(monkeypatch) -> None:
+    """Every floating-point ``torch.empty`` (the launchers' scratch: scales, gate|up, kept rows, d_out and
+    d(gate|up) rows, weight gradients ...) comes back filled with NaN until ``monkeypatch.undo()``: a buffer
+    row read before it is written shows up in the results. ``monkeypatch``: pytest's fixture."""
+    real_empty = torch.empty
+
+    def nan_empty(*shape, **kw):
+        t = real_empty(*shape, **kw)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
