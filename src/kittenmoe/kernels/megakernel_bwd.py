@@ -252,12 +252,15 @@ def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: t
 @triton.jit
 def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
     """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order;
-    columns past I, in a last tile wider than what is left, read as 0)."""
+    columns past I, in a last tile wider than what is left, read as 0). Cast to fp32 although the kept buffer is
+    fp32: without kept rows the launcher passes a bf16 placeholder, and the FP8 phase A's runtime branch
+    ``row0 < gu_rows`` still compiles this side, whose types must match the replay side's (Triton 3.6 refuses
+    the kernel otherwise; the interpreter does not check)."""
     rn = nt * BN + tl.arange(0, BN)
     g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
     n_ok = (rn < I)[None, :]
-    return (tl.load(g_rows + rn[None, :], mask=n_ok, other=0.0),
-            tl.load(g_rows + I + rn[None, :], mask=n_ok, other=0.0))
+    return (tl.load(g_rows + rn[None, :], mask=n_ok, other=0.0).to(tl.float32),
+            tl.load(g_rows + I + rn[None, :], mask=n_ok, other=0.0).to(tl.float32))
 
 
 @triton.jit

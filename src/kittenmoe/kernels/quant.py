@@ -162,4 +162,7 @@ def quantize_weights_bxb_kernel(
     tl.store(q_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], bits, mask=msk)
     tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
     if TRANSPOSED:
-        tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits), mask=tl.trans(msk))
+        # The same [SB(n), SB(k)] tile through transposed addresses, not tl.trans(bits): on the H200 (Triton 3.6)
+        # the tl.trans form wrote wrong bytes for fp32 weights (36,719 of 98,304 differed; bf16 weights were
+        # right), tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_bitwise.
+        tl.store(qt_ptr + base + rk[None, :].to(tl.int64) * N + rn[:, None], bits, mask=msk)
