@@ -17,7 +17,7 @@ torch gives 448), so it cannot match torch. The integer path is exact on
 every backend. The fused quantiser ``quantize_rows_1xb`` uses the GPU's
 ``cvt.rn.satfinite.e4m3x2.f32`` when compiled (``HW_E4M3_CVT``; same bits for
 |v| <= 448, checked against torch by the FP8 megakernel tests on the H200);
-this standalone kernel keeps the integer path everywhere.
+the standalone kernels here (activations; weights with their transposes) keep the integer path everywhere.
 """
 
 import os
@@ -158,11 +158,14 @@ def quantize_weights_bxb_kernel(
     base = e * N * K
     w = tl.load(w_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], mask=msk, other=0.0).to(tl.float32)
     scale = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    bits = _e4m3_bits(w * _reciprocal(scale))
+    # The integer rounding, not the GPU's cvt (``_e4m3_bits``): with the cvt, Triton 3.6 on the H200 wrote wrong
+    # q^T bytes (NaN patterns among them) for fp32 weights whose N and K are multiples of 16, both with
+    # tl.trans(bits) and with transposed addresses, while q was right and bf16 weights were right
+    # (tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_bitwise, 2026-12-01). The layout
+    # change for the transposed store appears to recompute the paired e4m3x2 conversion in the other layout.
+    # The integer bits are plain int32 values that any layout conversion moves unchanged.
+    bits = _e4m3_bits_rne(w * _reciprocal(scale)).to(tl.uint8)
     tl.store(q_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], bits, mask=msk)
     tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
     if TRANSPOSED:
-        # The same [SB(n), SB(k)] tile through transposed addresses, not tl.trans(bits): on the H200 (Triton 3.6)
-        # the tl.trans form wrote wrong bytes for fp32 weights (36,719 of 98,304 differed; bf16 weights were
-        # right), tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_bitwise.
-        tl.store(qt_ptr + base + rk[None, :].to(tl.int64) * N + rn[:, None], bits, mask=msk)
+        tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits), mask=tl.trans(msk))
