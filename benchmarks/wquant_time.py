@@ -1,0 +1,56 @@
+"""Time the fused FP8 weight quantiser (q, scales, q^T) on one EP8 slice's routed weights, beside torch's.
+
+    PYTHONPATH=src python3 benchmarks/wquant_time.py [--shape kimi-k2.7] [--ep 8]
+
+What the layer pays every step when it quantises bf16 master weights (docs/perf-notes.md, FP8).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from kittenmoe.config import SEED_SHAPES
+from kittenmoe.fp8 import FP8Config, quantize_weights_and_transpose
+
+
+def _ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="kimi-k2.7")
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    s = SEED_SHAPES[args.shape]
+    L = s.e // args.ep
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dt, sb, pow2 in ((torch.bfloat16, 128, False), (torch.bfloat16, 32, True), (torch.float32, 128, False)):
+        w13 = torch.randn(L, 2 * s.i, s.h, device="cuda", generator=g, dtype=dt)
+        w2 = torch.randn(L, s.h, s.i, device="cuda", generator=g, dtype=dt)
+        numel = w13.numel() + w2.numel()
+        cfg = FP8Config(scale_block=sb, pow2_scales=pow2)
+        res = {}
+        for impl in ("triton", "torch"):
+            res[impl] = _ms(lambda: (quantize_weights_and_transpose(w13, cfg, impl=impl),
+                                     quantize_weights_and_transpose(w2, cfg, impl=impl)), args.reps)
+        moved = (w13.element_size() + 2) * numel  # read w, write q and q^T (1 B each); scales are ~0.01%
+        print(f"{args.shape} L={L} {dt} scale_block={sb}: triton {res['triton']:.3f} ms "
+              f"({moved / res['triton'] / 1e6:.0f} GB/s), torch {res['torch']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
