@@ -51,11 +51,15 @@ NO_EXPERTS = "no-routed-experts"
 def register_no_experts() -> None:
     """An experts implementation that computes nothing (its output is ``hidden_states * 0``, which keeps the
     graph connected): the step time without the routed experts, i.e. the floor under any implementation's
-    step, so that ``grouped_mm / no-routed-experts`` bounds the whole-step speed-up an experts kernel can give."""
+    step, so that ``grouped_mm / no-routed-experts`` bounds the whole-step speed-up an experts kernel can give.
+    One element of each expert weight joins the output (times 0) so the weights still get (zero) gradients and
+    AdamW still updates them: every real implementation pays that optimizer work (1.6 G expert parameters in
+    the issue's model, most of the step's multi_tensor_apply time), so the floor must too."""
     from transformers.integrations.moe import ExpertsInterface
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        return hidden_states * 0
+        touch = (self.gate_up_proj[0, 0, 0] + self.down_proj[0, 0, 0]).to(hidden_states.dtype)
+        return hidden_states * 0 + touch * 0
 
     ExpertsInterface.register(NO_EXPERTS, forward)
 
