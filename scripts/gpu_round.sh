@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|all]   (default all; on the nvidia-h200 device)
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|all]
+#   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
 #
@@ -24,8 +25,15 @@ step() {  # step NAME COMMAND...
   summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)")")
 }
 
+# The GPU tests take ~9.5 minutes: two calls. tests: everything but the forward's files (~7 min, test_distributed
+# is most of it); tests2: the forward megakernel, schedule, training and transformers tests (~2 min).
+first=(tests/test_bench_tune.py tests/test_distributed.py tests/test_layer.py tests/test_megakernel_bwd.py
+       tests/test_megakernel_fp8.py tests/test_fp8.py)
 if [[ $what == tests || $what == all ]]; then
-  step tests python3 -m pytest -q -m gpu -p no:cacheprovider tests
+  step tests python3 -m pytest -q -m gpu -p no:cacheprovider "${first[@]}"
+fi
+if [[ $what == tests2 || $what == all ]]; then
+  step tests2 python3 -m pytest -q -m gpu -p no:cacheprovider tests "${first[@]/#/--ignore=}"
   step sched python3 -m pytest -q -p no:cacheprovider tests/test_schedule.py -k triton
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -60,6 +68,10 @@ if [[ $what == fp8next ]]; then  # what the 2026-12-01 session left unrun on a G
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py tests/test_megakernel_fp8.py
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --breakdown --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step mx32 python3 benchmarks/fp8_round.py --comm 16 --scale-block 32 --shapes kimi-k2.7 --reps 5 --out "$OUT"
+fi
+if [[ $what == wquant ]]; then  # the FP8 weight quantiser (q, scales, q^T) on the Kimi slice, and its bitwise tests
+  step wqtest python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k transpose
+  step wquant python3 benchmarks/wquant_time.py
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
