@@ -137,38 +137,69 @@ def quantize_act_1xb_kernel(
 
 
 @triton.jit
+def _weight_bits(w, scale, FP32_IN: tl.constexpr):
+    """e4m3 bits (uint8) of a weight tile at its block's scale. fp32 weights round in integers, not with the
+    GPU's cvt (``_e4m3_bits``): with the cvt, Triton 3.6 on the H200 wrote wrong q^T bytes (NaN patterns among
+    them) for fp32 weights whose N and K are multiples of 16, through tl.trans(bits) and through transposed
+    addresses alike, while q was right (tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_
+    bitwise, 2026-12-01; root cause not found). bf16 / fp16 weights are right with the cvt, which is cheaper."""
+    if FP32_IN:
+        return _e4m3_bits_rne(w * _reciprocal(scale)).to(tl.uint8)
+    return _e4m3_bits(w * _reciprocal(scale))
+
+
+@triton.jit
 def quantize_weights_bxb_kernel(
     w_ptr,  # [E, N, K] fp32 / bf16 / fp16, contiguous
     q_ptr,  # [E, N, K] uint8: e4m3fn bits
     qt_ptr,  # [E, K, N] uint8: the same bits transposed (TRANSPOSED; else a placeholder, never touched)
     s_ptr,  # [E, NB, KB] fp32 block scales, NB = cdiv(N, SB), KB = cdiv(K, SB)
     N, K, NB, KB,
-    SB: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr,
+    SB: tl.constexpr, RC: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr,
 ):
     """One program per SB x SB block (kb, nb, e): amax over the block (a partial block over what it has), the
     scale rule, q = e4m3(w * (1 / scale)); with TRANSPOSED also q^T, which the FP8 backward's data-gradient
-    GEMMs read (e4m3 wgmma takes B K-major only): written here, where the block is already in registers,
-    instead of by a transpose of the e4m3 weights per backward."""
+    GEMMs read (e4m3 wgmma takes B K-major only): written here, where the rows are already in registers,
+    instead of by a transpose of the e4m3 weights per backward.
+
+    The block streams through in chunks of RC rows, twice: an amax pass, then a quantise pass that reads
+    the same rows again (from L2: the block was read a moment before). Holding the whole 128 x 128 block
+    in registers took 196 registers a thread at 4 warps (bf16; fp32 spilled), two programs an SM, each
+    loading, reducing and storing in series: 11.2 ms for the Kimi EP8 slice's weights, 18% of HBM
+    bandwidth (H200, benchmarks/wquant_time.py). RC = SB keeps the one-pass form (small blocks)."""
     kb = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
-    rn = nb * SB + tl.arange(0, SB)
     rk = kb * SB + tl.arange(0, SB)
-    msk = (rn < N)[:, None] & (rk < K)[None, :]
+    k_ok = (rk < K)[None, :]
     base = e * N * K
-    w = tl.load(w_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], mask=msk, other=0.0).to(tl.float32)
-    scale = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
-    # fp32 weights round in integers, not with the GPU's cvt (``_e4m3_bits``): with the cvt, Triton 3.6 on the
-    # H200 wrote wrong q^T bytes (NaN patterns among them) for fp32 weights whose N and K are multiples of 16,
-    # through tl.trans(bits) and through transposed addresses alike, while q was right
-    # (tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_bitwise, 2026-12-01; root cause not
-    # found). bf16 / fp16 weights are right with the cvt on every tested shape, and the integer path costs 4x
-    # there (Kimi EP8 slice, bf16: 13.6 ms against 3.3 ms, benchmarks/wquant_time.py), so they keep it.
-    if w_ptr.dtype.element_ty == tl.float32:
-        bits = _e4m3_bits_rne(w * _reciprocal(scale)).to(tl.uint8)
+    FP32_IN: tl.constexpr = w_ptr.dtype.element_ty == tl.float32
+    if RC == SB:
+        rn = nb * SB + tl.arange(0, SB)
+        msk = (rn < N)[:, None] & k_ok
+        offs = base + rn[:, None].to(tl.int64) * K + rk[None, :]
+        w = tl.load(w_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+        scale = scale_from_amax(tl.max(tl.max(tl.abs(w), axis=1), axis=0), POW2)
+        bits = _weight_bits(w, scale, FP32_IN)
+        tl.store(q_ptr + offs, bits, mask=msk)
+        if TRANSPOSED:
+            tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits), mask=tl.trans(msk))
     else:
-        bits = _e4m3_bits(w * _reciprocal(scale))
-    tl.store(q_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], bits, mask=msk)
+        amax = tl.zeros((RC,), tl.float32)
+        for r in range(0, SB, RC):
+            rn = nb * SB + r + tl.arange(0, RC)
+            msk = (rn < N)[:, None] & k_ok
+            w = tl.load(w_ptr + base + rn[:, None].to(tl.int64) * K + rk[None, :], mask=msk, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(w.to(tl.float32)), axis=1))
+        scale = scale_from_amax(tl.max(amax, axis=0), POW2)
+        for r in range(0, SB, RC):
+            rn = nb * SB + r + tl.arange(0, RC)
+            msk = (rn < N)[:, None] & k_ok
+            offs = base + rn[:, None].to(tl.int64) * K + rk[None, :]
+            w = tl.load(w_ptr + offs, mask=msk, other=0.0).to(tl.float32)
+            bits = _weight_bits(w, scale, FP32_IN)
+            tl.store(q_ptr + offs, bits, mask=msk)
+            if TRANSPOSED:  # RC bytes a row of q^T: 32 is one 32-byte sector
+                tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits),
+                         mask=tl.trans(msk))
     tl.store(s_ptr + e * NB * KB + nb * KB + kb, scale)
-    if TRANSPOSED:
-        tl.store(qt_ptr + base + rk[:, None].to(tl.int64) * N + rn[None, :], tl.trans(bits), mask=tl.trans(msk))
