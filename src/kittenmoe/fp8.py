@@ -45,6 +45,11 @@ E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Launch parameters of the standalone quantisers by scale block (also what kittenmoe.sm90_build compiles).
+# Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: 128-blocks
+# stream in 32-row chunks (4,096 values, 32 a thread at 4 warps); 32-blocks in one pass, one warp.
+ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
+WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
 
 @dataclass(frozen=True)
@@ -163,10 +168,10 @@ def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[to
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((*x.shape[:-1], kb), dtype=torch.float32, device=x.device)
     if m and k:
-        block_m = 16 if b == 128 else 64
+        block_m = ACT_QUANT_LAUNCH[b]["BLOCK_M"]
         quant.quantize_act_1xb_kernel[(triton.cdiv(m, block_m), kb)](
             x2, q.view(torch.uint8).reshape(m, k), scale.reshape(m, kb), m, k, kb,
-            SB=b, BLOCK_M=block_m, POW2=cfg.pow2_scales)
+            SB=b, POW2=cfg.pow2_scales, **ACT_QUANT_LAUNCH[b])
     return q, scale
 
 
@@ -235,10 +240,8 @@ def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: boo
     q_t = torch.empty((e, k, n), dtype=torch.uint8, device=w.device)
     scale = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
     if q.numel():
-        # 32-row chunks of 128-blocks (4,096 values, 32 a thread at 4 warps); 32-blocks in one pass, one warp
-        quant.quantize_weights_bxb_kernel[(kb, nb, e)](w3, q, q_t, scale, n, k, nb, kb, SB=b, RC=min(b, 32),
-                                                      POW2=pow2_scales, TRANSPOSED=True,
-                                                      num_warps=4 if b == 128 else 1)
+        quant.quantize_weights_bxb_kernel[(kb, nb, e)](w3, q, q_t, scale, n, k, nb, kb, SB=b, POW2=pow2_scales,
+                                                      TRANSPOSED=True, **WEIGHT_QUANT_LAUNCH[b])
     lead = w.shape[:-2]
     return (q.view(FP8_DTYPE).reshape(w.shape), scale.reshape(*lead, nb, kb),
             q_t.view(FP8_DTYPE).reshape(*lead, k, n))

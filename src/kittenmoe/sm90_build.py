@@ -1,0 +1,213 @@
+"""Compile the kernels for sm_90 (Hopper) on a machine without a GPU, and read what the builds use.
+
+Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
+minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
+the H200 with the Triton the device runs). The second exists because the interpreter checks neither types
+across branches nor shared memory: on 2026-12-01 the FP8 backward's replay variant, green in CI, did not
+compile on the H200 (Triton 3.6: "Mismatched type for acc_g between then block ... and else block").
+
+How: the launchers run on small CPU tensors of a shape's widths (H, I, S; few tokens and experts, which are
+runtime values) with the GPU code path forced (TMA descriptors, no interpreter); every ``kernel[grid](...)``
+compiles through ``JITFunction.run(warmup=True)`` for a fake sm_90 driver instead of launching. The figures
+are those of the installed Triton, which CI pins to the device's (3.6) so that they match it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+
+from kittenmoe import ops
+from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
+from kittenmoe.testing import make_weights, routing_uniform
+
+SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 program may use (227 KB)
+
+
+class _FakeSm90Driver:
+    """Just enough of a driver for ``JITFunction.run(warmup=True)`` to compile for sm_90."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One compiled kernel: its name, registers a thread, stack and local (spill) bytes, shared memory."""
+
+    name: str
+    regs: int
+    stack: int
+    local: int
+    shared: int
+    wgmma: bool
+    tma: bool
+    kernel: object = dataclasses.field(repr=False, compare=False)
+
+    def line(self) -> str:
+        return (f"{self.name:<40} regs {self.regs:>3} stack {self.stack:>4} local {self.local:>4}  "
+                f"shared {self.shared:>7} B  wgmma {self.wgmma}  TMA {self.tma}")
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(REG, STACK, LOCAL) from cuobjdump, shipped with Triton's NVIDIA backend."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    if m is None:
+        raise RuntimeError(f"cuobjdump -res-usage gave no REG/STACK/LOCAL line: {out.strip()[-200:]}")
+    return int(m[1]), int(m[2]), int(m[4])
+
+
+def _build(name: str, k) -> Build:
+    ptx = k.asm.get("ptx", "")
+    regs, stack, local = _resource_usage(k.asm["cubin"])
+    return Build(name, regs, stack, local, k.metadata.shared, "wgmma.mma_async" in ptx,
+                 "cp.async.bulk.tensor" in ptx, k)
+
+
+@contextlib.contextmanager
+def compile_only_sm90():
+    """Within: kernel launches compile for sm_90 and do not run; yields the list they append Builds to."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("sm90_build compiles real kernels: unset TRITON_INTERPRET before kittenmoe.kernels "
+                           "is imported (run it in its own process)")
+    built: list[Build] = []
+    orig_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        try:
+            k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as exc:  # marked, so that build_megakernels never mistakes it for a post-launch failure
+            exc.kittenmoe_compile_failed = True
+            raise
+        built.append(_build(self.fn.__name__, k))
+        return k
+
+    prev_driver = driver._active
+    saved = {n: getattr(ops, n) for n in ("interpreting", "_tma_ok", "_bwd_tma_ok", "_num_programs",
+                                          "_check_device")}
+    driver.set_active(_FakeSm90Driver())
+    JITFunction.run = run
+    ops.interpreting = lambda: False
+    ops._check_device = lambda device: None
+    ops._tma_ok = lambda config, *a_, **k_: config.tma
+    ops._bwd_tma_ok = lambda config, *a_, **k_: config.tma
+    ops._num_programs = lambda dev, num_comm: 132
+    try:
+        yield built
+    finally:
+        JITFunction.run = orig_run
+        driver._active = prev_driver
+        for n, v in saved.items():
+            setattr(ops, n, v)
+
+
+def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
+                      fp8_block: int | None = None, replay: bool = False, resident: bool = False) -> list[Build]:
+    """Compile the forward (``which="fwd"``) or backward (``"bwd"``) launch's kernels for sm_90.
+
+    ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales); ``replay``: the FP8
+    backward without the forward's kept activations; ``resident``: the variants that keep the forward's
+    activations for the backward (SAVE_GU / RESIDENT)."""
+    if which not in ("fwd", "bwd"):
+        raise ValueError(f"which must be 'fwd' or 'bwd', got {which!r}")
+    sh = {**SEED_SHAPES, **TEST_SHAPES}[shape]
+    sh = sh.with_(e=4, k=2)  # widths as the shape has them; experts and tokens are runtime values
+    T = 64
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(sh, dtype=torch.bfloat16, device="cpu", generator=g)
+    x = [torch.randn(T, sh.h, generator=g).to(torch.bfloat16)]
+    ids, wts = routing_uniform(T, sh.e, sh.k, generator=g, device="cpu")
+    d_out = [torch.randn(T, sh.h, generator=g).to(torch.bfloat16)]
+    a = (x, [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, sh.swiglu_limit)
+    fp8 = None
+    if fp8_block is not None:
+        from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+
+        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(fp8_block, fp8_block == 32))
+    with compile_only_sm90() as built:
+        try:
+            if which == "fwd":
+                ops.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8)
+            else:
+                fwd = None
+                if resident or (fp8 is not None and not replay):
+                    # the forward's states carry the buffers the backward reads; its kernels are not reported
+                    fwd = ops.megakernel_forward_multirank(*a, config=config, save_for_backward=True, fp8=fp8)
+                    built.clear()
+                ops.megakernel_backward_multirank(d_out, *a, config=config, saved=fwd.saved() if fwd else None,
+                                                  fp8=fp8)
+        except Exception as exc:
+            # The launchers read results after the (fake) launches and may fail there, once the kernels have
+            # compiled: that is expected. A compile failure, or a failure before any compile, is not.
+            if getattr(exc, "kittenmoe_compile_failed", False) or not built:
+                raise
+        return list(built)
+
+
+def build_quantisers() -> list[Build]:
+    """Compile the standalone FP8 quantisers (activations 1 x B, weights B x B with their transposes) for
+    sm_90, for bf16 and fp32 inputs and both scale blocks, as ``kittenmoe.fp8``'s launchers call them."""
+    from kittenmoe.fp8 import ACT_QUANT_LAUNCH, WEIGHT_QUANT_LAUNCH
+    from kittenmoe.kernels import quant
+
+    with compile_only_sm90() as built:
+        for dt in (torch.bfloat16, torch.float32):
+            for b in (128, 32):
+                x = torch.empty(64, 256, dtype=dt)
+                quant.quantize_act_1xb_kernel[(1, 256 // b)](
+                    x, torch.empty(64, 256, dtype=torch.uint8), torch.empty(64, 256 // b), 64, 256, 256 // b,
+                    SB=b, POW2=b == 32, **ACT_QUANT_LAUNCH[b])
+                w = torch.empty(2, 256, 384, dtype=dt)
+                nb, kb = 256 // b, 384 // b
+                quant.quantize_weights_bxb_kernel[(kb, nb, 2)](
+                    w, torch.empty(2, 256, 384, dtype=torch.uint8), torch.empty(2, 384, 256, dtype=torch.uint8),
+                    torch.empty(2, nb, kb), 256, 384, nb, kb, SB=b, POW2=b == 32, TRANSPOSED=True,
+                    **WEIGHT_QUANT_LAUNCH[b])
+        return list(built)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m kittenmoe.sm90_build '{"which": "bwd", "fp8_block": 128, ...}'`` (or ``'{"which":
+    "quant"}'``): one JSON list of the builds on stdout, for tests/test_sm90_build.py's subprocess."""
+    import json
+
+    spec = json.loads(argv[0])
+    which = spec.pop("which")
+    if which == "quant":
+        builds = build_quantisers()
+    else:
+        config = KernelConfig(**spec.pop("config", {}))
+        builds = build_megakernels(which, config=config, **spec)
+    print(json.dumps(dict(triton=triton.__version__, builds=[
+        {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if f.name != "kernel"} for b in builds])))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_main(sys.argv[1:]))
