@@ -23,7 +23,7 @@ def main():
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rows", type=int, default=30)
     args = ap.parse_args()
-    hf_round.implementations()
+    hf_round.implementations(torch.device("cuda"))
     model, cfg = hf_round.build(False, "cuda", torch.bfloat16)
     model.set_experts_implementation(args.impl)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -5,7 +5,7 @@
 
 The model (issue 9's speed goal): a few DeepSeek-V3 layers, H 2048, I 1408, E 64, top-6, one shared
 expert, 8 k tokens a step, bf16, randomly initialised from its config (no download). Each
-``experts_implementation`` (grouped_mm, kittenmoe, sonicmoe when importable) trains from the same weights on
+``experts_implementation`` (grouped_mm, kittenmoe, kittenmoe-fp8 on CUDA, sonicmoe when importable) trains from the same weights on
 the same batches; a step is forward + backward + AdamW, timed with CUDA events after warm-up, median of the
 timed steps. A third run with the routed experts computing nothing gives the step's floor (the most any
 experts kernel could gain) and each implementation's routed-expert milliseconds. Rows (with the losses, so a wrong implementation shows) go to ``benchmarks/results/`` as JSON.
@@ -64,9 +64,18 @@ def register_no_experts() -> None:
     ExpertsInterface.register(NO_EXPERTS, forward)
 
 
-def implementations() -> list[str]:
+FP8_NAME = "kittenmoe-fp8"
+
+
+def implementations(device: torch.device) -> list[str]:
     register_no_experts()
     impls = ["grouped_mm", "kittenmoe", NO_EXPERTS]
+    if device.type == "cuda":  # e4m3 experts (1 x 128 / 128 x 128 scales): megakernel only, so not on CPU
+        from kittenmoe.fp8 import FP8Config
+        from kittenmoe.integrations.transformers import Options, register
+
+        register(Options(fp8=FP8Config()), name=FP8_NAME)
+        impls.append(FP8_NAME)
     try:
         import sonicmoe  # noqa: F401
         impls.append("sonicmoe")
@@ -89,7 +98,7 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     seq = 16 if args.tiny else args.seq
     rows = []
-    for impl in implementations():
+    for impl in implementations(dev):
         model, cfg = build(args.tiny, args.device, dtype)
         model.set_experts_implementation(impl)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
