@@ -12,6 +12,9 @@ and a local one. Measured, each a median of ``do_bench`` (CUDA events), every ra
   the SM count is the link's ceiling.
 - ``local``: the same kernel between two local buffers (HBM read + write, bytes counted once).
 - ``nccl a2a``: ``all_to_all_single`` of the whole buffer; bytes per rank that cross to peers over time.
+- ``<what> 8K`` / ``32K`` [``pf``]: at 16 CTAs, the bytes a program moves a step, and whether the next step's
+  load is issued before this step's store (``pf``: two steps in flight). A remote read's latency is several
+  local ones', so pulling needs more bytes in flight than pushing.
 
 GB/s are 1e9 bytes moved over the link per second (one direction, per rank). Rank 0 prints a table and
 writes ``p2p-<date>.json`` to ``--out``.
@@ -41,7 +44,7 @@ def _copy(src_ptrs,  # [R] int64: every rank's symmetric buffer address
           dst_ptrs,  # [R] int64: every rank's symmetric buffer address
           dst_rank,  # which entry of dst_ptrs to write; -1: write local_dst_ptr
           local_dst_ptr,  # [N] bf16
-          n, BLOCK: tl.constexpr):
+          n, BLOCK: tl.constexpr, PREFETCH: tl.constexpr):
     if src_rank >= 0:
         src = tl.multiple_of(tl.load(src_ptrs + src_rank).to(tl.pointer_type(tl.bfloat16)), 16)
     else:
@@ -52,10 +55,21 @@ def _copy(src_ptrs,  # [R] int64: every rank's symmetric buffer address
         dst = local_dst_ptr
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    for start in range(pid * BLOCK, n, step):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
+    if PREFETCH:
+        # the next block's load is issued before this block's store waits on its data: two blocks in flight
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + offs, mask=offs < n)
+        for start in range(pid * BLOCK + step, n + step, step):
+            nxt_offs = start + tl.arange(0, BLOCK)
+            nxt = tl.load(src + nxt_offs, mask=nxt_offs < n)
+            tl.store(dst + offs, v, mask=offs < n)
+            offs = nxt_offs
+            v = nxt
+    else:
+        for start in range(pid * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
 
 
 def main() -> int:
@@ -88,15 +102,30 @@ def main() -> int:
     def time_ms(fn) -> float:
         return triton.testing.do_bench(fn, warmup=5, rep=args.reps * 5, return_mode="median")
 
-    def copier(programs: int, src_rank: int, dst_rank: int):
+    def copier(programs: int, src_rank: int, dst_rank: int, block: int = 4096, prefetch: bool = False):
         mine = sym[rank]
-        return lambda: _copy[(programs,)](ptrs, src_rank, mine, ptrs, dst_rank, local, n, BLOCK=4096)
+        return lambda: _copy[(programs,)](ptrs, src_rank, mine, ptrs, dst_rank, local, n, BLOCK=block,
+                                          PREFETCH=prefetch)
 
     rows = []
 
     def record(what: str, programs: int | None, active: str, ms: float | None, bytes_moved: int) -> None:
         gbs = None if ms is None else bytes_moved / ms / 1e6
         rows.append(dict(what=what, programs=programs, active=active, ms=ms, gb_per_s=gbs))
+
+    # Bytes in flight per program, at the megakernels' 16 communication CTAs, rank 0 alone: the block a step
+    # (8 KB as below; 32 KB as the megakernels' 32 x 512 chunks) and one block prefetched ahead or not.
+    for what, src, dst in (("pull", nxt, -1), ("push", -1, nxt), ("local", -1, -1)):
+        for block in (4096, 16384):
+            for prefetch in (False, True):
+                fn = copier(16, src, dst, block, prefetch)
+                fn()
+                torch.cuda.synchronize()
+                dist.barrier()
+                ms = time_ms(fn) if rank == 0 else None
+                torch.cuda.synchronize()
+                dist.barrier()
+                record(f"{what} {block * 2 // 1024}K{' pf' if prefetch else ''}", 16, "rank 0", ms, nbytes)
 
     progs = [int(p) for p in args.programs.split(",")]
     for programs in progs:
