@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kittenmoe.fp8 import (E4M3_MAX, FP8_DTYPE, MIN_SCALE, FP8Config, FP8ExpertWeights, dequantize_activations,
-                           dequantize_weights, quantize_activations, quantize_weights, quantize_weights_and_transpose)
+                           dequantize_weights, launch_weight_quant, quantize_activations, quantize_weights,
+                           quantize_weights_and_transpose)
 from kittenmoe.testing import assert_bitwise_equal, rel_l1, tolerance_for
 
 # The Triton quantiser runs where the tests can: compiled on a GPU, else under the interpreter on the CPU.
@@ -344,6 +345,29 @@ def test_weights_and_transpose_triton_matches_torch_bitwise(cfg, dtype, shape):
     assert_bitwise_equal(q_t, q_ref.transpose(-1, -2), "q_t")
     q2, s2, q2_t = quantize_weights_and_transpose(w, cfg, impl="torch")
     assert_bitwise_equal(q2_t, q_t, "torch q_t")
+
+
+@pytest.mark.parametrize("rows_per_chunk", [16, 32, 64])  # chunks of a 128-block: 8, 4 and 2 of them
+@pytest.mark.parametrize("shape", [
+    (256, 384),  # aligned to the block
+    (2, 200, 260),  # partial last blocks: the last chunk of a block is partly or wholly past N
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32-scales", "pow2"])
+def test_weight_quant_chunked_form_equals_one_pass(rows_per_chunk, shape, dtype, pow2):
+    """The weight quantiser streaming each 128 x 128 block in row chunks (an amax pass, then a quantise pass)
+    gives the one-pass form's q, scales and q^T bit for bit."""
+    w = (torch.randn(*shape, generator=_gen(15)) * torch.logspace(-3, 3, shape[-1])).to(dtype).to(DEV)
+    want = launch_weight_quant(w, 128, pow2, 128)
+    got = launch_weight_quant(w, 128, pow2, rows_per_chunk)
+    for name, a, b in zip(("q", "scale", "q_t"), got, want):
+        assert_bitwise_equal(a, b, name)
+
+
+def test_weight_quant_chunk_rows_checked():
+    w = torch.randn(128, 128, generator=_gen(16)).to(DEV)
+    with pytest.raises(ValueError, match="rows_per_chunk must be a power of two"):
+        launch_weight_quant(w, 128, False, 48)
 
 
 def test_expert_weights_carry_transposes():

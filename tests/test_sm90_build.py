@@ -71,8 +71,14 @@ def test_megakernel_builds_for_sm90(spec, expected):
 
 
 def test_quantisers_build_for_sm90():
-    """The standalone FP8 quantisers, bf16 and fp32 inputs, 128- and 32-blocks: compile without spilling."""
+    """The standalone FP8 quantisers, bf16 and fp32 inputs, 128- and 32-blocks, the weights' one-pass and
+    chunked forms: all compile; none spills but the one-pass form of 128-blocks (a whole 128 x 128 block in
+    4 warps' registers: 255 and a 280-byte stack for bf16 with Triton 3.6), which is why the chunked form
+    exists."""
     out = _build(dict(which="quant"))
-    assert len(out["builds"]) == 8
+    names = [b["name"] for b in out["builds"]]
+    assert len(names) == 10 and len(set(names)) == 10, names
     for b in out["builds"]:
-        assert b["local"] == 0 and b["stack"] == 0, b
+        assert b["shared"] <= SMEM_LIMIT, b
+        if not b["name"].endswith("SB=128,RC=128]"):
+            assert b["local"] == 0 and b["stack"] == 0, b

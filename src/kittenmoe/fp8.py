@@ -46,10 +46,12 @@ MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch parameters of the standalone quantisers by scale block (also what kittenmoe.sm90_build compiles).
-# Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: 128-blocks
-# stream in 32-row chunks (4,096 values, 32 a thread at 4 warps); 32-blocks in one pass, one warp.
+# Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: one block
+# in one pass (RC = block), 4 warps for 128-blocks, one for 32-blocks: the form checked bit for bit on the
+# H200. The kernel's chunked form (RC = 32 for 128-blocks: 95 registers instead of 196) is built and tested
+# on CPU but has not run on a GPU; benchmarks/wquant_time.py times both and checks them against each other.
 ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
-WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=1)}
+WEIGHT_QUANT_LAUNCH = {128: dict(RC=128, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,14 @@ def quantize_weights_and_transpose(w: torch.Tensor, cfg: FP8Config = FP8Config()
 @torch.library.custom_op("kittenmoe::quantize_weights_fp8", mutates_args=())
 def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: bool
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launcher of ``quantize_weights_bxb_kernel``: (q, scale, q_t) of ``w`` [N, K] or [E, N, K]."""
+    """The op over ``launch_weight_quant`` (its default launch parameters)."""
+    return launch_weight_quant(w, scale_block, pow2_scales)
+
+
+def launch_weight_quant(w: torch.Tensor, scale_block: int, pow2_scales: bool, rows_per_chunk: int | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launcher of ``quantize_weights_bxb_kernel``: (q, scale, q_t) of ``w`` [N, K] or [E, N, K].
+    ``rows_per_chunk``: the kernel's RC (None: ``WEIGHT_QUANT_LAUNCH``'s); benchmarks/wquant_time.py compares."""
     from kittenmoe.kernels import quant
 
     n, k = w.shape[-2:]
@@ -239,9 +248,14 @@ def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: boo
     q = torch.empty(w3.shape, dtype=torch.uint8, device=w.device)
     q_t = torch.empty((e, k, n), dtype=torch.uint8, device=w.device)
     scale = torch.empty((e, nb, kb), dtype=torch.float32, device=w.device)
+    launch = dict(WEIGHT_QUANT_LAUNCH[b])
+    if rows_per_chunk is not None:
+        if rows_per_chunk not in (16, 32, 64, 128) or b % rows_per_chunk:
+            raise ValueError(f"rows_per_chunk must be a power of two in [16, {b}], got {rows_per_chunk}")
+        launch["RC"] = rows_per_chunk
     if q.numel():
         quant.quantize_weights_bxb_kernel[(kb, nb, e)](w3, q, q_t, scale, n, k, nb, kb, SB=b, POW2=pow2_scales,
-                                                      TRANSPOSED=True, **WEIGHT_QUANT_LAUNCH[b])
+                                                      TRANSPOSED=True, **launch)
     lead = w.shape[:-2]
     return (q.view(FP8_DTYPE).reshape(w.shape), scale.reshape(*lead, nb, kb),
             q_t.view(FP8_DTYPE).reshape(*lead, k, n))

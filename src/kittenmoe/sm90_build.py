@@ -175,18 +175,25 @@ def build_quantisers() -> list[Build]:
     from kittenmoe.kernels import quant
 
     with compile_only_sm90() as built:
+        def label(what: str) -> None:  # name the build just made by its variant
+            built[-1] = dataclasses.replace(built[-1], name=f"{built[-1].name}[{what}]")
+
         for dt in (torch.bfloat16, torch.float32):
+            dn = str(dt).removeprefix("torch.")
             for b in (128, 32):
                 x = torch.empty(64, 256, dtype=dt)
                 quant.quantize_act_1xb_kernel[(1, 256 // b)](
                     x, torch.empty(64, 256, dtype=torch.uint8), torch.empty(64, 256 // b), 64, 256, 256 // b,
                     SB=b, POW2=b == 32, **ACT_QUANT_LAUNCH[b])
+                label(f"{dn},SB={b}")
                 w = torch.empty(2, 256, 384, dtype=dt)
                 nb, kb = 256 // b, 384 // b
-                quant.quantize_weights_bxb_kernel[(kb, nb, 2)](
-                    w, torch.empty(2, 256, 384, dtype=torch.uint8), torch.empty(2, 384, 256, dtype=torch.uint8),
-                    torch.empty(2, nb, kb), 256, 384, nb, kb, SB=b, POW2=b == 32, TRANSPOSED=True,
-                    **WEIGHT_QUANT_LAUNCH[b])
+                for rc in sorted({WEIGHT_QUANT_LAUNCH[b]["RC"], 32}):  # the default form and the chunked one
+                    quant.quantize_weights_bxb_kernel[(kb, nb, 2)](
+                        w, torch.empty(2, 256, 384, dtype=torch.uint8), torch.empty(2, 384, 256, dtype=torch.uint8),
+                        torch.empty(2, nb, kb), 256, 384, nb, kb, SB=b, POW2=b == 32, TRANSPOSED=True,
+                        **{**WEIGHT_QUANT_LAUNCH[b], "RC": rc})
+                    label(f"{dn},SB={b},RC={rc}")
         return list(built)
 
 
