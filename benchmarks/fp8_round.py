@@ -167,6 +167,12 @@ def main() -> int:
             megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8)
             return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, fp8=fp8)
 
+        cfg8h = cfg8.with_(fp8_dx_high=True)
+
+        def run_fp8_fb_dx_high():  # KernelConfig.fp8_dx_high: d_x = d(gate|up) W13 in bf16, the rest e4m3
+            f = megakernel_forward_multirank(*a, config=cfg8h, peers=peers, fp8=fp8, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8h, peers=peers, saved=f.saved(), fp8=fp8)
+
         def run_bf16_fb():
             f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=True)
             return megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved())
@@ -182,22 +188,33 @@ def main() -> int:
         del emu_g, fb
         print(f"  fp8 gradients vs emulation (rel L1): "
               f"{ {k: f'{v:.1e}' for k, v in row['grad_rel_l1_vs_emulation'].items()} }", flush=True)
+        fb = run_fp8_fb_dx_high()
+        fb.check_errors()
+        emu_g = moe_backward_reference_fp8(d_out, x, ids, wts, fp8, w.shared_w13_2SH, w.shared_w2_HS,
+                                           shape.swiglu_limit, dgu_block=fp8_dgu_block(cfg8, fp8.cfg.scale_block),
+                                           compute_dtype=torch.float32, dx_w13_E2IH=w.w13_E2IH)
+        row["dx_high_d_x_rel_l1_vs_emulation"] = rel_l1(fb.d_x[0], emu_g["d_x"])
+        del emu_g, fb
+        print(f"  fp8_dx_high: d_x vs its emulation rel L1 {row['dx_high_d_x_rel_l1_vs_emulation']:.1e}", flush=True)
         bench = dict(fp8=run_fp8, bf16=run_bf16,
                      grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
                                                            w.shared_w2_HS, shape.swiglu_limit),
-                     fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb, fp8_fwd_bwd_replay=run_fp8_fb_replay)
+                     fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb, fp8_fwd_bwd_replay=run_fp8_fb_replay,
+                     fp8_fwd_bwd_dx_high=run_fp8_fb_dx_high)
         for label, fn in bench.items():
             row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
         routed = 6 * T * shape.k * shape.h * shape.i
         row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8"]
         row["fwd_bwd_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd"]
+        row["fwd_bwd_dx_high_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd_dx_high"]
         row["speedup_vs_grouped_mm"] = row["ms_grouped_mm"] / row["ms_fp8"]
         row["routed_tflops"] = routed / row["ms_fp8"] / 1e9
         print(f"  fp8 {row['ms_fp8']:.3f} ms, bf16 {row['ms_bf16']:.3f} ms ({row['speedup_vs_bf16']:.2f}x), "
               f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s; fwd+bwd fp8 "
               f"{row['ms_fp8_fwd_bwd']:.3f} ms, bf16 {row['ms_bf16_fwd_bwd']:.3f} ms "
-              f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x); fp8 replaying gate|up {row['ms_fp8_fwd_bwd_replay']:.3f} ms",
-              flush=True)
+              f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x); fp8 replaying gate|up {row['ms_fp8_fwd_bwd_replay']:.3f} ms; "
+              f"fp8 with d_x in bf16 (fp8_dx_high) {row['ms_fp8_fwd_bwd_dx_high']:.3f} ms "
+              f"({row['fwd_bwd_dx_high_speedup_vs_bf16']:.2f}x)", flush=True)
         rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

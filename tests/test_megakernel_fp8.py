@@ -238,6 +238,10 @@ BWD_CASES = {
     # MXFP8 blocks, two ranks: d_out 1 x 32, d(gate|up) 1 x 32 (narrower than phase A's 64-wide tile), K steps
     # of 32 in both data-gradient GEMMs, per-column weight scales
     "mx32": dict(r=2, t=12, sb=32),
+    # KernelConfig.fp8_dx_high: d_x from the bf16 d(gate|up) rows and master W13 (no e4m3 phase B), two ranks
+    "dx-high-r2": dict(r=2, t=12, dx_high=True),
+    # the same with MXFP8 blocks and the clamp (phase A still e4m3 and clamped)
+    "dx-high-mx32-limit": dict(r=1, t=20, sb=32, swiglu_limit=0.5, dx_high=True, emulation_only=True),
 }
 
 
@@ -256,8 +260,10 @@ def _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit, config=CF
     """Every gradient of ``bwd`` against moe_backward_reference_fp8 (routes with ids outside [0, E) contribute
     nothing there) at bf16 tolerance on the reference's RMS scale; returns (got, want) by name."""
     r = len(xs)
+    dx_w13 = w.w13_E2IH if config.fp8_dx_high else None
     emu = [moe_backward_reference_fp8(d_outs[k], xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS,
-                                      limit, dgu_block=fp8_dgu_block(config, fp8.cfg.scale_block)) for k in range(r)]
+                                      limit, dgu_block=fp8_dgu_block(config, fp8.cfg.scale_block),
+                                      dx_w13_E2IH=dx_w13) for k in range(r)]
     got = {f"d_x[{k}]": bwd.d_x[k] for k in range(r)}
     got.update({f"d_w[{k}]": bwd.d_topk_weights[k] for k in range(r)})
     want = {f"d_x[{k}]": emu[k]["d_x"] for k in range(r)}
@@ -293,10 +299,11 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     d_outs = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
     peers = LocalPeers(r, DEV)
-    fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
-    bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
+    cfg = CFG.with_(fp8_dx_high=c.get("dx_high", False))
+    fwd = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
+    bwd = megakernel_backward_multirank(d_outs, *a, config=cfg, peers=peers, saved=fwd.saved(), fp8=fp8)
     bwd.check_errors()
-    got, _ = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit)
+    got, _ = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit, config=cfg)
     if c.get("emulation_only"):
         return
     plain = _grads_of_unquantised(w, xs, ids, ws, d_outs, limit)

@@ -126,6 +126,12 @@ class KernelConfig:
         every row (the backward also skips the x pull); a wrapping ring
         ends holding macrobatch 0 (the forward runs macrobatches last to
         first) and the backward replays only the rest. False: always replay.
+    fp8_dx_high: with FP8 experts, the backward's routed d_x GEMM (d(gate|up) W13) runs on x's dtype, from
+        the d(gate|up) rows as the backward stores them and the master weights, instead of on e4m3 (the
+        rest of the FP8 path is unchanged). In e4m3 that GEMM promotes every 64 of its K (d(gate|up) is
+        quantised 1 x 64, phase A's tile width) and was the FP8 backward's critical path on the H200:
+        +4.5 ms against +2.0 ms for BF16's on the Kimi slice (docs/perf-notes.md). Needs the master
+        weights (the layer, ``kittenmoe.moe`` and the HF integration pass them). No effect without FP8.
     """
 
     num_comm_programs_fwd: int = 16
@@ -140,13 +146,14 @@ class KernelConfig:
     push_in_epilogue: bool = False
     tma: bool = True
     keep_activations: bool = True
+    fp8_dx_high: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
                 continue
-            if field.name in ("push_in_epilogue", "tma", "keep_activations"):
+            if field.name in ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high"):
                 if not isinstance(v, bool):
                     raise TypeError(f"KernelConfig.{field.name} must be a bool, got {v!r}")
                 continue

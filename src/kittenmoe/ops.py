@@ -565,13 +565,16 @@ def launch_rank_backward(
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     dgb = fp8_dgu_block(config, sb)  # (a placeholder constexpr without FP8)
+    # Phase B (d_x = d(gate|up) W13) on e4m3, unless KernelConfig.fp8_dx_high keeps it in x's dtype
+    fp8_b = fp8 is not None and not config.fp8_dx_high
     if fp8 is not None:
-        # d_out rows and scales, d(gate|up) rows and scales, and for a replay (rows the forward did not keep)
-        # the x rows quantised again, as the forward's pull did
+        # d_out rows and scales, d(gate|up) rows and scales (phase B on e4m3 only), and for a replay (rows the
+        # forward did not keep) the x rows quantised again, as the forward's pull did
         replay_rows = NR if gu_mode != 1 else 1
-        fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), e(NR, 2 * I, dt=torch.uint8),
-                    e(NR, 2 * I // dgb, dt=torch.float32), e(replay_rows, H, dt=torch.uint8),
-                    e(replay_rows, H // sb, dt=torch.float32))
+        dgu_q = ((e(NR, 2 * I, dt=torch.uint8), e(NR, 2 * I // dgb, dt=torch.float32)) if fp8_b
+                 else (bufs["dor"], bufs["dor"]))  # placeholders, never touched
+        fp8_bufs = (e(NR, H, dt=torch.uint8), e(NR, H // sb, dt=torch.float32), *dgu_q,
+                    e(replay_rows, H, dt=torch.uint8), e(replay_rows, H // sb, dt=torch.float32))
         # The data-gradient GEMMs multiply by W13 and W2 un-transposed (d_x = d(gate|up) W13, d_hidden = dO W2):
         # their K is the weights' row dimension, and e4m3 wgmma takes B only K-major from shared memory, so
         # the kernel reads transposed copies (W13^T [L, H, 2I], W2^T [L, I, H], K contiguous); the square
@@ -630,8 +633,9 @@ def launch_rank_backward(
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
     if fp8 is not None and use_tma:  # the routed GEMMs' operands in e4m3 (their bf16 descriptors go unused)
         f8 = torch.float8_e4m3fn
-        b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
-                   TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, dgb]), *b_descs[2:])
+        if fp8_b:
+            b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
+                       TD.from_tensor(w13_qt.reshape(L * H, 2 * I), [bn2, dgb]), *b_descs[2:])
         if use_tma_a:  # d_out rows, the replay's x rows, W2^T, and W13 for the replay
             a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]),
                        TD.from_tensor(fp8_bufs[4].view(f8), [min(bm, fp8_bufs[4].shape[0]), sb]),
@@ -645,7 +649,7 @@ def launch_rank_backward(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, FP8=fp8 is not None, SB=sb, DGB=dgb,
+        GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n

@@ -184,8 +184,12 @@ def moe_backward_reference_fp8(
     swiglu_limit: float | None = None,
     dgu_block: int = 64,
     compute_dtype: torch.dtype = torch.float64,
+    dx_w13_E2IH: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gradients of ``sum <out, d_out>`` as the FP8 megakernels compute them, in ``compute_dtype``.
+
+    ``dx_w13_E2IH`` (``KernelConfig.fp8_dx_high``): the route's d_x row is ``d_gu W13[e]`` from these (master)
+    weights with d(gate|up) unquantised, instead of the e4m3 product below.
 
     The forward as ``moe_reference_fp8`` (g, u from e4m3 x and weights, kept unquantised). Data gradients on
     e4m3 operands: ``dh_u = q(d_out) W2[e]`` with d_out quantised 1 x B along H, and the route's d_x row
@@ -227,7 +231,10 @@ def moe_backward_reference_fp8(
             dgc = torch.where(g <= swiglu_limit, dgc, 0.0)
             duc = torch.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
         dgu = torch.cat([dgc, duc], dim=1)
-        d_x.index_add_(0, tok, _qdq_blocks(dgu, dgu_block, cfg).to(cd) @ w13[e])
+        if dx_w13_E2IH is None:
+            d_x.index_add_(0, tok, _qdq_blocks(dgu, dgu_block, cfg).to(cd) @ w13[e])
+        else:
+            d_x.index_add_(0, tok, dgu @ dx_w13_E2IH[e].to(cd))
         d_w13[e] = dgu.t() @ x[tok]
         d_w2[e] = (wv * d_out[tok]).t() @ h
     out = dict(d_x=d_x, d_topk_weights=d_w, d_w13=d_w13, d_w2=d_w2)

@@ -446,23 +446,23 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     gu_ptr,  # [gu_rows, 2I] fp32, the forward's gate|up pre-activations of the leading routed rows (GU_MODE > 0)
     dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
-    dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8)
-    dgus_ptr,  # [NR, 2I // DGB] fp32 their 1 x DGB scales (FP8)
+    dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8_B: phase B on e4m3)
+    dgus_ptr,  # [NR, 2I // DGB] fp32 their 1 x DGB scales (FP8_B)
     xrq_ptr,  # [NR, H] uint8 e4m3 x rows, quantised in the pull for the gate|up replay (FP8 with GU_MODE != 1)
     xrs_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (same; else placeholders)
     # weights of this rank (their gradients come from weight_grad_kernel)
     w13_ptr,  # [L, 2I, H]
     w2_ptr,  # [L, H, I]
     w13q_ptr,  # [L, 2I, H] uint8 e4m3 W13: the gate|up replay's B (FP8; else a placeholder)
-    w13t_ptr,  # [L, H, 2I] uint8 e4m3 W13 transposed: phase B's K-major B (FP8; else a placeholder)
+    w13t_ptr,  # [L, H, 2I] uint8 e4m3 W13 transposed: phase B's K-major B (FP8_B; else a placeholder)
     w2t_ptr,  # [L, I, H] uint8 e4m3 W2 transposed: phase A's K-major B (FP8)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 (FP8)
     w2s_ptr,  # [L, H // SB, I // SB] fp32 (FP8)
     sw13_ptr,  # [2S, H]
     sw2_ptr,  # [H, S]
     # TMA descriptors for phase B (USE_TMA; otherwise placeholders)
-    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (FP8: dguq as float8e4nv, blocks [BM, DGB])
-    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2] (FP8: W13^T viewed [L * H, 2I], blocks [BN2, DGB])
+    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (FP8_B: dguq as float8e4nv, blocks [BM, DGB])
+    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN2] (FP8_B: W13^T viewed [L * H, 2I], blocks [BN2, DGB])
     sdgu_desc,  # sdgu [T, 2S], blocks [BM, BK]
     sw13_desc,  # sw13 [2S, H], blocks [BK, BN2]
     # and for phase A (USE_TMA_A)
@@ -483,8 +483,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
-    GU_MODE: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr, POW2: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
+    POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -647,7 +647,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
                                                            True, BM, BN)
-                                if FP8:
+                                if FP8_B:  # phase B on e4m3 (FP8 without KernelConfig.fp8_dx_high)
                                     _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
                     else:
@@ -660,11 +660,11 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if FP8 and USE_TMA:
+                                if FP8_B and USE_TMA:
                                     acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
                                                            w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
                                                            BM, BN2, DGB, SB)
-                                elif FP8:
+                                elif FP8_B:
                                     acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13t_ptr + e.to(tl.int64) * (2 * I * H),
                                                        w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
                                                        DGB, SB, DOT_FP32)
