@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|all]
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -72,6 +72,13 @@ fi
 if [[ $what == wquant ]]; then  # the FP8 weight quantiser (q, scales, q^T) on the Kimi slice, and its bitwise tests
   step wqtest python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "transpose or chunk"
   step wquant python3 benchmarks/wquant_time.py
+fi
+if [[ $what == next ]]; then  # what the 2026-12-01 session built after its device time ran out (~5 min)
+  step wqtest python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "transpose or chunk"
+  step wquant python3 benchmarks/wquant_time.py
+  step dxtest python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "dx-high"
+  step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
+  step hf python3 benchmarks/hf_round.py --out "$OUT"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
