@@ -35,6 +35,7 @@ polled with ``sem="acquire"``; atomics never touch data.
 import triton
 import triton.language as tl
 
+from kittenmoe.kernels.quant import HW_E4M3_CVT as COMPILED  # True unless the interpreter runs the kernels
 from kittenmoe.kernels.quant import e4m3_to_f32, quantize_rows_1xb
 
 # phase bits
@@ -55,6 +56,20 @@ CNT_X, CNT_HID, CNT_Y, CNT_DONE = 0, 1, 2, 3
 
 
 @triton.jit
+def _proxy_fence():
+    """``fence.proxy.async.global`` (compiled only; the interpreter has no proxies).
+
+    Rows one program writes with ordinary stores (the generic proxy) are read by other programs through TMA
+    (the async proxy), and the PTX memory model orders accesses to one location across proxies only
+    through a proxy fence. So a signal fences after the writer's stores, and a wait fences after its acquire,
+    before the reader's TMA loads. Without the fences every GPU test passed (H200, 2026-11-29 to 12-01), so
+    this is the memory model's requirement, not a fix of an observed failure."""
+    if COMPILED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _wait_geq(cnt_ptr, target, err_ptr, max_spin):
     v = tl.atomic_add(cnt_ptr, 0, sem="acquire")
     e = tl.atomic_add(err_ptr, 0, sem="relaxed")
@@ -68,10 +83,12 @@ def _wait_geq(cnt_ptr, target, err_ptr, max_spin):
     if v < target:
         tl.atomic_or(err_ptr, 1)  # ERR_TIMEOUT
     tl.debug_barrier()
+    _proxy_fence()  # what the writer released is read next, possibly through TMA
 
 
 @triton.jit
 def _signal(cnt_ptr):
+    _proxy_fence()  # this thread's stores may be read through TMA by the programs that wait on cnt_ptr
     tl.debug_barrier()  # every thread's stores happen before the release
     tl.atomic_add(cnt_ptr, 1, sem="release")
 
