@@ -349,18 +349,35 @@ def test_out_of_range_expert_ids_leave_valid_routes_intact():
     """Only the bad routes are dropped ("those routes were not computed"): no timeout is reported and the
     outputs equal the reference, in which a route with an id outside [0, E) contributes nothing."""
     case, inp = _bad_id_case()
-    res = _megakernel(case, inp, check=False)
+    peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype, inp.xs[0].device)
+    res = _megakernel(case, inp, peers=peers, check=False)
     for r, st in enumerate(res.states):
         code = int(st.err.max())
         assert not code & mk.ERR_TIMEOUT, f"rank {r}: a bad id must not cause a timeout (err={code})"
     ref = _reference64(case, inp)
     for r in range(case.r):
         assert_close(res.outputs[r], ref[r].float(), "fp32", f"out[{r}]")
+        # the combine rows (t*K + j): a bad route's row is never written (still the NaN poison), every valid
+        # route's row is
+        ids = inp.ids[r].reshape(-1).cpu()
+        bad = (ids < 0) | (ids >= case.shape.e)
+        assert bad.any(), "the case must hold a bad id on every rank"
+        written = ~torch.isnan(peers.buffer("combine", r).float()).all(dim=1).cpu()
+        assert not written[bad].any(), f"rank {r}: rows of bad routes were written"
+        assert written[~bad].all(), f"rank {r}: valid routes not pushed: {(~written & ~bad).nonzero().flatten()}"
 
 
-def test_spin_wait_timeout_flagged_without_hang():
-    """A launch without the pull phase: gate|up waits on x_ready forever, gives up after max_spin polls."""
-    case = Case(TINY, r=1, t=16)
+@pytest.mark.parametrize("missing,macrobatch", [
+    (mk.PH_PULL, None),  # gate|up waits on x_ready forever
+    (mk.PH_GATEUP, None),  # the down GEMM waits on hid_ready
+    (mk.PH_DOWN, None),  # the push waits on y_ready
+    (mk.PH_SHARED_GU, None),  # the shared expert's down waits on shared_ready
+    (mk.PH_PUSH, 16),  # a ring that wraps: the next macrobatch's pull waits for the push to free its slots
+], ids=["no-pull", "no-gateup", "no-down", "no-shared-gate-up", "no-push-ring"])
+def test_spin_wait_timeout_flagged_without_hang(missing, macrobatch):
+    """A launch without one phase: whatever waits on it gives up after max_spin polls, flags a timeout (and
+    nothing else), and the launch returns."""
+    case = Case(TINY, r=1, t=16, macrobatch=macrobatch)
     inp = _make_inputs(case)
     R, T, K, H = case.r, case.t, case.shape.k, case.shape.h
     peers = LocalPeers(R, DEV)
@@ -369,10 +386,11 @@ def test_spin_wait_timeout_flagged_without_hang():
     ids_all = torch.stack([i.to(torch.int32) for i in inp.ids])
     t0 = time.monotonic()
     st = ops.launch_rank_forward(0, peers, ids_all, *inp.weights(), None, case.config(), max_spin=50,
-                                 phases=mk.PH_ALL & ~mk.PH_PULL)
+                                 phases=mk.PH_ALL & ~missing)
     code = int(st.err.max())  # syncs on CUDA: the launch has returned
     assert time.monotonic() - t0 < 120, "the bounded wait took far too long"
     assert code & mk.ERR_TIMEOUT, f"err={code}"
+    assert not code & mk.ERR_BAD_EXPERT_ID, f"err={code}: only the timeout was expected"
     with pytest.raises(MegakernelError, match="timed out"):
         check_errors(st.err)
 
@@ -670,18 +688,53 @@ def test_gpu_spin_wait_timeout_flagged(cuda_cleanup):
         check_errors(st.err)
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="compiled, the epilogue's multiply-add fuses into an FMA (one rounding), "
+                    "which torch's separate mul and add cannot reproduce; the interpreter rounds twice, as here")
+def test_epilogue_sums_routes_in_fixed_order():
+    """DESIGN.md: the epilogue adds the K routes in fp32 in the fixed order j = 0..K-1 onto the shared expert's
+    output. The output equals that sum rebuilt in torch from the combine rows, bit for bit; the reversed order
+    differs (so the comparison could fail). fp32 activations: the Triton 3.9 interpreter converts fp32 to bf16
+    by truncation (torch and the GPU round to nearest even), so a bf16 output would test the interpreter."""
+    dtype = torch.float32
+    case = Case(TINY_SIG, r=1, t=24, dtype=dtype)  # K = 4 routes a token
+    inp = _make_inputs(case, seed=11)
+    peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype, inp.xs[0].device)
+    res = _megakernel(case, inp, peers=peers)
+    T, K, H = case.t, case.shape.k, case.shape.h
+    comb = peers.buffer("combine", 0).reshape(T, K, H).float()
+    w = inp.ws[0].float()
+
+    def ordered(js):
+        acc = res.states[0].y_shared.float().clone()
+        for j in js:
+            acc = acc + w[:, j:j + 1] * comb[:, j]
+        return acc.to(dtype)
+
+    assert_bitwise_equal(res.outputs[0], ordered(range(K)), "out vs the j = 0..K-1 sum")
+    assert not torch.equal(ordered(reversed(range(K))), ordered(range(K))), "the order never mattered: no test"
+
+
 def test_atomics_only_touch_counters_and_error_flags():
-    """Determinism rests on no atomics on data (DESIGN.md): every ``tl.atomic_*`` in the kernels targets a
-    counter (``cnt_ptr``, through _wait_geq / _signal) or the error flag (``err_ptr``), never a data buffer.
-    A source scan, so a new atomic on data fails here before any bitwise test has to catch its nondeterminism."""
+    """Determinism rests on no atomics on data (DESIGN.md): every ``tl.atomic_*`` in the package targets a
+    counter (``cnt_ptr``, through _wait_geq / _signal) or the error flag (``err_ptr``), never a data buffer, and
+    every _wait_geq / _signal call is handed cnt_ptr or a name bound to it. A source scan, so a new atomic on
+    data fails here before any bitwise test has to catch its nondeterminism."""
     import pathlib
     import re
 
-    kernels = pathlib.Path(__file__).resolve().parents[1] / "src" / "kittenmoe" / "kernels"
-    calls = []
-    for path in sorted(kernels.glob("*.py")):
-        for m in re.finditer(r"tl\.atomic_\w+\(\s*([A-Za-z_][\w.]*)", path.read_text()):
+    src = pathlib.Path(__file__).resolve().parents[1] / "src" / "kittenmoe"
+    calls, waits = [], []
+    for path in sorted(src.rglob("*.py")):  # every module: kernels live outside kernels/ too (ep.py)
+        text = path.read_text()
+        for m in re.finditer(r"tl\.atomic_\w+\(\s*([A-Za-z_][\w.]*)", text):
             calls.append((path.name, m.group(1)))
+        # _signal / _wait_geq must be handed counters: cnt_ptr or a name bound to cnt_ptr (+ offset) in that file
+        counters = {"cnt_ptr"} | set(re.findall(r"^\s*(\w+) = cnt_ptr\b", text, flags=re.M))
+        for m in re.finditer(r"\b(_signal|_wait_geq)\(\s*([A-Za-z_]\w*)", text):
+            waits.append((path.name, m.group(1), m.group(2), m.group(2) in counters))
     assert calls, "no atomics found: the scan is broken"
     bad = [c for c in calls if c[1] not in ("cnt_ptr", "err_ptr")]
     assert not bad, f"atomics on something other than a counter or the error flag: {bad}"
+    assert len(waits) >= 20, f"the scan found only {len(waits)} signal / wait calls: it is broken"
+    not_counters = [w[:3] for w in waits if not w[3]]
+    assert not not_counters, f"signals or waits on something not derived from cnt_ptr: {not_counters}"
