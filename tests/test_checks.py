@@ -263,6 +263,24 @@ def test_bad_input_raises(mutate, exc, match):
         moe_forward_multirank(**kw)
 
 
+# Expert-id values are the one check the megakernel leaves to the device (flagged there, the valid routes still
+# computed: test_megakernel_fwd's bad-id tests); every other malformed input is refused before any launch.
+_DEVICE_CHECKED = ("id=E", "id>>E", "id=-1", "id-int32-min")
+
+
+@pytest.mark.parametrize("mutate, exc, match",
+                         [p for p in BAD_INPUTS if p.id not in _DEVICE_CHECKED])
+def test_bad_input_raises_in_the_megakernel_launcher(mutate, exc, match):
+    """The megakernel launcher refuses the same malformed inputs with the same errors (one checker,
+    kittenmoe.checks, behind both backends)."""
+    from kittenmoe.ops import megakernel_forward_multirank
+
+    kw = make_inputs()
+    mutate(kw)
+    with pytest.raises(exc, match=match):
+        megakernel_forward_multirank(**kw)
+
+
 def test_top_k_bound_counts_every_process_experts():
     """One process's share of the experts (kittenmoe.ep): K may exceed the local count, not the global one."""
     from kittenmoe.checks import check_moe_inputs
