@@ -37,7 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-MODES = {"promote": 0, "lagged": 1, "split": 2, "bf16": 3}
+MODES = {"promote": 0, "lagged": 1, "split": 2, "bf16": 3, "promote-ws": 4, "bf16-ws": 5}
+# The -ws modes are modes 0 and 3 with the persistent tile loop warp-specialized (tl.range(warp_specialize=True),
+# launched with 4 warps): Triton 3.6 builds that for sm_90 as a producer warp group and two consumer warp
+# groups of 232 registers each, 384 threads, data-partitioned (offline TTGIR, 2026-12-01), so one consumer's
+# promotion can run under the other's MMAs.
+WS_MODES = {"promote-ws": "promote", "bf16-ws": "bf16"}
 
 
 @triton.jit
@@ -48,14 +53,14 @@ def _fp8_gemm_kernel(
     bs_ptr,  # [N // SB, K // SB] fp32 block scales of B
     c_ptr,  # [M, N] fp32
     M, N, K,
-    BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr, WS: tl.constexpr,
 ):
     """Persistent over BM x BN tiles; every K step is one scale block (SB deep). M, N, K multiples of the tiles.
     The weight scale is looked up per column (column // SB), so a tile wider than SB is right too (the first
     version read one scale a tile and gave rel L1 4.6e-2 at 64 x 256, H200, 2026-12-01)."""
     KB = K // SB
     n_tiles_n = N // BN
-    for tile in range(tl.program_id(0), (M // BM) * n_tiles_n, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), (M // BM) * n_tiles_n, tl.num_programs(0), warp_specialize=WS):
         m0 = (tile // n_tiles_n) * BM
         n0 = (tile % n_tiles_n) * BN
         rows = m0 + tl.arange(0, BM)
@@ -118,8 +123,10 @@ def _launch(mode, a, b, a_s, b_s, c, bm, bn, stages, warps, programs, sb=128):
     b_desc = TD.from_tensor(b, [bn_load, sb])
     M, K = a.shape
     N = b.shape[0]
+    ws = mode in WS_MODES
     return _fp8_gemm_kernel[(programs,)](a_desc, b_desc, a_s, b_s, c, M, N, K, BM=bm, BN=bn, SB=sb,
-                                        MODE=MODES[mode], num_warps=warps, num_stages=stages)
+                                        MODE=MODES[WS_MODES.get(mode, mode)], WS=ws,
+                                        num_warps=4 if ws else warps, num_stages=stages)
 
 
 def ttgir_report(tiles) -> int:
@@ -130,14 +137,16 @@ def ttgir_report(tiles) -> int:
     M, N, K = 256, 256, 512
     for bm, bn in tiles:
         for mode in MODES:
-            dt = torch.bfloat16 if mode == "bf16" else torch.float8_e4m3fn
+            dt = torch.bfloat16 if mode.startswith("bf16") else torch.float8_e4m3fn
             a = torch.zeros(M, K).to(dt)
             b = torch.zeros(N, K).to(dt)
             with compile_only_sm90() as built:
                 _launch(mode, a, b, torch.zeros(M, K // 128), torch.zeros(N // 128, K // 128),
                         torch.zeros(M, N), bm, bn, 3, 8, 132)
-            waits = re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", built[-1].kernel.asm["ttgir"])
-            print(f"{mode:<8} {bm}x{bn}: {built[-1].line()}  wgmma waits pendings={waits}")
+            ttgir = built[-1].kernel.asm["ttgir"]
+            waits = re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", ttgir)
+            ws = "ttg.warp_specialize" in ttgir
+            print(f"{mode:<10} {bm}x{bn}: {built[-1].line()}  wgmma waits pendings={waits}  warp-specialized {ws}")
     return 0
 
 
@@ -182,11 +191,14 @@ def main() -> int:
     rows.append(("torch bf16 matmul", "-", "-", ms, flop / ms / 1e9, float("nan")))
     combos = [(bm, bn, st, w, oc) for bm, bn in tiles for st in (int(v) for v in args.stages.split(","))
               for w in (int(v) for v in args.warps.split(",")) for oc in (int(v) for v in args.occupancy.split(","))]
+    ws_ = [int(v) for v in args.warps.split(",")]
     for bm, bn, stages, warps, occ in combos:
         if True:
             for mode in MODES:
+                if mode in WS_MODES and (warps != max(ws_) or occ != 1):
+                    continue  # the -ws modes launch 4 warps whatever --warps says (the pass adds its groups): once
                 c = torch.full((args.m, args.n), float("nan"), device=dev)
-                opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
+                opnds = (ab, bb, ones_a, ones_b) if mode.startswith("bf16") else (a, b, a_s, b_s)
                 try:
                     _launch(mode, *opnds, c, bm, bn, stages, warps, progs * occ)
                 except Exception as exc:  # e.g. out of shared memory for this tile and stage count
@@ -195,7 +207,7 @@ def main() -> int:
                     print(f"  {mode} {bm}x{bn} s{stages} w{warps} x{occ}: {type(exc).__name__}: {str(exc)[:100]}",
                           flush=True)
                     continue
-                want = (ab.double() @ bb.double().T) if mode == "bf16" else ref
+                want = (ab.double() @ bb.double().T) if mode.startswith("bf16") else ref
                 err = ((c.double() - want).abs().sum() / want.abs().sum()).item()
                 ms = triton.testing.do_bench(lambda: _launch(mode, *opnds, c, bm, bn, stages, warps, progs * occ),
                                              warmup=10, rep=args.reps * 10, return_mode="median")

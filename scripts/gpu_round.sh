@@ -79,6 +79,7 @@ if [[ $what == next ]]; then  # what the 2026-12-01 session built after its devi
   step dxtest python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "dx-high"
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step hf python3 benchmarks/hf_round.py --out "$OUT"
+  step fp8gemm python3 benchmarks/fp8_gemm_probe.py --tiles 128x128,64x128,64x256 --stages 2,3
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
