@@ -12,6 +12,7 @@ Writes one JSON row per shape to --out (default benchmarks/results/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -61,6 +62,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of one forward")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time subsets of the forward's phases (pull, +gate|up, +down, +push, all)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also run the best config's traced build once and print kittenmoe.trace's summary")
     args = ap.parse_args()
     cfgs = [parse_config(c) for c in args.config.split(";")]
     cfg = cfgs[0]
@@ -132,6 +135,17 @@ def main() -> int:
                                                              peers=peers, phases=m),
                     warmup=20, rep=args.reps * 10, return_mode="median")
                 print(f"  forward phases {label:<8} {phase_ms[label]:.3f} ms", flush=True)
+        trace_summary = None
+        if args.trace:
+            from kittenmoe.trace import summarize
+
+            c = parse_config(str_cfg(best))
+            for _ in range(3):  # compile, then warm caches; the last run's trace is read
+                st = megakernel_forward_multirank(*args_k, config=c, peers=peers, trace=True).states[0]
+            torch.cuda.synchronize()
+            summary = summarize(st.trace, c.num_comm_programs_fwd)
+            print(summary.table(), flush=True)
+            trace_summary = dataclasses.asdict(summary)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -163,6 +177,7 @@ def main() -> int:
             kind="forward", shape=name, ep_slice=args.ep, experts_local=L, tokens=T, h=shape.h, i=shape.i,
             k=shape.k, dtype="bf16", ranks=1, config=best, sweep_ms=sweep, ms_schedule=ms_sched, ms_kittenmoe=ms_mk, ms_grouped_mm=ms_base,
             speedup=ms_base / ms_mk, graph_ms=graph_ms, phase_ms=phase_ms if args.breakdown else None,
+            trace=trace_summary,
             routed_tflops=routed / ms_mk / 1e9, effective_tflops=total / ms_mk / 1e9,
             baseline_routed_tflops=routed / ms_base / 1e9, rel_l1=err, baseline_rel_l1=base_err, deterministic=det,
             compile_s=compile_s, **env,

@@ -49,6 +49,7 @@ BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epil
 @pytest.mark.parametrize("spec,expected", [
     (dict(which="fwd"), FWD),  # the BF16 forward, default config
     (dict(which="fwd", resident=True), FWD),  # SAVE_GU: keeps gate|up for the backward
+    (dict(which="fwd", trace=True), FWD),  # the profiling build (TRACE: %globaltimer reads, event stores)
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2

@@ -129,6 +129,9 @@ class ForwardState:
     x_kept: torch.Tensor | None = None
     hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
+    # [MAXE, 5] int64 events (kind, program, start, wait returned, end; %globaltimer ns, 0 under the
+    # interpreter; unused slots -1) with trace=True, else None: kittenmoe.trace reads it
+    trace: torch.Tensor | None = None
 
     def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up) when this forward kept them
@@ -227,6 +230,7 @@ def launch_rank_forward(
     phases: int = mk.PH_ALL,
     save_for_backward: bool = False,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> ForwardState:
     """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
 
@@ -239,7 +243,10 @@ def launch_rank_forward(
 
     ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
     ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
-    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype."""
+    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype.
+
+    ``trace``: every program records what it did and when (``state.trace``; ``kittenmoe.trace.summarize``):
+    a profiling build of the kernel (a timer read around each wait and tile, one small store a tile)."""
     R, T, K = ids_all_RTK.shape
     L, two_i, H = w13_L2IH.shape
     I = two_i // 2
@@ -316,13 +323,24 @@ def launch_rank_forward(
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
+    trace_meta = {}
+    if trace:
+        bn, lag = config.block_n, min(ring.slots - 1, 1)
+        n_sh_rt = triton.cdiv(T, bm)
+        per_mb = (ring.minibatch // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, 2 * bn))
+        n_gemm = ((n_sh_rt * (triton.cdiv(S, bn) + triton.cdiv(H, 2 * bn)) if S > 0 else 0)
+                  + (ring.num_minibatches + lag) * per_mb)  # every GEMM tile of the forward (the kernel's total)
+        # then a pull and a push slot per comm program and minibatch processing index (< NMB + pull_ahead <= NMB + 2)
+        maxe = n_gemm + 2 * (ring.num_minibatches + 2) * num_comm
+        st.trace = torch.full((maxe, 5), -1, dtype=torch.int64, device=dev)
+        trace_meta = dict(TRACE=True, MAXE=maxe)
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
-        DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32",
+        DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
     if not interp:
         meta.update(num_warps=config.num_warps, num_stages=config.num_stages)
@@ -335,7 +353,7 @@ def launch_rank_forward(
             st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
             st.y_routed if st.x_kept is None else st.x_kept, fp8_args[0], fp8_args[1],
             st.shared_hidden, st.y_shared, fp8_args[2], fp8_args[3], fp8_args[4], fp8_args[5], sw13, sw2, *descs,
-            st.counters, st.err,
+            st.counters, st.err, st.err if st.trace is None else st.trace,
             T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
             phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
             **meta,
@@ -416,6 +434,7 @@ def megakernel_forward_multirank(
     phases: int = mk.PH_ALL,
     save_for_backward: bool = False,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> MultirankForward:
     """Forward of R virtual ranks on one device through the megakernel (no autograd).
 
@@ -423,7 +442,8 @@ def megakernel_forward_multirank(
     the roles, for timing one phase against another. ``save_for_backward``: keep
     the routed activations for the backward (``result.saved()``; see
     ``launch_rank_forward``). ``fp8``: all E experts quantised
-    (``FP8ExpertWeights.quantize(w13_E2IH, w2_EHI)``): the routed GEMMs in e4m3.
+    (``FP8ExpertWeights.quantize(w13_E2IH, w2_EHI)``): the routed GEMMs in e4m3. ``trace``: each rank's
+    ``states[r].trace`` records what every program did and when (``kittenmoe.trace``).
 
     Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
     x's dtype. Call ``.check_errors()`` on the result to surface device-side
@@ -443,7 +463,8 @@ def megakernel_forward_multirank(
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
-                            save_for_backward, None if fp8 is None else fp8.experts(d * L, (d + 1) * L))
+                            save_for_backward, None if fp8 is None else fp8.experts(d * L, (d + 1) * L),
+                            trace=trace)
         for d in range(R)
     ]
     outs = []

@@ -126,12 +126,13 @@ def compile_only_sm90():
 
 
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
-                      fp8_block: int | None = None, replay: bool = False, resident: bool = False) -> list[Build]:
+                      fp8_block: int | None = None, replay: bool = False, resident: bool = False,
+                      trace: bool = False) -> list[Build]:
     """Compile the forward (``which="fwd"``) or backward (``"bwd"``) launch's kernels for sm_90.
 
     ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales); ``replay``: the FP8
     backward without the forward's kept activations; ``resident``: the variants that keep the forward's
-    activations for the backward (SAVE_GU / RESIDENT)."""
+    activations for the backward (SAVE_GU / RESIDENT); ``trace``: the forward's profiling build (TRACE)."""
     if which not in ("fwd", "bwd"):
         raise ValueError(f"which must be 'fwd' or 'bwd', got {which!r}")
     sh = {**SEED_SHAPES, **TEST_SHAPES}[shape]
@@ -151,7 +152,7 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
     with compile_only_sm90() as built:
         try:
             if which == "fwd":
-                ops.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8)
+                ops.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8, trace=trace)
             else:
                 fwd = None
                 if resident or (fp8 is not None and not replay):

@@ -93,6 +93,38 @@ def _signal(cnt_ptr):
     tl.atomic_add(cnt_ptr, 1, sem="release")
 
 
+# Trace event kinds (``kittenmoe.trace.KINDS`` in this order): what a program did between two timestamps.
+TR_SHARED_GU = tl.constexpr(0)
+TR_GATEUP = tl.constexpr(1)
+TR_DOWN = tl.constexpr(2)
+TR_SHARED_DOWN = tl.constexpr(3)
+TR_PULL = tl.constexpr(4)
+TR_PUSH = tl.constexpr(5)
+
+
+@triton.jit
+def _now():
+    """The GPU's global nanosecond timer (``%globaltimer``, one clock for every SM); 0 under the interpreter."""
+    if COMPILED:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.full((), 0, tl.int64)
+
+
+@triton.jit
+def _trace_event(trace_ptr, slot, MAXE: tl.constexpr, kind: tl.constexpr, t_start, t_ready, t_end):
+    """Record one event: trace_ptr [MAXE, 5] int64 rows (kind, program, start, when its wait returned, end).
+    ``slot`` names the unit of work, not the program, so it is the same in one launch and in the
+    interpreter's launch per role: a GEMM tile's index over the whole forward, then one slot per (comm
+    program, minibatch, pull or push). Slots past MAXE are dropped (the launcher sizes MAXE so none is)."""
+    if slot < MAXE:
+        c = tl.arange(0, 8)
+        v = tl.where(c == 0, kind, tl.where(c == 1, tl.program_id(0),
+                     tl.where(c == 2, t_start, tl.where(c == 3, t_ready, t_end)))).to(tl.int64)
+        tl.store(trace_ptr + slot * 5 + c, v, mask=c < 5)  # slot * 5 < MAXE * 5: a few 100 k at most
+
+
 @triton.jit
 def _peer_rows(ptrs_ptr, pr, ok, DT: tl.constexpr):
     """Typed base pointer of each row's peer buffer (``ptrs_ptr[pr]``; rank -1 rows read 0, masked later).
@@ -439,6 +471,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
+    trace_ptr,  # [MAXE, 5] int64 events (TRACE; else a placeholder, never touched)
     # sizes
     T, H, I, S, K, NMB, NSLOT,
     swiglu_limit,
@@ -448,7 +481,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -468,6 +501,10 @@ def dispatch_mlp_swiglu_combine_kernel(
     n_dn_tiles_h = tl.cdiv(H, BN2)
     per_mb_gu = (MB // BM) * n_gu_tiles_i
     per_mb_dn = (MB // BM) * n_dn_tiles_h
+    if TRACE:  # launch-independent trace slots: GEMM tiles of the whole forward in one launch's order, then comm
+        n_sh_rt = tl.cdiv(T, BM)
+        trace_sdn0 = (n_sh_rt * tl.cdiv(S, BN) if HAS_SHARED else 0) + (NMB + LAG) * (per_mb_gu + per_mb_dn)
+        trace_comm0 = trace_sdn0 + (n_sh_rt * n_dn_tiles_h if HAS_SHARED else 0)
 
     if pid < num_comm:
         # ------------------------------------------------ communication program
@@ -476,6 +513,8 @@ def dispatch_mlp_swiglu_combine_kernel(
             if ((phase & 2) != 0) & (p < p_hi):  # PH_PULL
                 row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
                 if live:
+                    if TRACE:
+                        t_start = _now()
                     if p >= NSLOT:
                         _, prev_live = _mb_rows(p - NSLOT, num_rows, NSLOT, MAC, MB)
                         if prev_live:
@@ -483,6 +522,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 _wait_geq(y_ready + p - NSLOT, per_mb_dn, err_ptr, max_spin)
                             else:
                                 _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
+                    if TRACE:
+                        t_ready = _now()
                     brow0 = (p % NSLOT) * MB
                     for ch in range(pid, MB // ROWS, num_comm):
                         r = row0 + ch * ROWS + tl.arange(0, ROWS)
@@ -498,11 +539,18 @@ def dispatch_mlp_swiglu_combine_kernel(
                             # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
                             _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
                     _signal(x_ready + p)
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
+                                     t_ready, _now())
             pp = it - pull_ahead
             if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
                 row0, live = _mb_rows(pp, num_rows, NSLOT, MAC, MB)
                 if live:
+                    if TRACE:
+                        t_start = _now()
                     _wait_geq(y_ready + pp, per_mb_dn, err_ptr, max_spin)
+                    if TRACE:
+                        t_ready = _now()
                     brow0 = (pp % NSLOT) * MB
                     for ch in range(pid, MB // ROWS, num_comm):
                         r = row0 + ch * ROWS + tl.arange(0, ROWS)
@@ -513,6 +561,9 @@ def dispatch_mlp_swiglu_combine_kernel(
                         src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
                         _copy_rows(src, dst, ok, H, BLOCK_H, False)
                     _signal(done + pp)
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_comm0 + (2 * it + 1) * num_comm + pid, MAXE, TR_PUSH,
+                                     t_start, t_ready, _now())
     else:
         # ------------------------------------------------ compute program
         cid = pid - num_comm
@@ -533,6 +584,8 @@ def dispatch_mlp_swiglu_combine_kernel(
         for tile in range(cid, total, ncomp):
             if tile < n_sh_gu:
                 if (phase & 1) != 0:  # PH_SHARED_GU; n-major so row tiles share weight tiles in L2
+                    if TRACE:
+                        t_start = _now()
                     nt = tile // n_sh_row_tiles
                     rt = tile % n_sh_row_tiles
                     if USE_TMA:
@@ -544,6 +597,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                     _swiglu_store(acc_g, acc_u, sh_hid_ptr, rt * BM, T - rt * BM, nt * BN, S, swiglu_limit,
                                   HAS_LIMIT, BM, BN)
                     _signal(shared_ready)
+                    if TRACE:
+                        _trace_event(trace_ptr, tile, MAXE, TR_SHARED_GU, t_start, t_start, _now())
             elif tile < r_hi:
                 if tile >= r_lo:
                     rnd = (tile - n_sh_gu) // per_mb
@@ -553,9 +608,13 @@ def dispatch_mlp_swiglu_combine_kernel(
                         if ((phase & 4) != 0) & (p < p_hi):  # PH_GATEUP
                             row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
                             if live:
+                                if TRACE:
+                                    t_start = _now()
                                 nt = i // (MB // BM)
                                 rt = i % (MB // BM)
                                 _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
+                                if TRACE:
+                                    t_ready = _now()
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
@@ -589,15 +648,21 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I) + I,
                                                     tl.arange(0, BM) >= 0, acc_u, nt * BN, I, BN)
                                 _signal(hid_ready + p)
+                                if TRACE:
+                                    _trace_event(trace_ptr, tile, MAXE, TR_GATEUP, t_start, t_ready, _now())
                     else:
                         p = rnd - LAG
                         if ((phase & 8) != 0) & (p >= p_lo) & (p < p_hi):  # PH_DOWN
                             row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
                             if live:
+                                if TRACE:
+                                    t_start = _now()
                                 j = i - per_mb_gu
                                 nt = j // (MB // BM)
                                 rt = j % (MB // BM)
                                 _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
+                                if TRACE:
+                                    t_ready = _now()
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
@@ -630,12 +695,18 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2,
                                                     H, BN2)
                                 _signal(y_ready + p)
+                                if TRACE:
+                                    _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
             else:
                 if (phase & 32) != 0:  # PH_SHARED_DOWN
+                    if TRACE:
+                        t_start = _now()
                     j = tile - r_hi
                     nt = j // n_sh_row_tiles
                     rt = j % n_sh_row_tiles
                     _wait_geq(shared_ready, n_sh_gu, err_ptr, max_spin)
+                    if TRACE:
+                        t_ready = _now()
                     if USE_TMA:
                         acc = _down_acc_tma(shid_desc, rt * BM, sw2_desc, nt * BN2, S, BM, BN2, BK)
                     else:
@@ -643,6 +714,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         BM, BN2, BK, DOT_FP32, PRECISION)
                     rows = rt * BM + tl.arange(0, BM)
                     _store_rows(y_shared_ptr + rows.to(tl.int64) * H, rows < T, acc, nt * BN2, H, BN2)
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_sdn0 + j, MAXE, TR_SHARED_DOWN, t_start, t_ready, _now())
 
 
 @triton.jit

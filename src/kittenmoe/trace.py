@@ -1,0 +1,94 @@
+"""Where a megakernel launch spends its time, from its own timestamps.
+
+``megakernel_forward_multirank(..., trace=True)`` (or ``launch_rank_forward(trace=True)``) builds the forward
+megakernel with ``TRACE``: every GEMM tile, and every comm program's pull and push of a minibatch, records one
+event ``[kind, program, start, ready, end]`` in the GPU's global nanosecond timer (``%globaltimer``, shared by
+all SMs): ``start`` when the program took the work, ``ready`` when its wait for the inputs returned, ``end``
+when it signalled the result. ``summarize`` turns the ``[MAXE, 5]`` buffer into per-kind totals:
+
+- **work**: ``end - ready`` summed (the tile's compute or the chunk's copies);
+- **wait**: ``ready - start`` summed (spinning on a counter: a producer was late);
+- **busy** of a role: its work over (its programs x the launch's span), the rest being waits and idle gaps.
+
+Kernel-side timestamps show what the phase-subset runs (``--breakdown``) cannot: how long compute programs
+spin on the pull, when the first gate|up tile starts, how long the tail after the last down tile is. Under the
+interpreter every timestamp is 0; the event counts are still right (tests check them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+# Event kinds by code, as the kernel writes them (kernels/megakernel_fwd.py TR_*, tests/test_trace.py checks).
+KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push")
+COMM_KINDS = ("pull", "push")
+
+
+@dataclasses.dataclass(frozen=True)
+class KindStats:
+    """Totals of one event kind over a launch (ns)."""
+
+    kind: str
+    events: int
+    programs: int
+    work_ns: int
+    wait_ns: int
+    first_start_ns: int
+    last_end_ns: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSummary:
+    span_ns: int  # first start to last end, over every event
+    num_comm: int  # communication programs (rows 0..num_comm-1 of the buffer)
+    num_compute: int
+    kinds: tuple[KindStats, ...]
+
+    def table(self) -> str:
+        """A fixed-width text table: per kind, events, work and wait (ms, summed over programs), busy (%)."""
+        lines = [f"span {self.span_ns / 1e6:.3f} ms; {self.num_comm} comm + {self.num_compute} compute programs",
+                 f"{'kind':<15}{'events':>8}{'work ms':>10}{'wait ms':>10}{'busy %':>8}{'first ms':>10}"
+                 f"{'last ms':>9}"]
+        for k in self.kinds:
+            role = self.num_comm if k.kind in COMM_KINDS else self.num_compute
+            busy = 100.0 * k.work_ns / max(1, role * self.span_ns)
+            lines.append(f"{k.kind:<15}{k.events:>8}{k.work_ns / 1e6:>10.3f}{k.wait_ns / 1e6:>10.3f}{busy:>8.1f}"
+                         f"{k.first_start_ns / 1e6:>10.3f}{k.last_end_ns / 1e6:>9.3f}")
+        return "\n".join(lines)
+
+
+def events(trace: torch.Tensor) -> torch.Tensor:
+    """The recorded events of a ``[MAXE, 5]`` buffer as ``[n, 5]`` int64 rows (program, kind, start, ready,
+    end), in slot order; unused slots (kind -1) dropped."""
+    if trace.dim() != 2 or trace.shape[-1] != 5 or trace.dtype != torch.int64:
+        raise ValueError(f"trace must be the [MAXE, 5] int64 buffer a traced launch fills, got "
+                         f"{tuple(trace.shape)} {trace.dtype}")
+    t = trace.cpu()
+    t = t[t[:, 0] >= 0]
+    return t[:, [1, 0, 2, 3, 4]]
+
+
+def summarize(trace: torch.Tensor, num_comm: int) -> TraceSummary:
+    """Per-kind totals of one traced launch (``state.trace``); ``num_comm``: the launch's communication
+    programs (``KernelConfig.num_comm_programs_fwd``; programs below it are comm programs)."""
+    ev = events(trace)
+    if ev.shape[0] == 0:
+        raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
+    bad = ev[(ev[:, 1] >= len(KINDS))]
+    if bad.shape[0]:
+        raise ValueError(f"unknown event kinds {sorted(set(bad[:, 1].tolist()))} (known: {KINDS})")
+    t0 = int(ev[:, 2].min())
+    span = int(ev[:, 4].max()) - t0
+    stats = []
+    for code, name in enumerate(KINDS):
+        k = ev[ev[:, 1] == code]
+        if k.shape[0] == 0:
+            continue
+        stats.append(KindStats(
+            kind=name, events=int(k.shape[0]), programs=int(k[:, 0].unique().numel()),
+            work_ns=int((k[:, 4] - k[:, 3]).sum()), wait_ns=int((k[:, 3] - k[:, 2]).sum()),
+            first_start_ns=int(k[:, 2].min()) - t0, last_end_ns=int(k[:, 4].max()) - t0))
+    compute = ev[ev[:, 0] >= num_comm, 0].unique().numel()  # the compute programs that did any work
+    return TraceSummary(span_ns=span, num_comm=num_comm, num_compute=int(compute), kinds=tuple(stats))

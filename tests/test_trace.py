@@ -1,0 +1,120 @@
+"""The forward megakernel's trace (``trace=True``, ``kittenmoe.trace``): one event per unit of work, the
+outputs unchanged, and the summary's arithmetic.
+
+Under the interpreter every timestamp is 0, so these tests check what the trace records (which program, what
+kind, how many) and that tracing changes no output bit; the timings themselves only mean something on a GPU
+(``test_gpu_trace_timestamps_ordered``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from kittenmoe.config import TEST_SHAPES, KernelConfig
+from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.testing import assert_bitwise_equal, make_weights, routing_uniform
+from kittenmoe.trace import KINDS, events, summarize
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda") if HAS_CUDA else torch.device("cpu")
+TINY = TEST_SHAPES["tiny"]  # E=8, H=32, I=16, K=2
+CFG = KernelConfig(num_comm_programs_fwd=2, minibatch_size=16, block_m=16, block_n=16, block_k=16, num_warps=4,
+                   num_stages=2)
+
+
+def _problem(r, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = make_weights(TINY, dtype=torch.float32, generator=g)
+    xs = [torch.randn(t, TINY.h, generator=g).to(DEV) for _ in range(r)]
+    routes = [routing_uniform(t, TINY.e, TINY.k, generator=g) for _ in range(r)]
+    ids = [i.to(DEV) for i, _ in routes]
+    ws = [v.to(DEV) for _, v in routes]
+    return (xs, ids, ws, w.w13_E2IH.to(DEV), w.w2_EHI.to(DEV), w.shared_w13_2SH.to(DEV), w.shared_w2_HS.to(DEV))
+
+
+@pytest.mark.parametrize("r,t,macrobatch", [
+    (1, 24, None),  # one rank, two minibatches, no ring
+    (2, 20, 16),  # two ranks, a ring of one minibatch that wraps (pulls wait on pushes)
+])
+def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
+    """Each comm program records one pull and one push per live minibatch, each gate|up / down / shared tile
+    one event on exactly one compute program; the outputs equal an untraced run's bit for bit."""
+    a = _problem(r, t)
+    cfg = CFG.with_(macrobatch_size=macrobatch)
+    plain = megakernel_forward_multirank(*a, config=cfg)
+    traced = megakernel_forward_multirank(*a, config=cfg, trace=True)
+    for k in range(r):
+        assert_bitwise_equal(traced.outputs[k], plain.outputs[k], f"out[{k}] traced")
+    bm, bn = cfg.block_m, cfg.block_n
+    for st in traced.states:
+        assert st.trace is not None and st.trace.dtype == torch.int64
+        ev = events(st.trace)
+        ncomm = cfg.num_comm_programs_fwd
+        live = len(st.ring.live_minibatches(int(st.schedule.num_rows.item())))
+        mb_tiles = st.ring.minibatch // bm
+        want = {
+            "pull": ncomm * live, "push": ncomm * live,
+            "gate|up": live * mb_tiles * triton.cdiv(TINY.i, bn),
+            "down": live * mb_tiles * triton.cdiv(TINY.h, 2 * bn),
+            "shared gate|up": triton.cdiv(t, bm) * triton.cdiv(TINY.i, bn),  # the shared width is I here
+            "shared down": triton.cdiv(t, bm) * triton.cdiv(TINY.h, 2 * bn),
+        }
+        got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(KINDS)}
+        assert got == want, (got, want)
+        comm = ev[:, 0] < ncomm
+        copies = {KINDS.index("pull"), KINDS.index("push")}
+        assert set(ev[comm, 1].tolist()) <= copies, "a comm program recorded a GEMM tile"
+        assert not set(ev[~comm, 1].tolist()) & copies, "a compute program recorded a copy"
+        if not HAS_CUDA:
+            assert (ev[:, 2:] == 0).all(), "the interpreter has no timer: every timestamp reads 0"
+
+
+def test_untraced_launch_has_no_trace():
+    st = megakernel_forward_multirank(*_problem(1, 8), config=CFG).states[0]
+    assert st.trace is None
+
+
+def test_summarize_arithmetic():
+    """Work = end - ready and wait = ready - start, summed per kind; busy over the role's programs."""
+    tr = torch.full((6, 5), -1, dtype=torch.int64)  # rows: kind, program, start, ready, end
+    # program 0 (comm): a pull 100..300 (waits until 150), a push 300..400 (no wait)
+    pull, push, gateup = KINDS.index("pull"), KINDS.index("push"), KINDS.index("gate|up")
+    tr[4] = torch.tensor([pull, 0, 100, 150, 300])
+    tr[5] = torch.tensor([push, 0, 300, 300, 400])
+    # programs 1, 2 (compute): gate|up tiles
+    tr[0] = torch.tensor([gateup, 1, 150, 200, 350])
+    tr[2] = torch.tensor([gateup, 2, 160, 160, 260])
+    s = summarize(tr, num_comm=1)
+    assert s.span_ns == 300 and s.num_compute == 2
+    by = {k.kind: k for k in s.kinds}
+    assert by["pull"].work_ns == 150 and by["pull"].wait_ns == 50
+    assert by["gate|up"].events == 2 and by["gate|up"].programs == 2
+    assert by["gate|up"].work_ns == 250 and by["gate|up"].wait_ns == 50
+    assert by["gate|up"].first_start_ns == 50 and by["push"].last_end_ns == 300
+    assert "gate|up" in s.table() and "span 0.000 ms" in s.table()
+
+
+def test_summarize_refuses_what_is_not_a_trace():
+    with pytest.raises(ValueError, match=r"\[MAXE, 5\] int64"):
+        summarize(torch.zeros(3, 4), num_comm=1)
+    with pytest.raises(ValueError, match="no events"):
+        summarize(torch.full((3, 5), -1, dtype=torch.int64), num_comm=1)
+    bad = torch.full((1, 5), -1, dtype=torch.int64)
+    bad[0] = torch.tensor([9, 0, 0, 0, 1])
+    with pytest.raises(ValueError, match="unknown event kinds"):
+        summarize(bad, num_comm=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_trace_timestamps_ordered():
+    """On a GPU the timer runs: every event has start <= ready <= end, and the summary's span is positive."""
+    cfg = CFG.with_(num_comm_programs_fwd=4)
+    res = megakernel_forward_multirank(*_problem(2, 256), config=cfg, trace=True)
+    res.check_errors()
+    for st in res.states:
+        ev = events(st.trace)
+        assert ((ev[:, 2] <= ev[:, 3]) & (ev[:, 3] <= ev[:, 4])).all()
+        assert summarize(st.trace, cfg.num_comm_programs_fwd).span_ns > 0
