@@ -11,6 +11,7 @@ autograd, same routing, same run. Peak memory of each beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -72,6 +73,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--breakdown", action="store_true",
                     help="also time subsets of the backward's phases (pull, +A, +B and push, +shared, all)")
+    ap.add_argument("--trace", action="store_true",
+                    help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
     args = ap.parse_args()
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -118,6 +121,17 @@ def main() -> int:
                                                               saved=saved_fwd.saved()),
                     warmup=20, rep=args.reps * 10, return_mode="median")
                 print(f"  backward phases {label:<8} {row['phase_ms'][label]:.3f} ms", flush=True)
+        if args.trace:
+            from kittenmoe.trace import BWD_KINDS, summarize
+
+            kept = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=cfg.keep_activations)
+            for _ in range(3):  # compile, then warm caches; the last run's trace is read
+                tr = megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, saved=kept.saved(),
+                                                   trace=True).traces[0]
+            torch.cuda.synchronize()
+            summary = summarize(tr, cfg.num_comm_programs_bwd, BWD_KINDS)
+            print(summary.table(), flush=True)
+            row["trace"] = dataclasses.asdict(summary)
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -43,7 +43,7 @@ fi
 if [[ $what == phases ]]; then  # where the time goes, kimi slice only
   step fwdphase python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --breakdown --trace --reps 5 \
     --out "$OUT"
-  step bwdphase python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --breakdown --reps 3 --out "$OUT"
+  step bwdphase python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --breakdown --trace --reps 3 --out "$OUT"
 fi
 if [[ $what == tune || $what == all ]]; then
   export KITTENMOE_CACHE_DIR=$OUT/cache
@@ -83,6 +83,7 @@ if [[ $what == next ]]; then  # what the 2026-12-01 session built after its devi
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py --tiles 128x128,64x128,64x256 --stages 2,3
   step fwdtrace python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"
+  step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py

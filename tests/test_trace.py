@@ -71,6 +71,42 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
             assert (ev[:, 2:] == 0).all(), "the interpreter has no timer: every timestamp reads 0"
 
 
+@pytest.mark.parametrize("r,t,keep", [
+    (1, 24, True),  # one rank reading the forward's kept activations
+    (2, 20, False),  # two ranks replaying gate|up
+])
+def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep):
+    """The backward megakernel: one pull and one push per comm program and live minibatch, one event per
+    phase A / phase B / shared tile; the gradients equal an untraced run's bit for bit."""
+    from kittenmoe.ops import megakernel_backward_multirank
+    from kittenmoe.trace import BWD_KINDS
+
+    a = _problem(r, t)
+    g = torch.Generator().manual_seed(3)
+    d_out = [torch.randn(t, TINY.h, generator=g).to(DEV) for _ in range(r)]
+    fwd = megakernel_forward_multirank(*a, config=CFG, save_for_backward=keep)
+    saved = fwd.saved() if keep else None
+    plain = megakernel_backward_multirank(d_out, *a, config=CFG, saved=saved)
+    traced = megakernel_backward_multirank(d_out, *a, config=CFG, saved=saved, trace=True)
+    for k in range(r):
+        assert_bitwise_equal(traced.d_x[k], plain.d_x[k], f"d_x[{k}] traced")
+    assert_bitwise_equal(traced.d_w13, plain.d_w13, "d_w13 traced")
+    assert plain.traces is None and len(traced.traces) == r
+    bm, bn_a, bn_b = CFG.block_m, max(16, CFG.block_n // 2), 2 * CFG.block_n
+    ncomm = CFG.num_comm_programs_bwd
+    rows = [int(st.schedule.num_rows.item()) for st in fwd.states]
+    for k, tr in enumerate(traced.traces):
+        ev = events(tr)
+        live = -(-rows[k] // CFG.minibatch_size)  # the backward holds every routed row: no ring
+        mb_tiles = CFG.minibatch_size // bm
+        want = {"pull": ncomm * live, "push": ncomm * live,
+                "A": live * mb_tiles * triton.cdiv(TINY.i, bn_a), "B": live * mb_tiles * triton.cdiv(TINY.h, bn_b),
+                "shared A": triton.cdiv(t, bm) * triton.cdiv(TINY.i, bn_a),
+                "shared B": triton.cdiv(t, bm) * triton.cdiv(TINY.h, bn_b)}
+        got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(BWD_KINDS)}
+        assert got == want, (k, got, want)
+
+
 def test_untraced_launch_has_no_trace():
     st = megakernel_forward_multirank(*_problem(1, 8), config=CFG).states[0]
     assert st.trace is None

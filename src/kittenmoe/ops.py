@@ -489,6 +489,7 @@ class MultirankBackward:
     d_shared_w2: torch.Tensor | None  # [H, S]
     errs: list[torch.Tensor]
     peers: LocalPeers
+    traces: list[torch.Tensor | None] | None = None  # [R] x [MAXE, 5] with trace=True (kittenmoe.trace)
 
     def check_errors(self) -> None:
         for e in self.errs:
@@ -511,6 +512,7 @@ def launch_rank_backward(
     dw2_out: torch.Tensor | None = None,
     saved: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> dict:
     """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers.
 
@@ -528,7 +530,8 @@ def launch_rank_backward(
     (square: the transpose keeps them). The weight gradients stay in x's dtype. Rows whose gate|up the
     forward did not keep are replayed in e4m3 as the forward computed them: the pull quantises their x rows
     with the forward's rule and phase A runs the forward's gate|up tile code on them (same bits as keeping
-    them)."""
+    them). ``trace``: ``out["trace"]`` records every tile and copy (``kittenmoe.trace.BWD_KINDS``); the
+    weight-gradient launch is not traced."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -666,12 +669,22 @@ def launch_rank_backward(
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
+    trace_meta = {}
+    out["trace"] = None
+    if trace:
+        per_mb = (MB // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, bn2))
+        n_srt = triton.cdiv(T, bm)
+        n_gemm = (n_srt * (triton.cdiv(S, bn) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
+        # comm: a pull and a push slot per program and processing index (< 2 NMB: every pull runs ahead)
+        maxe = n_gemm + 2 * (2 * NMB + 1) * num_comm
+        out["trace"] = torch.full((maxe, 5), -1, dtype=torch.int64, device=dev)
+        trace_meta = dict(TRACE=True, MAXE=maxe)
     meta = dict(
         LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb,
-        POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot,
+        POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults).
@@ -689,6 +702,7 @@ def launch_rank_backward(
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1], *fp8_bufs,
             w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
+            out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
@@ -755,6 +769,7 @@ def megakernel_backward_multirank(
     phases: int | None = None,
     saved: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> MultirankBackward:
     """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
 
@@ -766,7 +781,8 @@ def megakernel_backward_multirank(
     ``launch_rank_backward``). ``phases`` (a mask of ``megakernel_bwd.PB_*``,
     default all) runs a subset of the roles, for timing one phase against
     another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
-    over ranks in rank order (the replicated weight's total gradient).
+    over ranks in rank order (the replicated weight's total gradient). ``trace``: ``result.traces[r]`` records
+    what every program of rank r's backward megakernel did and when (``kittenmoe.trace``, ``BWD_KINDS``).
     """
     config = config or KernelConfig()
     _check_fp8_type(fp8)
@@ -796,7 +812,7 @@ def megakernel_backward_multirank(
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
                              dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L], saved=saved[d],
-                             fp8=None if fp8 is None else fp8.experts(d * L, (d + 1) * L))
+                             fp8=None if fp8 is None else fp8.experts(d * L, (d + 1) * L), trace=trace)
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None
@@ -819,4 +835,5 @@ def megakernel_backward_multirank(
     return MultirankBackward(
         d_x=d_x, d_topk_weights=d_w,
         d_w13=d_w13, d_w2=d_w2,
-        d_shared_w13=d_sw13, d_shared_w2=d_sw2, errs=[o["err"] for o in outs], peers=peers)
+        d_shared_w13=d_sw13, d_shared_w2=d_sw2, errs=[o["err"] for o in outs], peers=peers,
+        traces=[o["trace"] for o in outs] if trace else None)

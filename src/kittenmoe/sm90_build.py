@@ -132,7 +132,7 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
 
     ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales); ``replay``: the FP8
     backward without the forward's kept activations; ``resident``: the variants that keep the forward's
-    activations for the backward (SAVE_GU / RESIDENT); ``trace``: the forward's profiling build (TRACE)."""
+    activations for the backward (SAVE_GU / RESIDENT); ``trace``: the profiling build (TRACE)."""
     if which not in ("fwd", "bwd"):
         raise ValueError(f"which must be 'fwd' or 'bwd', got {which!r}")
     sh = {**SEED_SHAPES, **TEST_SHAPES}[shape]
@@ -160,7 +160,7 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
                     fwd = ops.megakernel_forward_multirank(*a, config=config, save_for_backward=True, fp8=fp8)
                     built.clear()
                 ops.megakernel_backward_multirank(d_out, *a, config=config, saved=fwd.saved() if fwd else None,
-                                                  fp8=fp8)
+                                                  fp8=fp8, trace=trace)
         except Exception as exc:
             # The launchers read results after the (fake) launches and may fail there, once the kernels have
             # compiled: that is expected. A compile failure, or a failure before any compile, is not.

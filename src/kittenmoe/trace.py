@@ -21,8 +21,11 @@ import dataclasses
 
 import torch
 
-# Event kinds by code, as the kernel writes them (kernels/megakernel_fwd.py TR_*, tests/test_trace.py checks).
+# Event kinds by code, as the kernels write them (kernels/megakernel_fwd.py TR_*, tests/test_trace.py checks).
 KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push")
+# The backward megakernel's (launch_rank_backward(trace=True)), same codes: phase A is the down dgrad with the
+# SwiGLU backward, phase B the gate|up dgrad.
+BWD_KINDS = ("shared A", "A", "B", "shared B", "pull", "push")
 COMM_KINDS = ("pull", "push")
 
 
@@ -70,19 +73,20 @@ def events(trace: torch.Tensor) -> torch.Tensor:
     return t[:, [1, 0, 2, 3, 4]]
 
 
-def summarize(trace: torch.Tensor, num_comm: int) -> TraceSummary:
+def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS) -> TraceSummary:
     """Per-kind totals of one traced launch (``state.trace``); ``num_comm``: the launch's communication
-    programs (``KernelConfig.num_comm_programs_fwd``; programs below it are comm programs)."""
+    programs (``KernelConfig.num_comm_programs_fwd`` / ``_bwd``; programs below it are comm programs);
+    ``kinds``: the names of the codes (``KINDS``, or ``BWD_KINDS`` for a backward trace)."""
     ev = events(trace)
     if ev.shape[0] == 0:
         raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
-    bad = ev[(ev[:, 1] >= len(KINDS))]
+    bad = ev[(ev[:, 1] >= len(kinds))]
     if bad.shape[0]:
-        raise ValueError(f"unknown event kinds {sorted(set(bad[:, 1].tolist()))} (known: {KINDS})")
+        raise ValueError(f"unknown event kinds {sorted(set(bad[:, 1].tolist()))} (known: {kinds})")
     t0 = int(ev[:, 2].min())
     span = int(ev[:, 4].max()) - t0
     stats = []
-    for code, name in enumerate(KINDS):
+    for code, name in enumerate(kinds):
         k = ev[ev[:, 1] == code]
         if k.shape[0] == 0:
             continue

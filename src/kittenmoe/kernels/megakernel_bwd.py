@@ -51,8 +51,9 @@ replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 import triton
 import triton.language as tl
 
-from kittenmoe.kernels.megakernel_fwd import (_fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _peer_rows, _signal,
-                                              _wait_geq, store_chunk_fp8)
+from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
+                                              _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now, _peer_rows,
+                                              _signal, _trace_event, _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -476,6 +477,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32
+    trace_ptr,  # [MAXE, 5] int64 events (TRACE; kinds as the forward's: shared A, A, B, shared B, pull, push)
     T, H, I, S, K, L, NMB,
     swiglu_limit,
     phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows,
@@ -484,7 +486,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
-    POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
+    MAXE: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -501,6 +504,10 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     n_b_h = tl.cdiv(H, BN2)
     per_a = (MB // BM) * NI
     per_b = (MB // BM) * n_b_h
+    if TRACE:  # launch-independent slots (as the forward's): GEMM tiles of the whole backward, then comm
+        n_srt_t = tl.cdiv(T, BM)
+        trace_sb0 = (n_srt_t * tl.cdiv(S, BN) if HAS_SHARED else 0) + (NMB + LAG) * (per_a + per_b)
+        trace_comm0 = trace_sb0 + (n_srt_t * n_b_h if HAS_SHARED else 0)
 
     if pid < num_comm:
         for it in range(p_lo, p_hi + pull_ahead):
@@ -508,6 +515,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
             if ((phase & 2) != 0) & (p < p_hi):  # PB_PULL
                 row0 = p * MB
                 if row0 < num_rows:
+                    if TRACE:
+                        t_start = _now()
                     for ch in range(pid, MB // ROWS, num_comm):
                         r = row0 + ch * ROWS + tl.arange(0, ROWS)
                         pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
@@ -537,11 +546,18 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
                         tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
                     _signal(pull_ready + p)
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
+                                     t_start, _now())
             pp = it - pull_ahead
             if ((phase & 16) != 0) & (pp >= p_lo):  # PB_PUSH
                 row0 = pp * MB
                 if row0 < num_rows:
+                    if TRACE:
+                        t_start = _now()
                     _wait_geq(b_ready + pp, per_b, err_ptr, max_spin)
+                    if TRACE:
+                        t_ready = _now()
                     for ch in range(pid, MB // ROWS, num_comm):
                         r = row0 + ch * ROWS + tl.arange(0, ROWS)
                         pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
@@ -561,6 +577,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             dw += tl.load(dwp_ptr + r.to(tl.int64) * NI + q, mask=ok, other=0.0)
                         wb = tl.load(dwc_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
                         tl.store(wb + pt, dw, mask=ok)
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_comm0 + (2 * it + 1) * num_comm + pid, MAXE, TR_PUSH,
+                                     t_start, t_ready, _now())
     else:
         cid = pid - num_comm
         ncomp = nprog - num_comm
@@ -577,6 +596,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
         for tile in range(cid, total, ncomp):
             if tile < n_sa:
                 if (phase & 1) != 0:  # PB_SHARED_A: dense over this rank's T tokens, w = 1
+                    if TRACE:
+                        t_start = _now()
                     nt = tile // n_srt
                     rt = tile % n_srt
                     if USE_TMA_A:
@@ -590,6 +611,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM, T - rt * BM,
                                     nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
                     _signal(sa_ready)
+                    if TRACE:
+                        _trace_event(trace_ptr, tile, MAXE, TR_SHARED_GU, t_start, t_start, _now())
             elif tile < r_hi:
                 if tile >= r_lo:
                     rnd = (tile - n_sa) // per_mb
@@ -597,10 +620,14 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     if i < per_a:
                         p = rnd
                         if ((phase & 4) != 0) & (p < p_hi) & (p * MB < num_rows):  # PB_A
+                            if TRACE:
+                                t_start = _now()
                             nt = i // (MB // BM)
                             rt = i % (MB // BM)
                             row0 = p * MB + rt * BM
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
+                            if TRACE:
+                                t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
                                 if FP8:
@@ -650,14 +677,20 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 if FP8_B:  # phase B on e4m3 (FP8 without KernelConfig.fp8_dx_high)
                                     _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
+                            if TRACE:
+                                _trace_event(trace_ptr, tile, MAXE, TR_GATEUP, t_start, t_ready, _now())
                     else:
                         p = rnd - LAG
                         if ((phase & 8) != 0) & (p >= p_lo) & (p < p_hi) & (p * MB < num_rows):  # PB_B
+                            if TRACE:
+                                t_start = _now()
                             j = i - per_a
                             nt = j // (MB // BM)
                             rt = j % (MB // BM)
                             row0 = p * MB + rt * BM
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
+                            if TRACE:
+                                t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
                                 if FP8_B and USE_TMA:
@@ -679,12 +712,18 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
                                          mask=(rn < H)[None, :])
                             _signal(b_ready + p)
+                            if TRACE:
+                                _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
             else:
                 if (phase & 32) != 0:  # PB_SHARED_B
+                    if TRACE:
+                        t_start = _now()
                     j = tile - r_hi
                     nt = j // n_srt
                     rt = j % n_srt
                     _wait_geq(sa_ready, n_sa, err_ptr, max_spin)
+                    if TRACE:
+                        t_ready = _now()
                     if USE_TMA:
                         acc = _mm_acc_tma(sdgu_desc, rt * BM, sw13_desc, 0, nt * BN2, 2 * S, BM, BN2, BK)
                     else:
@@ -694,6 +733,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     rn = nt * BN2 + tl.arange(0, BN2)
                     tl.store(sdx_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
                              mask=(rows < T)[:, None] & (rn < H)[None, :])
+                    if TRACE:
+                        _trace_event(trace_ptr, trace_sb0 + j, MAXE, TR_SHARED_DOWN, t_start, t_ready, _now())
 
 
 @triton.jit
