@@ -98,9 +98,9 @@ def main() -> int:
         peers = LocalPeers(1, dev)
         a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
 
-        def mk(keep=cfg.keep_activations):
-            f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=keep)
-            megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, saved=f.saved())
+        def mk(keep=cfg.keep_activations, c=cfg):
+            f = megakernel_forward_multirank(*a, config=c, peers=peers, save_for_backward=keep)
+            megakernel_backward_multirank(gos, *a, config=c, peers=peers, saved=f.saved())
 
         # The replaying backward (keep_activations=False) in the same run, for the comparison.
         row["ms_kittenmoe_replay"] = triton.testing.do_bench(lambda: mk(False), warmup=20, rep=args.reps * 20,
@@ -137,6 +137,16 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")
         row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+        # KernelConfig.wgrad_warp_specialize in the same run (the weight-gradient launch warp-specialized)
+        cfg_ws = cfg.with_(wgrad_warp_specialize=True)
+        try:
+            row["ms_kittenmoe_wgrad_ws"] = triton.testing.do_bench(lambda: mk(c=cfg_ws), warmup=50,
+                                                                   rep=args.reps * 20, return_mode="median")
+            print(f"  {name}: wgrad_warp_specialize {row['ms_kittenmoe_wgrad_ws']:.3f} ms against "
+                  f"{row['ms_kittenmoe']:.3f}", flush=True)
+        except Exception as exc:  # reported in the row and on the terminal, not hidden
+            traceback.print_exc()
+            row["wgrad_ws_error"] = repr(exc)
         lw = [t.detach().requires_grad_() for t in [xs[0], ws[0]] + w.tensors()]
 
         def bl():

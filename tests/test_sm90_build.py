@@ -53,6 +53,7 @@ BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epil
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
+    (dict(which="bwd", resident=True, config=dict(wgrad_warp_specialize=True)), BWD),  # weight grads, WS
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2
     (dict(which="fwd", fp8_block=128, config=dict(block_m=64)), FWD),  # FP8 forward, the block_m it runs at
     (dict(which="bwd", fp8_block=128, config=dict(block_m=64)), BWD),  # FP8 backward, kept activations

@@ -95,6 +95,9 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
+_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "wgrad_warp_specialize")
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """The megakernel's knobs (DESIGN.md "Knobs").
@@ -132,6 +135,10 @@ class KernelConfig:
         quantised 1 x 64, phase A's tile width) and was the FP8 backward's critical path on the H200:
         +4.5 ms against +2.0 ms for BF16's on the Kimi slice (docs/perf-notes.md). Needs the master
         weights (the layer, ``kittenmoe.moe`` and the HF integration pass them). No effect without FP8.
+    wgrad_warp_specialize: the backward's weight-gradient launch (a grouped GEMM of its own) runs its K loop
+        warp-specialized: Triton builds a producer warp group (TMA loads) and two consumer groups from a 4-warp
+        launch on Hopper, the form fast Hopper GEMMs take. Needs TMA (else ignored). Off until timed on the
+        H200 (benchmarks/bwd_round.py times both).
     """
 
     num_comm_programs_fwd: int = 16
@@ -147,13 +154,14 @@ class KernelConfig:
     tma: bool = True
     keep_activations: bool = True
     fp8_dx_high: bool = False
+    wgrad_warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
                 continue
-            if field.name in ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high"):
+            if field.name in _BOOL_KNOBS:
                 if not isinstance(v, bool):
                     raise TypeError(f"KernelConfig.{field.name} must be a bool, got {v!r}")
                 continue
