@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|all]
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -80,6 +80,10 @@ if [[ $what == next ]]; then  # what the 2026-12-01 session built after its devi
   step dxtest python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "dx-high"
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step hf python3 benchmarks/hf_round.py --out "$OUT"
+fi
+if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces, the warp-specialized weight gradients
+  step gputests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trace.py tests/test_megakernel_bwd.py \
+    -k "trace or warp_specialized"
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py --tiles 128x128,64x128,64x256 --stages 2,3
   step fwdtrace python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"
