@@ -122,7 +122,7 @@ def main() -> int:
                     warmup=20, rep=args.reps * 10, return_mode="median")
                 print(f"  backward phases {label:<8} {row['phase_ms'][label]:.3f} ms", flush=True)
         if args.trace:
-            from kittenmoe.trace import BWD_KINDS, summarize
+            from kittenmoe.trace import BWD_KINDS, chrome_trace, summarize
 
             kept = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=cfg.keep_activations)
             for _ in range(3):  # compile, then warm caches; the last run's trace is read
@@ -132,6 +132,11 @@ def main() -> int:
             summary = summarize(tr, cfg.num_comm_programs_bwd, BWD_KINDS)
             print(summary.table(), flush=True)
             row["trace"] = dataclasses.asdict(summary)
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"trace-bwd-{name}.json")  # chrome://tracing or ui.perfetto.dev
+            with open(path, "w") as f:
+                json.dump(chrome_trace(tr, cfg.num_comm_programs_bwd, BWD_KINDS), f)
+            print(f"  timeline: {path}", flush=True)
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()

@@ -137,7 +137,7 @@ def main() -> int:
                 print(f"  forward phases {label:<8} {phase_ms[label]:.3f} ms", flush=True)
         trace_summary = None
         if args.trace:
-            from kittenmoe.trace import summarize
+            from kittenmoe.trace import chrome_trace, summarize
 
             c = parse_config(str_cfg(best))
             for _ in range(3):  # compile, then warm caches; the last run's trace is read
@@ -146,6 +146,11 @@ def main() -> int:
             summary = summarize(st.trace, c.num_comm_programs_fwd)
             print(summary.table(), flush=True)
             trace_summary = dataclasses.asdict(summary)
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, f"trace-fwd-{name}.json")  # chrome://tracing or ui.perfetto.dev
+            with open(path, "w") as f:
+                json.dump(chrome_trace(st.trace, c.num_comm_programs_fwd), f)
+            print(f"  timeline: {path}", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

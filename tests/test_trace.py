@@ -132,6 +132,22 @@ def test_summarize_arithmetic():
     assert "gate|up" in s.table() and "span 0.000 ms" in s.table()
 
 
+def test_chrome_trace_slices():
+    """One work slice per event and a wait slice before it when the wait took time, microseconds from the first
+    event, one named row per program."""
+    from kittenmoe.trace import chrome_trace
+
+    tr = torch.full((3, 5), -1, dtype=torch.int64)
+    tr[0] = torch.tensor([KINDS.index("pull"), 0, 1000, 3000, 5000])
+    tr[1] = torch.tensor([KINDS.index("gate|up"), 2, 2000, 2000, 4000])
+    ct = chrome_trace(tr, num_comm=1)
+    slices = [e for e in ct["traceEvents"] if e["ph"] == "X"]
+    assert [(e["name"], e["tid"], e["ts"], e["dur"]) for e in slices] == [
+        ("wait", 0, 0.0, 2.0), ("pull", 0, 2.0, 2.0), ("gate|up", 2, 1.0, 2.0)]
+    rows = {e["tid"]: e["args"]["name"] for e in ct["traceEvents"] if e["ph"] == "M"}
+    assert rows == {0: "comm 0", 2: "compute 2"}
+
+
 def test_summarize_refuses_what_is_not_a_trace():
     with pytest.raises(ValueError, match=r"\[MAXE, 5\] int64"):
         summarize(torch.zeros(3, 4), num_comm=1)

@@ -96,3 +96,25 @@ def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS
             first_start_ns=int(k[:, 2].min()) - t0, last_end_ns=int(k[:, 4].max()) - t0))
     compute = ev[ev[:, 0] >= num_comm, 0].unique().numel()  # the compute programs that did any work
     return TraceSummary(span_ns=span, num_comm=num_comm, num_compute=int(compute), kinds=tuple(stats))
+
+
+def chrome_trace(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS) -> dict:
+    """The events as a Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev): one row per program
+    (comm programs first), a slice per event's work and, before it, a "wait" slice when its wait took time.
+    Times in microseconds from the launch's first event. ``json.dump`` the result to a file to view it."""
+    ev = events(trace)
+    if ev.shape[0] == 0:
+        raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
+    t0 = int(ev[:, 2].min())
+    out = []
+    for prog, kind, start, ready, end in ev.tolist():
+        role = "comm" if prog < num_comm else "compute"
+        name = kinds[kind] if 0 <= kind < len(kinds) else f"kind {kind}"
+        if ready > start:
+            out.append(dict(name="wait", cat=role, ph="X", pid=0, tid=prog, ts=(start - t0) / 1e3,
+                            dur=(ready - start) / 1e3, args=dict(before=name)))
+        out.append(dict(name=name, cat=role, ph="X", pid=0, tid=prog, ts=(ready - t0) / 1e3, dur=(end - ready) / 1e3))
+    names = [dict(name="thread_name", ph="M", pid=0, tid=p,
+                  args=dict(name=f"{'comm' if p < num_comm else 'compute'} {p}"))
+             for p in sorted(set(ev[:, 0].tolist()))]
+    return dict(traceEvents=names + out, displayTimeUnit="ns")
