@@ -535,7 +535,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
                                 xv = tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0)
                                 tl.store(xr_ptr + dst[:, None] + cols[None, :], xv, mask=mc)
-                                if FP8:  # the replay's e4m3 rows: the forward's pull quantised the same bits
+                                # The replay's e4m3 rows (the forward's pull quantised the same bits), for the rows
+                                # phase A replays: from gu_rows on (a wrapped ring kept the rows before it).
+                                if FP8 and (row0 + ch * ROWS + ROWS > gu_rows):
                                     store_chunk_fp8(xv, xrq_ptr + dst, xrs_ptr + r.to(tl.int64) * HB, h0, H, HB,
                                                     ROWS, BLOCK_H, SB, POW2)
                             dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
