@@ -130,6 +130,11 @@ def main() -> int:
                     print(f"  {key:<22} {phase_ms[key]:.3f} ms", flush=True)
                 del kept
 
+        cfg8d = cfg8.with_(fp8_down_high=True)
+
+        def run_fp8_down_high():  # KernelConfig.fp8_down_high: the forward's down projection in bf16
+            return megakernel_forward_multirank(*a, config=cfg8d, peers=peers, fp8=fp8).outputs[0]
+
         def run_fp8():
             return megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8).outputs[0]
 
@@ -173,6 +178,12 @@ def main() -> int:
             f = megakernel_forward_multirank(*a, config=cfg8h, peers=peers, fp8=fp8, save_for_backward=True)
             return megakernel_backward_multirank([d_out], *a, config=cfg8h, peers=peers, saved=f.saved(), fp8=fp8)
 
+        cfg8b = cfg8.with_(fp8_dx_high=True, fp8_down_high=True)
+
+        def run_fp8_fb_both_high():  # both: e4m3 gate|up and down dgrad, the rest bf16 (+ bf16 wgrad)
+            f = megakernel_forward_multirank(*a, config=cfg8b, peers=peers, fp8=fp8, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8b, peers=peers, saved=f.saved(), fp8=fp8)
+
         def run_bf16_fb():
             f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=True)
             return megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved())
@@ -200,13 +211,16 @@ def main() -> int:
                      grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
                                                            w.shared_w2_HS, shape.swiglu_limit),
                      fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb, fp8_fwd_bwd_replay=run_fp8_fb_replay,
-                     fp8_fwd_bwd_dx_high=run_fp8_fb_dx_high)
+                     fp8_fwd_bwd_dx_high=run_fp8_fb_dx_high, fp8_down_high=run_fp8_down_high,
+                     fp8_fwd_bwd_both_high=run_fp8_fb_both_high)
         for label, fn in bench.items():
             row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
         routed = 6 * T * shape.k * shape.h * shape.i
         row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8"]
         row["fwd_bwd_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd"]
         row["fwd_bwd_dx_high_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd_dx_high"]
+        row["down_high_speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8_down_high"]
+        row["fwd_bwd_both_high_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd_both_high"]
         row["speedup_vs_grouped_mm"] = row["ms_grouped_mm"] / row["ms_fp8"]
         row["routed_tflops"] = routed / row["ms_fp8"] / 1e9
         print(f"  fp8 {row['ms_fp8']:.3f} ms, bf16 {row['ms_bf16']:.3f} ms ({row['speedup_vs_bf16']:.2f}x), "
@@ -214,7 +228,9 @@ def main() -> int:
               f"{row['ms_fp8_fwd_bwd']:.3f} ms, bf16 {row['ms_bf16_fwd_bwd']:.3f} ms "
               f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x); fp8 replaying gate|up {row['ms_fp8_fwd_bwd_replay']:.3f} ms; "
               f"fp8 with d_x in bf16 (fp8_dx_high) {row['ms_fp8_fwd_bwd_dx_high']:.3f} ms "
-              f"({row['fwd_bwd_dx_high_speedup_vs_bf16']:.2f}x)", flush=True)
+              f"({row['fwd_bwd_dx_high_speedup_vs_bf16']:.2f}x); fp8_down_high forward {row['ms_fp8_down_high']:.3f} "
+              f"ms ({row['down_high_speedup_vs_bf16']:.2f}x); both high fwd+bwd {row['ms_fp8_fwd_bwd_both_high']:.3f} ms "
+              f"({row['fwd_bwd_both_high_speedup_vs_bf16']:.2f}x)", flush=True)
         rows.append(row)
     os.makedirs(args.out, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

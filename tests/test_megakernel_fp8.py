@@ -61,6 +61,10 @@ CASES = {
     # MXFP8 blocks (1 x 32 / 32 x 32, power-of-two scales), two ranks: four scale blocks per 128-wide tile
     # (per-column weight scales, four hidden scales a tile row), K steps of 32
     "mx32": dict(r=2, t=12, sb=32),
+    # KernelConfig.fp8_down_high: hidden kept in x's dtype, the down projection from the master W2; two ranks
+    "down-high-r2": dict(r=2, t=12, down_high=True),
+    # the same with MXFP8 blocks and a ring that wraps
+    "down-high-mx32-ring": dict(r=2, t=24, sb=32, macrobatch=16, down_high=True),
 }
 
 
@@ -98,7 +102,7 @@ def test_fp8_forward_matches_emulation_and_reference(name):
     w, xs, ids, ws, fp8 = _problem(r, t, shape=c.get("shape", FP8_TINY), shared=c.get("shared", True),
                                    routing=c.get("routing", "uniform"), pow2=c.get("pow2", False),
                                    sb=c.get("sb", 128))
-    cfg = CFG.with_(macrobatch_size=c.get("macrobatch"))
+    cfg = CFG.with_(macrobatch_size=c.get("macrobatch"), fp8_down_high=c.get("down_high", False))
     res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit,
                                        config=cfg, fp8=fp8)
     res.check_errors()
@@ -107,7 +111,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
     for k in range(r):
         out = res.outputs[k]
         assert out.dtype == torch.bfloat16 and out.shape == xs[k].shape
-        emu = moe_reference_fp8(xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS, limit)
+        emu = moe_reference_fp8(xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS, limit,
+                                down_w2_EHI=w.w2_EHI if cfg.fp8_down_high else None)
         assert_close(out.double(), emu, "bf16", f"rank {k} vs the fp8 emulation")
         assert_close(out.double(), ref[k], "fp8", f"rank {k} vs the unquantised reference")
 
@@ -242,6 +247,8 @@ BWD_CASES = {
     "dx-high-r2": dict(r=2, t=12, dx_high=True),
     # the same with MXFP8 blocks and the clamp (phase A still e4m3 and clamped)
     "dx-high-mx32-limit": dict(r=1, t=20, sb=32, swiglu_limit=0.5, dx_high=True, emulation_only=True),
+    # both high-precision knobs: the forward's down in bf16 leaves the backward's data gradients unchanged
+    "dx-high-down-high": dict(r=2, t=12, dx_high=True, down_high=True),
 }
 
 
@@ -299,7 +306,7 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     d_outs = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
     peers = LocalPeers(r, DEV)
-    cfg = CFG.with_(fp8_dx_high=c.get("dx_high", False))
+    cfg = CFG.with_(fp8_dx_high=c.get("dx_high", False), fp8_down_high=c.get("down_high", False))
     fwd = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
     bwd = megakernel_backward_multirank(d_outs, *a, config=cfg, peers=peers, saved=fwd.saved(), fp8=fp8)
     bwd.check_errors()

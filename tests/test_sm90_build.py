@@ -56,6 +56,7 @@ BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epil
     (dict(which="bwd", resident=True, config=dict(wgrad_warp_specialize=True)), BWD),  # weight grads, WS
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2
     (dict(which="fwd", fp8_block=128, config=dict(block_m=64)), FWD),  # FP8 forward, the block_m it runs at
+    (dict(which="fwd", fp8_block=128, config=dict(block_m=64, fp8_down_high=True)), FWD),  # FP8, down in bf16
     (dict(which="bwd", fp8_block=128, config=dict(block_m=64)), BWD),  # FP8 backward, kept activations
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64)), BWD),  # FP8 replay: broke 12-01
     (dict(which="bwd", fp8_block=128, config=dict(block_m=64, fp8_dx_high=True)), BWD),  # FP8, d_x in bf16

@@ -95,7 +95,8 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "wgrad_warp_specialize")
+_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
+               "wgrad_warp_specialize")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,10 @@ class KernelConfig:
         quantised 1 x 64, phase A's tile width) and was the FP8 backward's critical path on the H200:
         +4.5 ms against +2.0 ms for BF16's on the Kimi slice (docs/perf-notes.md). Needs the master
         weights (the layer, ``kittenmoe.moe`` and the HF integration pass them). No effect without FP8.
+    fp8_down_high: with FP8 experts, the forward's down projection runs in x's dtype: hidden rows stored in
+        x's dtype (not quantised) and multiplied by the master W2; gate|up and the backward's data gradients
+        stay e4m3. The FP8 down GEMM was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms
+        against +1.17). Needs the master weights. No effect without FP8.
     wgrad_warp_specialize: the backward's weight-gradient launch (a grouped GEMM of its own) runs its K loop
         warp-specialized: Triton builds a producer warp group (TMA loads) and two consumer groups from a 4-warp
         launch on Hopper, the form fast Hopper GEMMs take. Needs TMA (else ignored). Off until timed on the
@@ -154,6 +159,7 @@ class KernelConfig:
     tma: bool = True
     keep_activations: bool = True
     fp8_dx_high: bool = False
+    fp8_down_high: bool = False
     wgrad_warp_specialize: bool = False
 
     def __post_init__(self) -> None:

@@ -261,11 +261,12 @@ def launch_rank_forward(
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
     row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
+    fp8_down = fp8 is not None and not config.fp8_down_high  # else the down projection in x's dtype
     st = ForwardState(
         schedule=sched,
         ring=ring,
         x_routed=torch.empty(ring.macrobatch, H, dtype=row_dtype, device=dev),
-        hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype, device=dev),
+        hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype if fp8_down else dtype, device=dev),
         # With the push in the down epilogue nothing is staged in y_routed.
         y_routed=torch.empty(1 if config.push_in_epilogue else ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
@@ -284,7 +285,7 @@ def launch_rank_forward(
         st.hidden_scale = torch.empty(ring.macrobatch, I // sb, dtype=torch.float32, device=dev)
         if save_gu:
             st.x_kept = torch.empty(ring.macrobatch, H, dtype=dtype, device=dev)
-        w13_rows, w2_rows = fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8)
+        w13_rows, w2_rows = fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8) if fp8_down else w2_LHI
         fp8_args = (st.x_scale, st.hidden_scale, w13_rows, w2_rows, fp8.w13_scale, fp8.w2_scale)
     else:
         w13_rows, w2_rows = w13_L2IH, w2_LHI
@@ -304,9 +305,12 @@ def launch_rank_forward(
                       TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]))
         else:  # e4m3 operands, one scale block per K step
             f8 = torch.float8_e4m3fn
-            routed = (TD.from_tensor(st.x_routed.view(f8), [bm, sb]), TD.from_tensor(st.hidden.view(f8), [bm, sb]),
+            hid_desc = (TD.from_tensor(st.hidden.view(f8), [bm, sb]) if fp8_down
+                        else TD.from_tensor(st.hidden, [bm, bk]))
+            routed = (TD.from_tensor(st.x_routed.view(f8), [bm, sb]), hid_desc,
                       TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]),
-                      TD.from_tensor(fp8.w2_q.reshape(L * H, I), [bn2, sb]))
+                      TD.from_tensor(fp8.w2_q.reshape(L * H, I), [bn2, sb]) if fp8_down
+                      else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]))
         # Without a shared expert its descriptors are never loaded: stand-ins.
         descs = (
             xl_desc,
@@ -338,7 +342,7 @@ def launch_rank_forward(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
-        USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb,
+        USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )

@@ -132,11 +132,15 @@ def moe_reference_fp8(
     shared_w2_HS: torch.Tensor | None = None,
     swiglu_limit: float | None = None,
     compute_dtype: torch.dtype = torch.float64,
+    down_w2_EHI: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The FP8 forward's arithmetic in ``compute_dtype``: ``moe_reference`` with each routed expert reading x
     quantised to e4m3 (1 x B blocks along H, per token row) and its own e4m3 weights (``fp8_weights``, a
     ``kittenmoe.fp8.FP8ExpertWeights``), and its hidden row quantised (1 x B along I) before the down
-    projection; the shared expert unquantised. What the kernel computes, up to fp32 summation order."""
+    projection; the shared expert unquantised. What the kernel computes, up to fp32 summation order.
+
+    ``down_w2_EHI`` (``KernelConfig.fp8_down_high``): the down projection from these (master) weights on the
+    hidden row rounded to their dtype, as the kernel stores it, instead of the e4m3 product."""
     from kittenmoe.fp8 import dequantize_activations, quantize_activations
 
     cfg = fp8_weights.cfg
@@ -150,8 +154,12 @@ def moe_reference_fp8(
         if tok.numel():
             gu = xq[tok] @ w13[e].t()
             hid = swiglu(gu[:, :i], gu[:, i:], swiglu_limit)
-            hq = dequantize_activations(*quantize_activations(hid.float(), cfg), cfg).to(compute_dtype)
-            y_TKH = y_TKH.index_put((tok, slot), hq @ w2[e].t())
+            if down_w2_EHI is None:
+                hq = dequantize_activations(*quantize_activations(hid.float(), cfg), cfg).to(compute_dtype)
+                y_TKH = y_TKH.index_put((tok, slot), hq @ w2[e].t())
+            else:
+                hh = hid.to(down_w2_EHI.dtype).to(compute_dtype)
+                y_TKH = y_TKH.index_put((tok, slot), hh @ down_w2_EHI[e].to(compute_dtype).t())
     x = x_TH.to(compute_dtype)
     if shared_w13_2SH is not None:
         out = swiglu_ffn(x, shared_w13_2SH.to(compute_dtype), shared_w2_HS.to(compute_dtype), swiglu_limit)

@@ -449,12 +449,12 @@ def dispatch_mlp_swiglu_combine_kernel(
     xk_ptr,  # [MAC, H] x's dtype: the routed rows unquantised, kept for the backward (FP8 and SAVE_GU; else a
     #          placeholder): its weight gradients read them, and pulling x again cost it 1.5 ms (Kimi, H200)
     xs_ptr,  # [MAC, H // SB] fp32 row-block scales of x_routed (FP8; x_routed is then uint8 e4m3 bits)
-    hs_ptr,  # [MAC, I // SB] fp32 row-block scales of hidden (FP8; hidden is then uint8 e4m3 bits)
+    hs_ptr,  # [MAC, I // SB] fp32 row-block scales of hidden (FP8_DOWN; hidden is then uint8 e4m3 bits)
     sh_hid_ptr,  # [T, S] shared-expert hidden
     y_shared_ptr,  # [T, H] shared-expert output
     # weights of this rank
     w13_ptr,  # [L, 2I, H] (FP8: uint8 e4m3 bits)
-    w2_ptr,  # [L, H, I] (FP8: uint8 e4m3 bits)
+    w2_ptr,  # [L, H, I] (FP8_DOWN: uint8 e4m3 bits; FP8 with fp8_down_high: the master weights)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 block scales of w13 (FP8; else a placeholder)
     w2s_ptr,  # [L, H // SB, I // SB] fp32 block scales of w2 (FP8; else a placeholder)
     sw13_ptr,  # [2S, H]
@@ -462,10 +462,10 @@ def dispatch_mlp_swiglu_combine_kernel(
     # TMA descriptors of the same tensors (USE_TMA; otherwise placeholders)
     xl_desc,  # x_local, blocks [BM, BK]
     xr_desc,  # x_routed, blocks [BM, BK]
-    hid_desc,  # hidden, blocks [BM, BK]
+    hid_desc,  # hidden, blocks [BM, BK] (FP8_DOWN: e4m3, blocks [BM, SB])
     shid_desc,  # shared hidden, blocks [BM, BK]
     w13_desc,  # w13 viewed [L*2I, H], blocks [BN, BK]
-    w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK]
+    w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK] (FP8_DOWN: e4m3, blocks [BN2, SB])
     sw13_desc,  # shared w13 [2S, H], blocks [BN, BK]
     sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
     # sync
@@ -480,7 +480,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
-    SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr,
+    SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
@@ -629,8 +629,12 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             acc_g, acc_u = _gateup_acc_fp8(
                                                 xr_ptr, xs_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H),
                                                 w13s_ptr + e * (2 * IB * HB), nt, H, I, HB, BM, BN, SB, DOT_FP32)
-                                        _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB, swiglu_limit,
-                                                          HAS_LIMIT, POW2, BM, BN, SB)
+                                        if FP8_DOWN:  # hidden quantised for the e4m3 down GEMM
+                                            _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB,
+                                                              swiglu_limit, HAS_LIMIT, POW2, BM, BN, SB)
+                                        else:  # KernelConfig.fp8_down_high: hidden in x's dtype
+                                            _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
+                                                          HAS_LIMIT, BM, BN)
                                     else:
                                         if USE_TMA:
                                             acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
@@ -667,7 +671,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
                                     arow = (p % NSLOT) * MB + rt * BM
-                                    if FP8:
+                                    if FP8_DOWN:
                                         if USE_TMA:
                                             acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
                                                                     w2s_ptr + e * (HB * IB), e * H + nt * BN2,
