@@ -125,6 +125,35 @@ def test_fp8_option_type_checked():
         kt.Options(fp8="e4m3")
 
 
+def test_knobs_option_checked_and_applied(monkeypatch):
+    """Options(knobs=...): KernelConfig fields on top of the per-call config, checked when the options are made;
+    the experts forward hands kittenmoe.moe a config carrying them."""
+    with pytest.raises(TypeError, match="pairs"):
+        kt.Options(knobs=[("fp8_dx_high", True)])  # a list, not a tuple of pairs
+    with pytest.raises(TypeError):
+        kt.Options(knobs=(("no_such_knob", 1),))
+    with pytest.raises(TypeError, match="must be a bool"):
+        kt.Options(knobs=(("wgrad_warp_specialize", 1),))
+    seen = {}
+
+    def fake_moe(x, ids, w, w13, w2, backend, config, fp8):
+        seen["config"] = config
+        return x
+
+    monkeypatch.setattr(kt, "moe", fake_moe)
+    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("wgrad_warp_specialize", True),)))
+
+    class Experts(torch.nn.Module):  # the attributes check_supported reads, as HF's experts modules have them
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, 16))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 16))
+            self.act_fn = torch.nn.SiLU()
+
+    fwd(Experts(), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
+    assert seen["config"].wgrad_warp_specialize is True
+
+
 @pytest.mark.parametrize("attr,value,match", [
     ("has_bias", True, "expert biases"),  # GPT-OSS style biases
     ("has_gate", False, "without a gate"),  # up_proj-only experts

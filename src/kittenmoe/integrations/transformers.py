@@ -37,17 +37,22 @@ class Options:
     """How the registered implementation runs: ``kittenmoe.moe``'s ``backend``, ``config`` (None: the
     ``kittenmoe tune`` cache entry for each call's shape, else the heuristic, as ``MoELayer`` does) and
     ``fp8`` (a ``kittenmoe.fp8.FP8Config``: the experts in e4m3, weights quantised every call; megakernel
-    only, H and I multiples of 128)."""
+    only, H and I multiples of 128). ``knobs``: ``KernelConfig`` fields set on top of the per-call config
+    (tuned or heuristic), e.g. ``(("fp8_dx_high", True),)``; pairs, so that the options stay hashable."""
 
     backend: Backend = "auto"
     config: KernelConfig | None = None
     fp8: FP8Config | None = None
+    knobs: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
         if self.config is not None and not isinstance(self.config, KernelConfig):
             raise TypeError(f"Options.config must be a kittenmoe.KernelConfig or None, got "
                             f"{type(self.config).__name__}")
+        if not isinstance(self.knobs, tuple) or not all(isinstance(k, tuple) and len(k) == 2 for k in self.knobs):
+            raise TypeError(f"Options.knobs must be a tuple of (KernelConfig field, value) pairs, got {self.knobs!r}")
+        KernelConfig().with_(**dict(self.knobs))  # unknown fields and bad values fail here, not at the first call
         if self.fp8 is not None and not isinstance(self.fp8, FP8Config):
             raise TypeError(f"Options.fp8 must be a kittenmoe.fp8.FP8Config or None, got {type(self.fp8).__name__}")
 
@@ -100,6 +105,8 @@ def make_experts_forward(options: Options = Options()):
                                                      str(self.gate_up_proj.dtype).removeprefix("torch.")))
             if options.fp8 is not None:  # one hidden scale per gate|up tile row: its width is the scale block
                 config = config.with_(block_n=options.fp8.scale_block)
+        if options.knobs:
+            config = (config if config is not None else KernelConfig()).with_(**dict(options.knobs))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
         out = moe(hidden_states.contiguous(), top_k_index, top_k_weights.float(), self.gate_up_proj,
                   self.down_proj, backend=options.backend, config=config, fp8=options.fp8)
