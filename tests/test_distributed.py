@@ -728,13 +728,23 @@ def _task_ep_forward_backward(rank, world, p):
             fp8 = FP8ExpertWeights.quantize(a["w13"], a["w2"], FP8Config(a["fp8_block"], a["fp8_block"] == 32))
         outs = []
         keep = a.get("keep", False)
-        for _ in range(a.get("runs", 2)):  # more calls through the same buffers: same bits
-            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"], save_for_backward=keep, fp8=fp8)
+        for run in range(a.get("runs", 2)):  # more calls through the same buffers: same bits
+            traced = run == 1  # the second pair traced (kittenmoe.trace): it must give the same bits too
+            fwd = megakernel_forward_ep(*args, peers=peers, config=a["config"], save_for_backward=keep, fp8=fp8,
+                                        trace=traced)
             assert (fwd.saved() is not None) == keep
             bwd = megakernel_backward_ep(a["d_out"], *args, peers=peers, config=a["config"], saved=fwd.saved(),
-                                         fp8=fp8)
+                                         fp8=fp8, trace=traced)
             fwd.check_errors()
             bwd.check_errors()
+            if traced:
+                from kittenmoe.trace import events
+
+                for what, tr in (("forward", fwd.state.trace), ("backward", bwd.trace)):
+                    kinds = set(events(tr)[:, 1].tolist())
+                    assert {1, 4} <= kinds, f"rank {rank}: the {what} trace lacks routed tiles or pulls: {kinds}"
+            else:
+                assert fwd.state.trace is None and bwd.trace is None
             outs.append({"out": fwd.output, "d_x": bwd.d_x, "d_w": bwd.d_topk_weights, "d_w13": bwd.d_w13,
                          "d_w2": bwd.d_w2, "d_sw13": bwd.d_shared_w13, "d_sw2": bwd.d_shared_w2})
         for run, later in enumerate(outs[1:], 1):

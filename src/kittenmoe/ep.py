@@ -133,13 +133,15 @@ def megakernel_forward_ep(
     max_spin: int = ops.DEFAULT_MAX_SPIN,
     save_for_backward: bool = False,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> EPForward:
     """This rank's MoE forward under expert parallelism (collective: every rank of ``peers`` calls it).
 
     ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
     whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and gate|up
     pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
-    ``ops.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``)."""
+    ``ops.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``). ``trace``:
+    ``result.state.trace`` records what this rank's programs did and when (``kittenmoe.trace``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -153,7 +155,8 @@ def megakernel_forward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                 swiglu_limit, config, max_spin, save_for_backward=save_for_backward, fp8=fp8)
+                                 swiglu_limit, config, max_spin, save_for_backward=save_for_backward, fp8=fp8,
+                                 trace=trace)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
     ops.launch_epilogue(st.y_shared[:T], combine[:T * K], topk_weights_TK.float().contiguous(), ids_all[rank][:T],
@@ -170,6 +173,7 @@ class EPBackward:
     d_shared_w13: torch.Tensor | None  # [2S, H], this rank's tokens' contribution
     d_shared_w2: torch.Tensor | None  # [H, S]
     err: torch.Tensor
+    trace: torch.Tensor | None = None  # [MAXE, 5] with trace=True (kittenmoe.trace, BWD_KINDS)
 
     def check_errors(self) -> None:
         ops.check_errors(self.err)
@@ -190,6 +194,7 @@ def megakernel_backward_ep(
     max_spin: int = ops.DEFAULT_MAX_SPIN,
     saved: tuple[torch.Tensor, torch.Tensor] | None = None,
     fp8: FP8ExpertWeights | None = None,
+    trace: bool = False,
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
     the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
@@ -214,12 +219,12 @@ def megakernel_backward_ep(
     peers.barrier()
     ids_all = all_gather_routing(peers)
     out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-                                   swiglu_limit, config, max_spin, saved=saved, fp8=fp8)
+                                   swiglu_limit, config, max_spin, saved=saved, fp8=fp8, trace=trace)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
     dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T], R * L,
                                      has_shared)
-    return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"])
+    return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"], out["trace"])
 
 
 # ----------------------------------------------------------------------------- autograd
