@@ -98,6 +98,7 @@ if [[ $what == multi ]]; then  # issue 8: the link, the EP example over NCCL, ev
   step p2p python3 -m torch.distributed.run --nproc-per-node "$ngpu" benchmarks/p2p_probe.py --out "$OUT"
   step epnccl python3 -m torch.distributed.run --nproc-per-node "$ngpu" examples/ep_layer.py
   step eptests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_distributed.py
+  step eptrace python3 -m torch.distributed.run --nproc-per-node "$ngpu" benchmarks/ep_trace.py --out "$OUT"
 fi
 if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GPU, vs NCCL + PyTorch (all-to-all)
   # epbench: all four rows; epbench2048 / epbench4096 / epbenchfp8: one of them (each fits one 10-minute call)
