@@ -136,9 +136,9 @@ def test_fp8_forward_bitwise_repeatable_and_across_knobs():
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
     base = megakernel_forward_multirank(*a, config=CFG, fp8=fp8).outputs
     assert all(torch.isfinite(o).all() for o in base)
-    again = megakernel_forward_multirank(*a, config=CFG, fp8=fp8).outputs
+    again = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, trace=True).outputs  # the traced build too
     for k in range(2):
-        assert_bitwise_equal(again[k], base[k], f"rank {k} repeat")
+        assert_bitwise_equal(again[k], base[k], f"rank {k} repeat (traced)")
     for name, kw in FP8_FWD_KNOBS.items():
         res = megakernel_forward_multirank(*a, config=CFG.with_(**kw), fp8=fp8)
         res.check_errors()
