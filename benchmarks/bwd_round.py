@@ -129,7 +129,7 @@ def main() -> int:
                 tr = megakernel_backward_multirank(gos, *a, config=cfg, peers=peers, saved=kept.saved(),
                                                    trace=True).traces[0]
             torch.cuda.synchronize()
-            summary = summarize(tr, cfg.num_comm_programs_bwd, BWD_KINDS)
+            summary = summarize(tr, cfg.num_comm_programs_bwd, BWD_KINDS, num_programs=props.multi_processor_count)
             print(summary.table(), flush=True)
             row["trace"] = dataclasses.asdict(summary)
             os.makedirs(args.out, exist_ok=True)

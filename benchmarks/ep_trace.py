@@ -60,7 +60,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     for label, tr, kinds, ncomm in (("forward", f.state.trace, KINDS, cfg.num_comm_programs_fwd),
                                     ("backward", b.trace, BWD_KINDS, cfg.num_comm_programs_bwd)):
-        text = summarize(tr, ncomm, kinds).table()
+        text = summarize(tr, ncomm, kinds, torch.cuda.get_device_properties().multi_processor_count).table()
         path = os.path.join(args.out, f"trace-ep-{label[:3]}-rank{rank}.json")
         with open(path, "w") as fh:
             json.dump(chrome_trace(tr, ncomm, kinds), fh)

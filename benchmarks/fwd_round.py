@@ -143,7 +143,7 @@ def main() -> int:
             for _ in range(3):  # compile, then warm caches; the last run's trace is read
                 st = megakernel_forward_multirank(*args_k, config=c, peers=peers, trace=True).states[0]
             torch.cuda.synchronize()
-            summary = summarize(st.trace, c.num_comm_programs_fwd)
+            summary = summarize(st.trace, c.num_comm_programs_fwd, num_programs=props.multi_processor_count)
             print(summary.table(), flush=True)
             trace_summary = dataclasses.asdict(summary)
             os.makedirs(args.out, exist_ok=True)

@@ -69,10 +69,18 @@ def test_megakernel_builds_for_sm90(spec, expected):
     out = _build(spec)
     names = [b["name"] for b in out["builds"]]
     assert sorted(set(names)) == sorted(expected), names
+    config = spec.get("config", {})
     for b in out["builds"]:
         assert b["shared"] <= SMEM_LIMIT, b
         if b["name"] in (FWD[0], BWD[0], BWD[1]):
             assert b["wgmma"] and b["tma"], b
+        # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; the weight
+        # gradients warp-specialized (a producer and two consumer warp groups: 384 threads) only when asked
+        if b["name"] in (FWD[0], BWD[0]):
+            assert b["timer"] == spec.get("trace", False), b
+        if b["name"] == BWD[1]:
+            ws = config.get("wgrad_warp_specialize", False)
+            assert b["warp_specialized"] == ws and (b["threads"] == 384) == ws, b
 
 
 def test_quantisers_build_for_sm90():

@@ -130,6 +130,7 @@ def test_summarize_arithmetic():
     assert by["gate|up"].work_ns == 250 and by["gate|up"].wait_ns == 50
     assert by["gate|up"].first_start_ns == 50 and by["push"].last_end_ns == 300
     assert "gate|up" in s.table() and "span 0.000 ms" in s.table()
+    assert summarize(tr, num_comm=1, num_programs=5).num_compute == 4  # idle compute programs count too
 
 
 def test_chrome_trace_slices():

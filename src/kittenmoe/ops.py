@@ -189,7 +189,9 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
         raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
     dgb = fp8_dgu_block(config, b)
-    if dgb < 32:  # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less)
+    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with fp8_dx_high nothing is
+    # quantised in d(gate|up) blocks
+    if dgb < 32 and not config.fp8_dx_high:
         raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks {dgb} "
                          f"wide, its gate|up dgrad's K step, under the 32 an e4m3 dot needs: use block_n >= 64")
     if H % b or I % b:

@@ -241,8 +241,8 @@ def moe_backward_reference_fp8(
         dgu = torch.cat([dgc, duc], dim=1)
         if dx_w13_E2IH is None:
             d_x.index_add_(0, tok, _qdq_blocks(dgu, dgu_block, cfg).to(cd) @ w13[e])
-        else:
-            d_x.index_add_(0, tok, dgu @ dx_w13_E2IH[e].to(cd))
+        else:  # the d(gate|up) rows as the backward stores them, in x's dtype
+            d_x.index_add_(0, tok, dgu.to(x_TH.dtype).to(cd) @ dx_w13_E2IH[e].to(cd))
         d_w13[e] = dgu.t() @ x[tok]
         d_w2[e] = (wv * d_out[tok]).t() @ h
     out = dict(d_x=d_x, d_topk_weights=d_w, d_w13=d_w13, d_w2=d_w2)

@@ -52,7 +52,9 @@ class _FakeSm90Driver:
 
 @dataclasses.dataclass(frozen=True)
 class Build:
-    """One compiled kernel: its name, registers a thread, stack and local (spill) bytes, shared memory."""
+    """One compiled kernel: its name, registers a thread, stack and local (spill) bytes, shared memory, threads
+    a program, and what the code holds: wgmma, TMA, warp specialization (``ttg.warp_specialize``), timer
+    reads (``%globaltimer``, the TRACE builds)."""
 
     name: str
     regs: int
@@ -61,7 +63,10 @@ class Build:
     shared: int
     wgmma: bool
     tma: bool
-    kernel: object = dataclasses.field(repr=False, compare=False)
+    threads: int = 0
+    warp_specialized: bool = False
+    timer: bool = False
+    kernel: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
         return (f"{self.name:<40} regs {self.regs:>3} stack {self.stack:>4} local {self.local:>4}  "
@@ -84,8 +89,10 @@ def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
 def _build(name: str, k) -> Build:
     ptx = k.asm.get("ptx", "")
     regs, stack, local = _resource_usage(k.asm["cubin"])
+    m = re.search(r"\.reqntid (\d+)", ptx)
     return Build(name, regs, stack, local, k.metadata.shared, "wgmma.mma_async" in ptx,
-                 "cp.async.bulk.tensor" in ptx, k)
+                 "cp.async.bulk.tensor" in ptx, int(m[1]) if m else 0,
+                 "ttg.warp_specialize" in k.asm.get("ttgir", ""), "%globaltimer" in ptx, k)
 
 
 @contextlib.contextmanager

@@ -8,11 +8,15 @@ when it signalled the result. ``summarize`` turns the ``[MAXE, 5]`` buffer into 
 
 - **work**: ``end - ready`` summed (the tile's compute or the chunk's copies);
 - **wait**: ``ready - start`` summed (spinning on a counter: a producer was late);
-- **busy** of a role: its work over (its programs x the launch's span), the rest being waits and idle gaps.
+- **busy** of a role: its work over (its programs x the launch's span), the rest being waits and idle gaps
+  (compute programs: all of them when ``summarize`` is told the launch's program count, else those that
+  recorded work).
 
 Kernel-side timestamps show what the phase-subset runs (``--breakdown``) cannot: how long compute programs
 spin on the pull, when the first gate|up tile starts, how long the tail after the last down tile is. Under the
-interpreter every timestamp is 0; the event counts are still right (tests check them).
+interpreter every timestamp is 0; the event counts are still right (tests check them). ``%globaltimer``
+may tick in steps of up to ~1 us outside a profiler on some GPUs: events of a few microseconds are resolved
+coarsely, sums over many events less so.
 """
 
 from __future__ import annotations
@@ -73,10 +77,12 @@ def events(trace: torch.Tensor) -> torch.Tensor:
     return t[:, [1, 0, 2, 3, 4]]
 
 
-def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS) -> TraceSummary:
+def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS,
+              num_programs: int | None = None) -> TraceSummary:
     """Per-kind totals of one traced launch (``state.trace``); ``num_comm``: the launch's communication
     programs (``KernelConfig.num_comm_programs_fwd`` / ``_bwd``; programs below it are comm programs);
-    ``kinds``: the names of the codes (``KINDS``, or ``BWD_KINDS`` for a backward trace)."""
+    ``kinds``: the names of the codes (``KINDS``, or ``BWD_KINDS`` for a backward trace); ``num_programs``: the
+    launch's programs (one per SM on a GPU), else the compute programs that recorded work are counted."""
     ev = events(trace)
     if ev.shape[0] == 0:
         raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
@@ -94,7 +100,8 @@ def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS
             kind=name, events=int(k.shape[0]), programs=int(k[:, 0].unique().numel()),
             work_ns=int((k[:, 4] - k[:, 3]).sum()), wait_ns=int((k[:, 3] - k[:, 2]).sum()),
             first_start_ns=int(k[:, 2].min()) - t0, last_end_ns=int(k[:, 4].max()) - t0))
-    compute = ev[ev[:, 0] >= num_comm, 0].unique().numel()  # the compute programs that did any work
+    compute = (num_programs - num_comm if num_programs is not None
+               else ev[ev[:, 0] >= num_comm, 0].unique().numel())  # else the compute programs that did work
     return TraceSummary(span_ns=span, num_comm=num_comm, num_compute=int(compute), kinds=tuple(stats))
 
 

@@ -115,9 +115,11 @@ def _now():
 @triton.jit
 def _trace_event(trace_ptr, slot, MAXE: tl.constexpr, kind: tl.constexpr, t_start, t_ready, t_end):
     """Record one event: trace_ptr [MAXE, 5] int64 rows (kind, program, start, when its wait returned, end).
-    ``slot`` names the unit of work, not the program, so it is the same in one launch and in the
-    interpreter's launch per role: a GEMM tile's index over the whole forward, then one slot per (comm
-    program, minibatch, pull or push). Slots past MAXE are dropped (the launcher sizes MAXE so none is)."""
+    ``slot`` names the unit of work, not the program, so no two events of a launch share one, whether every
+    role runs in one launch or (the interpreter) one launch per role: a GEMM tile's index over the whole
+    forward, then one slot per (comm program, processing index, pull or push). A push's processing index is
+    its minibatch plus the launch's pull_ahead, so push slots differ between the two launch modes; nothing
+    reads slot positions. Slots past MAXE are dropped (the launcher sizes MAXE so none is)."""
     if slot < MAXE:
         c = tl.arange(0, 8)
         v = tl.where(c == 0, kind, tl.where(c == 1, tl.program_id(0),

@@ -16,8 +16,9 @@ Triton 3.9 interpreter's ``.to(tl.float8e4nv)`` is not round-to-nearest-even
 torch gives 448), so it cannot match torch. The integer path is exact on
 every backend. The fused quantiser ``quantize_rows_1xb`` uses the GPU's
 ``cvt.rn.satfinite.e4m3x2.f32`` when compiled (``HW_E4M3_CVT``; same bits for
-|v| <= 448, checked against torch by the FP8 megakernel tests on the H200);
-the standalone kernels here (activations; weights with their transposes) keep the integer path everywhere.
+|v| <= 448, checked against torch by the FP8 megakernel tests on the H200).
+The standalone activation quantiser keeps the integer path everywhere; the weight quantiser uses the GPU's
+conversion for bf16 / fp16 weights and the integer path for fp32 ones (``_weight_bits`` says why).
 """
 
 import os
@@ -164,9 +165,10 @@ def quantize_weights_bxb_kernel(
 
     The block streams through in chunks of RC rows, twice: an amax pass, then a quantise pass that reads
     the same rows again (from L2: the block was read a moment before). Holding the whole 128 x 128 block
-    in registers took 196 registers a thread at 4 warps (bf16; fp32 spilled), two programs an SM, each
+    in registers took 255 registers and a 280-byte stack a thread at 4 warps (bf16, Triton 3.6), each
     loading, reducing and storing in series: 11.2 ms for the Kimi EP8 slice's weights, 18% of HBM
-    bandwidth (H200, benchmarks/wquant_time.py). RC = SB keeps the one-pass form (small blocks)."""
+    bandwidth (H200, benchmarks/wquant_time.py); 32-row chunks take 55 and no stack. RC = SB keeps the
+    one-pass form (small blocks, and the launch default until the chunked form has run on a GPU)."""
     kb = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.program_id(2).to(tl.int64)
