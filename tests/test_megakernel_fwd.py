@@ -273,6 +273,10 @@ BITWISE_VARIANTS = {
     "comm-3": dict(num_comm_programs_fwd=3),
     # all three knobs at once: minibatch 32, one 32-row slot, three communication programs
     "mb32-mac32-comm3": dict(minibatch_size=32, macrobatch_size=32, num_comm_programs_fwd=3),
+    # the pull and push issue the next chunk's loads before storing the current one
+    "copy-prefetch": dict(copy_prefetch=True),
+    # the same with the ring wrapping on one slot (every pull waits on the previous minibatch's push)
+    "copy-prefetch-mac16": dict(copy_prefetch=True, macrobatch_size=16),
 }
 if HAS_PUSH_KNOB:
     # the other combine path: push from the down GEMM's epilogue vs through y_routed and the comm programs
@@ -712,6 +716,34 @@ def test_epilogue_sums_routes_in_fixed_order():
 
     assert_bitwise_equal(res.outputs[0], ordered(range(K)), "out vs the j = 0..K-1 sum")
     assert not torch.equal(ordered(reversed(range(K))), ordered(range(K))), "the order never mattered: no test"
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("zero_invalid", [False, True])  # invalid rows skipped, or written as zeros
+def test_copy_rows_chunks(prefetch, zero_invalid):
+    """_copy_rows over several column chunks (H = 40 in chunks of 16: two whole and a partial one): valid rows
+    copied, invalid rows zeroed or left alone, nothing past H touched; with and without the prefetch."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(src, dst, valid_ptr, H, BLOCK_H: tl.constexpr, ZERO: tl.constexpr, PF: tl.constexpr):
+        r = tl.arange(0, 8)
+        ok = tl.load(valid_ptr + r) != 0
+        mk._copy_rows(src + r * 48, dst + r * 48, ok, H, BLOCK_H, ZERO, PF)
+
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(8, 48, generator=g).to(DEV)  # rows of 48 of which H = 40 are copied
+    dst = torch.full((8, 48), float("nan"), device=DEV)
+    valid = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.int32, device=DEV)
+    kernel[(1,)](src, dst, valid, 40, BLOCK_H=16, ZERO=zero_invalid, PF=prefetch)
+    ok = valid.bool()
+    assert_bitwise_equal(dst[ok, :40], src[ok, :40], "valid rows")
+    if zero_invalid:
+        assert (dst[~ok, :40] == 0).all()
+    else:
+        assert torch.isnan(dst[~ok, :40]).all()
+    assert torch.isnan(dst[:, 40:]).all(), "columns past H were written"
 
 
 def test_atomics_only_touch_counters_and_error_flags():

@@ -50,6 +50,8 @@ BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epil
     (dict(which="fwd"), FWD),  # the BF16 forward, default config
     (dict(which="fwd", resident=True), FWD),  # SAVE_GU: keeps gate|up for the backward
     (dict(which="fwd", trace=True), FWD),  # the profiling build (TRACE: %globaltimer reads, event stores)
+    (dict(which="fwd", config=dict(copy_prefetch=True)), FWD),  # pull and push with two chunks in flight
+    (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)

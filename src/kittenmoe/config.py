@@ -95,7 +95,7 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
+_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
                "wgrad_warp_specialize")
 
 
@@ -140,6 +140,10 @@ class KernelConfig:
         x's dtype (not quantised) and multiplied by the master W2; gate|up and the backward's data gradients
         stay e4m3. The FP8 down GEMM was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms
         against +1.17). Needs the master weights. No effect without FP8.
+    copy_prefetch: communication programs issue the next 32 x 512 chunk's loads before storing the current
+        one (two chunks in flight a program instead of one) in the forward's pull and push and the
+        backward's push. On 2 H200s a 16-CTA pull over NVLink reached 109 GB/s where a push reached 258
+        (p2p_probe.py, 8 KB a step): remote reads are latency-bound. Off until timed.
     wgrad_warp_specialize: the backward's weight-gradient launch (a grouped GEMM of its own) runs its K loop
         warp-specialized: Triton builds a producer warp group (TMA loads) and two consumer groups from a 4-warp
         launch on Hopper, the form fast Hopper GEMMs take. Needs TMA (else ignored). Off until timed on the
@@ -160,6 +164,7 @@ class KernelConfig:
     keep_activations: bool = True
     fp8_dx_high: bool = False
     fp8_down_high: bool = False
+    copy_prefetch: bool = False
     wgrad_warp_specialize: bool = False
 
     def __post_init__(self) -> None:

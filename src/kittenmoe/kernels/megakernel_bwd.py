@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
-                                              _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now, _peer_rows,
-                                              _signal, _trace_event, _wait_geq, store_chunk_fp8)
+                                              _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now,
+                                              _peer_rows, _signal, _trace_event, _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -487,7 +487,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    MAXE: tl.constexpr = 1,
+    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -568,11 +568,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         src = r.to(tl.int64) * H
                         db = _peer_rows(dxc_ptrs_ptr, pr, ok, DT) + \
                             pt.to(tl.int64) * H
-                        for h0 in range(0, H, BLOCK_H):
-                            cols = h0 + tl.arange(0, BLOCK_H)
-                            m = ok[:, None] & (cols < H)[None, :]
-                            tl.store(db[:, None] + cols[None, :], tl.load(dxr_ptr + src[:, None] + cols[None, :],
-                                                                         mask=m), mask=m)
+                        _copy_rows(dxr_ptr + src, db, ok, H, BLOCK_H, False, COPY_PREFETCH)
                         # d_w: the I-tile partial sums, reduced in tile order
                         dw = tl.zeros((ROWS,), dtype=tl.float32)
                         for q in range(0, NI):

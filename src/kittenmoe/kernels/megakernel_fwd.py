@@ -149,17 +149,34 @@ def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
 
 
 @triton.jit
-def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr):
+def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr,
+               PREFETCH: tl.constexpr = False):
     """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors. ZERO_INVALID:
-    invalid rows are written as zeros (every dst row must then be writable)."""
-    for h0 in range(0, H, BLOCK_H):
-        cols = h0 + tl.arange(0, BLOCK_H)
-        m = valid[:, None] & (cols < H)[None, :]
-        v = tl.load(src_base[:, None] + cols[None, :], mask=m, other=0.0)
-        if ZERO_INVALID:
-            tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
-        else:
-            tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
+    invalid rows are written as zeros (every dst row must then be writable). PREFETCH
+    (``KernelConfig.copy_prefetch``): the next chunk's loads are issued before this chunk's stores, so two
+    chunks are in flight instead of one (a remote read's latency is several local ones'; p2p_probe.py)."""
+    if PREFETCH:
+        cols = tl.arange(0, BLOCK_H)
+        v = tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+        for h0 in range(BLOCK_H, H + BLOCK_H, BLOCK_H):  # the last round loads nothing (every column masked)
+            nxt_cols = h0 + tl.arange(0, BLOCK_H)
+            nxt = tl.load(src_base[:, None] + nxt_cols[None, :], mask=valid[:, None] & (nxt_cols < H)[None, :],
+                          other=0.0)
+            if ZERO_INVALID:
+                tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
+            else:
+                tl.store(dst_base[:, None] + cols[None, :], v, mask=valid[:, None] & (cols < H)[None, :])
+            cols = nxt_cols
+            v = nxt
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            m = valid[:, None] & (cols < H)[None, :]
+            v = tl.load(src_base[:, None] + cols[None, :], mask=m, other=0.0)
+            if ZERO_INVALID:
+                tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
+            else:
+                tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
 
 
 @triton.jit
@@ -484,6 +501,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
+    COPY_PREFETCH: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -539,7 +557,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                            ROWS, BLOCK_H, SB, POW2, SAVE_GU)
                         else:
                             # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
-                            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
+                            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU, COPY_PREFETCH)
                     _signal(x_ready + p)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
@@ -561,7 +579,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         ok = pr >= 0
                         dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
                         src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        _copy_rows(src, dst, ok, H, BLOCK_H, False)
+                        _copy_rows(src, dst, ok, H, BLOCK_H, False, COPY_PREFETCH)
                     _signal(done + pp)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it + 1) * num_comm + pid, MAXE, TR_PUSH,
