@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
-#   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8]   (issue 8, on nvidia-h200-x2/x4/x8:
+#   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
 #
 # Each step writes $OUT/<step>.log; a step's failure does not stop the others. Keep the call under the
@@ -111,6 +111,9 @@ if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GP
     step ep-2048 $run --model $all --tokens 2048
     step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
   fi
+  # the 2026-12-01 knobs at EP: two chunks in flight a comm program, warp-specialized weight gradients
+  [[ $what == epbenchknobs ]] && step ep-knobs $run --model kimi-k2.7,deepseek-v4-pro --tokens 2048 \
+    --config copy_prefetch=True,wgrad_warp_specialize=True
   [[ $what == epbench || $what == epbench4096 ]] && step ep-4096 $run --model $all --tokens 4096
   [[ $what == epbench || $what == epbenchfp8 ]] && step ep-fp8 $run --model $all --tokens 2048 --fp8 128
 fi
