@@ -88,8 +88,9 @@ if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces, the wa
   step fwdtrace python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"
   step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
-  step prefetch python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --reps 5 \
-    --config ";copy_prefetch=True" --out "$OUT"
+  # with two chunks in flight a comm program, fewer of them may keep up: more SMs for the GEMMs
+  step prefetch python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --reps 5 --out "$OUT" \
+    --config ";copy_prefetch=True;copy_prefetch=True,num_comm_programs_fwd=12;copy_prefetch=True,num_comm_programs_fwd=8"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
