@@ -321,6 +321,21 @@ def test_fp8_backward_matches_emulation_and_reference(name):
             f"{n} vs unquantised: rel L1 {rel_l1(got[n].double(), ref):.3e}, cosine {cosine(got[n].double(), ref):.5f}"
 
 
+@pytest.mark.parametrize("dx_high", [False, True])  # phase B on e4m3 (reads W13^T) or in bf16 (reads none)
+def test_fp8_backward_without_given_transposes_equals_with(dx_high):
+    """FP8ExpertWeights built without w13_qt / w2_qt: the backward makes what it reads (only W2^T when phase B
+    runs in bf16) and gives the same bits as with the transposes given."""
+    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19)
+    bare = FP8ExpertWeights(fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg)
+    d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)]
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    cfg = CFG.with_(fp8_dx_high=dx_high)
+    got = [megakernel_backward_multirank(d_out, *a, config=cfg, fp8=f) for f in (fp8, bare)]
+    for name in ("d_w13", "d_w2"):
+        assert_bitwise_equal(getattr(got[1], name), getattr(got[0], name), name)
+    assert_bitwise_equal(got[1].d_x[0], got[0].d_x[0], "d_x")
+
+
 def test_fp8_refuses_non_contiguous_transposes():
     """Transposed e4m3 weights given as strided views (not contiguous copies) are refused, not misread."""
     w, xs, ids, ws, fp8 = _problem(1, 16, seed=18)

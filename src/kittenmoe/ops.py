@@ -613,7 +613,11 @@ def launch_rank_backward(
         # through registers (sm_90 TTGIR): FP8 forward+backward 32.4 ms vs 13.3 ms in BF16 on the Kimi slice
         # (H200). FP8ExpertWeights.quantize writes the copies as it quantises; weights built without them are
         # transposed here, each call.
-        w13_qt, w2_qt = fp8.transposed()
+        if fp8_b:
+            w13_qt, w2_qt = fp8.transposed()
+        else:  # phase B in x's dtype reads no W13^T: do not make one (w13_q stands in, never read)
+            w13_qt = fp8.w13_q
+            w2_qt = fp8.w2_q.transpose(1, 2).contiguous() if fp8.w2_qt is None else fp8.w2_qt
         fp8_w = (fp8.w13_q.view(torch.uint8), w13_qt.view(torch.uint8), w2_qt.view(torch.uint8), fp8.w13_scale,
                  fp8.w2_scale)
     else:
