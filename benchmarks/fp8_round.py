@@ -101,6 +101,17 @@ def main() -> int:
                 rep=args.reps * 10, return_mode="median")
         print(f"  fp8 forward by config: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
         cfg8 = cands[min(ms_alt, key=ms_alt.get)]
+        # fp8_down_high at both row tiles: without the down GEMM's promotions block_m 128 spills far less
+        # (Triton 3.6 sm_90 build: a 64-byte stack against 256), so it may win where it lost before
+        down_ms = {}
+        for bm in (128, 64):
+            c = cfg8.with_(block_m=bm, fp8_down_high=True)
+            megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)
+            down_ms[bm] = triton.testing.do_bench(
+                lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8), warmup=20,
+                rep=args.reps * 10, return_mode="median")
+        print(f"  fp8_down_high forward by block_m: { {k: round(v, 3) for k, v in down_ms.items()} }", flush=True)
+        down_bm = min(down_ms, key=down_ms.get)
         phase_ms = {}
         if args.breakdown:  # where the FP8 forward's time goes, beside the BF16 forward's
             from kittenmoe.kernels import megakernel_fwd as mk
@@ -130,7 +141,7 @@ def main() -> int:
                     print(f"  {key:<22} {phase_ms[key]:.3f} ms", flush=True)
                 del kept
 
-        cfg8d = cfg8.with_(fp8_down_high=True)
+        cfg8d = cfg8.with_(fp8_down_high=True, block_m=down_bm)
 
         def run_fp8_down_high():  # KernelConfig.fp8_down_high: the forward's down projection in bf16
             return megakernel_forward_multirank(*a, config=cfg8d, peers=peers, fp8=fp8).outputs[0]
