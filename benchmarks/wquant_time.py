@@ -10,23 +10,15 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
 
 from kittenmoe.config import SEED_SHAPES
 from kittenmoe.fp8 import FP8Config, launch_weight_quant, quantize_weights_and_transpose
 
 
 def _ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    """Median ms of ``fn`` (triton's do_bench, as the other benchmarks time)."""
+    return triton.testing.do_bench(fn, warmup=2, rep=reps * 60, return_mode="median")
 
 
 def main():

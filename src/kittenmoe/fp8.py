@@ -49,8 +49,8 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: one block
 # in one pass (RC = block), 4 warps for 128-blocks, one for 32-blocks: the form checked bit for bit on the
 # H200. The kernel's chunked form (RC = 32 for 128-blocks: 55 registers instead of 255 and a 280-byte stack,
-# Triton 3.6, bf16) is built and tested
-# on CPU but has not run on a GPU; benchmarks/wquant_time.py times both and checks them against each other.
+# Triton 3.6, bf16) is built and tested on CPU but has not run on a GPU; benchmarks/wquant_time.py times both
+# and checks them against each other.
 ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
 WEIGHT_QUANT_LAUNCH = {128: dict(RC=128, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
@@ -342,8 +342,15 @@ class FP8ExpertWeights:
 
     def transposed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13_qt, w2_qt), transposing now (a pass over the e4m3 weights) where they were not given."""
-        return (self.w13_q.transpose(1, 2).contiguous() if self.w13_qt is None else self.w13_qt,
-                self.w2_q.transpose(1, 2).contiguous() if self.w2_qt is None else self.w2_qt)
+        return self.w13_transposed(), self.w2_transposed()
+
+    def w13_transposed(self) -> torch.Tensor:
+        """w13_qt, or W13 transposed now when it was not given."""
+        return self.w13_q.transpose(1, 2).contiguous() if self.w13_qt is None else self.w13_qt
+
+    def w2_transposed(self) -> torch.Tensor:
+        """w2_qt, or W2 transposed now when it was not given."""
+        return self.w2_q.transpose(1, 2).contiguous() if self.w2_qt is None else self.w2_qt
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (w13, w2) as the kernel sees them."""

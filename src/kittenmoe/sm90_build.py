@@ -31,7 +31,6 @@ from kittenmoe import ops
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
 from kittenmoe.testing import make_weights, routing_uniform
 
-SMEM_LIMIT = 232448  # bytes of shared memory one H100/H200 program may use (227 KB)
 
 
 class _FakeSm90Driver:

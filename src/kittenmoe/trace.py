@@ -77,15 +77,21 @@ def events(trace: torch.Tensor) -> torch.Tensor:
     return t[:, [1, 0, 2, 3, 4]]
 
 
+def _recorded(trace: torch.Tensor) -> torch.Tensor:
+    """``events(trace)``, refusing a trace without any."""
+    ev = events(trace)
+    if ev.shape[0] == 0:
+        raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
+    return ev
+
+
 def summarize(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KINDS,
               num_programs: int | None = None) -> TraceSummary:
     """Per-kind totals of one traced launch (``state.trace``); ``num_comm``: the launch's communication
     programs (``KernelConfig.num_comm_programs_fwd`` / ``_bwd``; programs below it are comm programs);
     ``kinds``: the names of the codes (``KINDS``, or ``BWD_KINDS`` for a backward trace); ``num_programs``: the
     launch's programs (one per SM on a GPU), else the compute programs that recorded work are counted."""
-    ev = events(trace)
-    if ev.shape[0] == 0:
-        raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
+    ev = _recorded(trace)
     bad = ev[(ev[:, 1] >= len(kinds))]
     if bad.shape[0]:
         raise ValueError(f"unknown event kinds {sorted(set(bad[:, 1].tolist()))} (known: {kinds})")
@@ -109,9 +115,7 @@ def chrome_trace(trace: torch.Tensor, num_comm: int, kinds: tuple[str, ...] = KI
     """The events as a Chrome / Perfetto trace (``chrome://tracing``, ui.perfetto.dev): one row per program
     (comm programs first), a slice per event's work and, before it, a "wait" slice when its wait took time.
     Times in microseconds from the launch's first event. ``json.dump`` the result to a file to view it."""
-    ev = events(trace)
-    if ev.shape[0] == 0:
-        raise ValueError("the trace holds no events (was the launch built with trace=True, and did it run?)")
+    ev = _recorded(trace)
     t0 = int(ev[:, 2].min())
     out = []
     for prog, kind, start, ready, end in ev.tolist():

@@ -157,26 +157,33 @@ def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID
     chunks are in flight instead of one (a remote read's latency is several local ones'; p2p_probe.py)."""
     if PREFETCH:
         cols = tl.arange(0, BLOCK_H)
-        v = tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+        v = _load_chunk(src_base, cols, valid, H)
         for h0 in range(BLOCK_H, H + BLOCK_H, BLOCK_H):  # the last round loads nothing (every column masked)
             nxt_cols = h0 + tl.arange(0, BLOCK_H)
-            nxt = tl.load(src_base[:, None] + nxt_cols[None, :], mask=valid[:, None] & (nxt_cols < H)[None, :],
-                          other=0.0)
-            if ZERO_INVALID:
-                tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
-            else:
-                tl.store(dst_base[:, None] + cols[None, :], v, mask=valid[:, None] & (cols < H)[None, :])
+            nxt = _load_chunk(src_base, nxt_cols, valid, H)
+            _store_chunk(dst_base, cols, v, valid, H, ZERO_INVALID)
             cols = nxt_cols
             v = nxt
     else:
         for h0 in range(0, H, BLOCK_H):
             cols = h0 + tl.arange(0, BLOCK_H)
-            m = valid[:, None] & (cols < H)[None, :]
-            v = tl.load(src_base[:, None] + cols[None, :], mask=m, other=0.0)
-            if ZERO_INVALID:
-                tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
-            else:
-                tl.store(dst_base[:, None] + cols[None, :], v, mask=m)
+            _store_chunk(dst_base, cols, _load_chunk(src_base, cols, valid, H), valid, H, ZERO_INVALID)
+
+
+@triton.jit
+def _load_chunk(src_base, cols, valid, H):
+    """src_base[r, cols] for valid rows (0 elsewhere and past H); src_base a [ROWS] pointer vector."""
+    return tl.load(src_base[:, None] + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+
+
+@triton.jit
+def _store_chunk(dst_base, cols, v, valid, H, ZERO_INVALID: tl.constexpr):
+    """dst_base[r, cols] = v for valid rows, or for every row (the zeros loaded for invalid ones) with
+    ZERO_INVALID; nothing past H."""
+    if ZERO_INVALID:
+        tl.store(dst_base[:, None] + cols[None, :], v, mask=(cols < H)[None, :])
+    else:
+        tl.store(dst_base[:, None] + cols[None, :], v, mask=valid[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
