@@ -22,6 +22,7 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.bench import parse_config_overrides
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
 from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -75,7 +76,10 @@ def main() -> int:
                     help="also time subsets of the backward's phases (pull, +A, +B and push, +shared, all)")
     ap.add_argument("--trace", action="store_true",
                     help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
+    ap.add_argument("--config", default="", help="KernelConfig overrides (k=v,k=v); several separated by ';' are "
+                    "each timed (forward+backward) beside the default in the same run")
     args = ap.parse_args()
+    extra = [KernelConfig(**parse_config_overrides(c)) for c in args.config.split(";") if c.strip()]
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
@@ -142,16 +146,19 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
         row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")
         row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
-        # KernelConfig.wgrad_warp_specialize in the same run (the weight-gradient launch warp-specialized)
-        cfg_ws = cfg.with_(wgrad_warp_specialize=True)
-        try:
-            row["ms_kittenmoe_wgrad_ws"] = triton.testing.do_bench(lambda: mk(c=cfg_ws), warmup=50,
-                                                                   rep=args.reps * 20, return_mode="median")
-            print(f"  {name}: wgrad_warp_specialize {row['ms_kittenmoe_wgrad_ws']:.3f} ms against "
-                  f"{row['ms_kittenmoe']:.3f}", flush=True)
-        except Exception as exc:  # reported in the row and on the terminal, not hidden
-            traceback.print_exc()
-            row["wgrad_ws_error"] = repr(exc)
+        # --config: other configs' forward+backward in the same run, each checked against the fp32 reference
+        row["sweep_ms"] = {}
+        for c in extra:
+            key = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(cfg, k))
+            try:
+                row.setdefault("sweep_check", {})[key] = check(f"{name} [{key}]", shape, 1, T, c, dev)["worst_rel_l1"]
+                row["sweep_ms"][key] = triton.testing.do_bench(lambda c=c: mk(keep=c.keep_activations, c=c),
+                                                               warmup=50, rep=args.reps * 20, return_mode="median")
+                print(f"  {name} [{key}]: {row['sweep_ms'][key]:.3f} ms against {row['ms_kittenmoe']:.3f}",
+                      flush=True)
+            except Exception as exc:  # reported in the row and on the terminal, not hidden
+                traceback.print_exc()
+                row.setdefault("sweep_error", {})[key] = repr(exc)
         lw = [t.detach().requires_grad_() for t in [xs[0], ws[0]] + w.tensors()]
 
         def bl():

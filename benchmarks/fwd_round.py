@@ -19,11 +19,13 @@ import os
 import platform
 import sys
 import time
+import traceback
 
 import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.bench import parse_config_overrides
 from kittenmoe.config import SEED_SHAPES, KernelConfig
 from kittenmoe.ops import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -42,11 +44,7 @@ def str_cfg(d: str) -> str:
 
 
 def parse_config(s: str | None) -> KernelConfig:
-    if not s:
-        return KernelConfig()
-    lit = {"None": None, "True": True, "False": False}
-    kw = {k: (lit[v] if v in lit else int(v)) for k, v in (p.split("=") for p in s.split(","))}
-    return KernelConfig(**kw)
+    return KernelConfig(**parse_config_overrides(s))
 
 
 def main() -> int:
@@ -115,12 +113,18 @@ def main() -> int:
             lambda impl=impl: build_schedule(ids[None].to(torch.int32), 0, L, cfg.block_m, impl=impl),
             warmup=20, rep=200, return_mode="median") for impl in ("torch", "triton")}
         print(f"  schedule: torch ops {ms_sched['torch']:.3f} ms, triton {ms_sched['triton']:.3f} ms", flush=True)
-        sweep = {}
+        sweep, sweep_errors = {}, {}
         for c in cfgs:
             fn = lambda c=c: megakernel_forward_multirank(*args_k, config=c, peers=peers).outputs[0]
-            sweep[str(c.__dict__)] = triton.testing.do_bench(fn, warmup=100, rep=args.reps * 10,
-                                                             return_mode="median")
-            print(f"  {c}: {sweep[str(c.__dict__)]:.3f} ms", flush=True)
+            short = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(KernelConfig(), k)) or "default"
+            try:
+                sweep[str(c.__dict__)] = triton.testing.do_bench(fn, warmup=100, rep=args.reps * 10,
+                                                                 return_mode="median")
+            except Exception as exc:  # reported on the terminal and in the row, not hidden; the others still run
+                traceback.print_exc()
+                sweep_errors[short] = repr(exc)
+                continue
+            print(f"  [{short}]: {sweep[str(c.__dict__)]:.3f} ms", flush=True)
         best = min(sweep, key=sweep.get)
         if args.breakdown:
             from kittenmoe.kernels import megakernel_fwd as mk
@@ -180,7 +184,7 @@ def main() -> int:
         total = 6 * T * (1 + shape.k) * shape.h * shape.i
         row = dict(
             kind="forward", shape=name, ep_slice=args.ep, experts_local=L, tokens=T, h=shape.h, i=shape.i,
-            k=shape.k, dtype="bf16", ranks=1, config=best, sweep_ms=sweep, ms_schedule=ms_sched, ms_kittenmoe=ms_mk, ms_grouped_mm=ms_base,
+            k=shape.k, dtype="bf16", ranks=1, config=best, sweep_ms=sweep, sweep_errors=sweep_errors, ms_schedule=ms_sched, ms_kittenmoe=ms_mk, ms_grouped_mm=ms_base,
             speedup=ms_base / ms_mk, graph_ms=graph_ms, phase_ms=phase_ms if args.breakdown else None,
             trace=trace_summary,
             routed_tflops=routed / ms_mk / 1e9, effective_tflops=total / ms_mk / 1e9,

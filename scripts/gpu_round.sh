@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|all]
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|bm64|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -91,6 +91,12 @@ if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces, the wa
   # with two chunks in flight a comm program, fewer of them may keep up: more SMs for the GEMMs
   step prefetch python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --reps 5 --out "$OUT" \
     --config ";copy_prefetch=True;copy_prefetch=True,num_comm_programs_fwd=12;copy_prefetch=True,num_comm_programs_fwd=8"
+fi
+if [[ $what == bm64 ]]; then  # block_m 64 for BF16: less padding of each expert's rows (DeepSeek: 33% at 128)
+  step bm64fwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" \
+    --config ";block_m=64;block_m=64,num_warps=4;block_m=64,block_n=256,num_stages=3"
+  step bm64bwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5 --out "$OUT" \
+    --config "block_m=64"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
