@@ -76,6 +76,7 @@ def main() -> int:
                     help="also time subsets of the backward's phases (pull, +A, +B and push, +shared, all)")
     ap.add_argument("--trace", action="store_true",
                     help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
+    ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of three forward+backwards")
     ap.add_argument("--config", default="", help="KernelConfig overrides (k=v,k=v); several separated by ';' are "
                     "each timed (forward+backward) beside the default in the same run")
     args = ap.parse_args()
@@ -141,6 +142,14 @@ def main() -> int:
             with open(path, "w") as f:
                 json.dump(chrome_trace(tr, cfg.num_comm_programs_bwd, BWD_KINDS), f)
             print(f"  timeline: {path}", flush=True)
+        if args.profile:  # as fwd_round's --profile: where the GPU time of a forward+backward goes, per kernel
+            from torch.profiler import ProfilerActivity, profile
+            mk()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    mk()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
