@@ -402,6 +402,11 @@ RESIDENT_CASES = {
     "r4-few": Case(TINY, r=4, t=12, routing="few_experts"),
     # bf16 rows (gate|up kept in fp32, as the accumulators hold them)
     "bf16": Case(TINY_SIG, r=2, t=20, dtype=torch.bfloat16),
+    # I = 32 = 2 x the half-width tile: the routed phase A takes one 32-wide GEMM tile and runs its SwiGLU
+    # backward in two 16-wide halves (d_w partials of both halves), fp32
+    "r2-wide": Case(TINY.with_(i=32), r=2, t=16),
+    # the same wide tile in bf16 with the clamp active, and two wide tiles (I = 64)
+    "wide-bf16-limit": Case(TINY.with_(i=64), r=2, t=20, dtype=torch.bfloat16, swiglu_limit=0.5),
 }
 
 

@@ -566,7 +566,6 @@ def launch_rank_backward(
     # Phase B (gate|up dgrad, one accumulator) takes full-width output tiles, 2 x block_n as the forward's
     # down GEMM: 128 x 256 on the defaults, twice v2's FLOPs per operand byte.
     bn2 = 2 * config.block_n
-    NI = triton.cdiv(I, bn)
     e = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
     has_shared = S > 0
     Sx = max(S, 8)  # placeholder widths keep 16-byte row strides (TMA descriptors) without a shared expert
@@ -591,6 +590,12 @@ def launch_rank_backward(
                                  f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
         # Mode 1 also reads the forward's x rows for the weight gradients.
         gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
+    # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
+    # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
+    # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
+    # against phase B's 5.7 (H200 trace, 2026-12-01).
+    bna = 2 * bn if gu_mode == 1 and fp8 is None and I % (2 * bn) == 0 else bn
+    NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
@@ -662,7 +667,7 @@ def launch_rank_backward(
         bk = config.block_k
         a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]),
                    TD.from_tensor(bufs["xr"], [bm, bk]),
-                   TD.from_tensor(w2_LHI.view(L * H, I), [bk, bn]),
+                   TD.from_tensor(w2_LHI.view(L * H, I), [bk, bna]),
                    TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
                    TD.from_tensor(peers.buffer("d_out", rank), [bm, bk]),
                    TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
@@ -687,13 +692,13 @@ def launch_rank_backward(
     trace_meta = {}
     out["trace"] = None
     if trace:
-        per_mb = (MB // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, bn2))
+        per_mb = (MB // bm) * (triton.cdiv(I, bna) + triton.cdiv(H, bn2))
         n_srt = triton.cdiv(T, bm)
         n_gemm = (n_srt * (triton.cdiv(S, bn) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
         out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev)
     meta = dict(
-        LAG=1, MB=MB, BM=bm, BN=bn, BN2=bn2, BK=config.block_k,
+        LAG=1, MB=MB, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,

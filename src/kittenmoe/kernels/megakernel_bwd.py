@@ -280,6 +280,37 @@ def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I
 
 
 @triton.jit
+def _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, e, nta,
+                       H, I, NI, swiglu_limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BNA: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Routed phase A of one BM x BNA tile (BNA = 2 BN) with every row kept: the down dgrad's K loop over H at
+    the full width, then the SwiGLU backward one BN-wide half at a time, each half exactly as a BN tile's
+    (its g and u loaded, d(gate|up), w h and the d_w partial of column tile 2 nta + half).
+
+    One accumulator at 2 BN columns reads each d_out row tile from L2 half as often as two BN tiles do; the
+    epilogue in halves keeps the live fp32 tiles at three of BM x BN (at BM x 2 BN the sm_90 build spilled
+    1,736 bytes a thread)."""
+    if USE_TMA_A:
+        acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK)
+    else:
+        acc = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nta * BNA, I, H, BM, BNA, BK,
+                      DOT_FP32, PRECISION)
+    acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
+    nt = 2 * nta
+    acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
+    _bwd_a_epilogue(acc_lo, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, nt * BN, nt, I, NI,
+                    swiglu_limit, HAS_LIMIT, True, BM, BN)
+    # The launcher requires I % BNA == 0, so this always holds; as a branch it leaves the sm_90 build (Triton 3.6)
+    # 8 bytes of stack a thread, straight-line code 48.
+    if (nt + 1) * BN < I:
+        acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt + 1, I, BM, BN)
+        _bwd_a_epilogue(acc_hi, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, (nt + 1) * BN, nt + 1,
+                        I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
+
+
+@triton.jit
 def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc, e, nt, H, I,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -469,7 +500,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     # and for phase A (USE_TMA_A)
     dor_desc,  # dor [NR, H], blocks [BM, BK] (FP8: dorq as float8e4nv, blocks [BM, SB])
     xr_desc,  # xr [NR, H], blocks [BM, BK] (FP8: xrq as float8e4nv, blocks [BM, SB])
-    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN] (FP8: W2^T viewed [L * I, H], blocks [BN, SB])
+    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BNA] (FP8: W2^T viewed [L * I, H], blocks [BN, SB])
     w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK] (FP8: its e4m3 copy, blocks [BN, SB])
     dol_desc,  # dout_local [T, H], blocks [BM, BK]
     xl_desc,  # x_local [T, H], blocks [BM, BK]
@@ -482,7 +513,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     swiglu_limit,
     phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows,
     LAG: tl.constexpr, MB: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BNA: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
@@ -500,9 +531,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     a_ready = cnt_ptr + NMB
     b_ready = cnt_ptr + 2 * NMB
     sa_ready = cnt_ptr + 3 * NMB
-    NI = tl.cdiv(I, BN)
+    NI = tl.cdiv(I, BN)  # d_w partials: one column per BN-wide slice of I
     n_b_h = tl.cdiv(H, BN2)
-    per_a = (MB // BM) * NI
+    per_a = (MB // BM) * tl.cdiv(I, BNA)  # routed phase-A tiles a minibatch
     per_b = (MB // BM) * n_b_h
     if TRACE:  # launch-independent slots (as the forward's): GEMM tiles of the whole backward, then comm
         n_srt_t = tl.cdiv(T, BM)
@@ -627,7 +658,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if TRACE:
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
-                            if e >= 0:
+                            if BNA != BN:  # every row kept, bf16: 2 BN wide (the launcher sets it only then)
+                                if e >= 0:
+                                    _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr,
+                                                       dgu_ptr, hw_ptr, dwp_ptr, e, nt, H, I, NI, swiglu_limit,
+                                                       HAS_LIMIT, BM, BN, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION)
+                            elif e >= 0:
                                 if FP8:
                                     # gu_rows: NR when every row was kept, MAC for a ring that wrapped, 0 for none
                                     if row0 < gu_rows:
