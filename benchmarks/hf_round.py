@@ -76,13 +76,10 @@ def implementations(device: torch.device) -> list[str]:
 
         register(Options(fp8=FP8Config()), name=FP8_NAME)
         impls.append(FP8_NAME)
-        # the knobs of 2026-12-01 not yet timed on a GPU: warp-specialized weight gradients, and FP8 with its
-        # down GEMM and d_x GEMM in bf16 (the e4m3 forms were slower than BF16's on the H200)
-        ws = (("wgrad_warp_specialize", True),)
-        register(Options(knobs=ws), name="kittenmoe-wgrad-ws")
-        register(Options(fp8=FP8Config(), knobs=ws + (("fp8_dx_high", True), ("fp8_down_high", True))),
+        # FP8 with its down GEMM and d_x GEMM in bf16 (the e4m3 forms were slower than BF16's on the H200)
+        register(Options(fp8=FP8Config(), knobs=(("fp8_dx_high", True), ("fp8_down_high", True))),
                  name="kittenmoe-fp8-high")
-        impls += ["kittenmoe-wgrad-ws", "kittenmoe-fp8-high"]
+        impls += ["kittenmoe-fp8-high"]
     try:
         import sonicmoe  # noqa: F401
         impls.append("sonicmoe")

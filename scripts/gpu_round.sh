@@ -81,9 +81,9 @@ if [[ $what == next ]]; then  # what the 2026-12-01 session built after its devi
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step hf python3 benchmarks/hf_round.py --out "$OUT"
 fi
-if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces, the warp-specialized weight gradients
+if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces
   step gputests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trace.py tests/test_megakernel_bwd.py \
-    -k "trace or warp_specialized"
+    -k "trace"
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py --tiles 128x128,64x128,64x256 --stages 2,3
   step fwdtrace python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"
@@ -126,9 +126,9 @@ if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GP
     step ep-2048 $run --model $all --tokens 2048
     step ep-zipf $run --model kimi-k2.7 --tokens 2048 --routing zipf:1.2
   fi
-  # the 2026-12-01 knobs at EP: two chunks in flight a comm program, warp-specialized weight gradients
+  # the 2026-12-01 knob at EP: two chunks in flight a comm program
   [[ $what == epbenchknobs ]] && step ep-knobs $run --model kimi-k2.7,deepseek-v4-pro --tokens 2048 \
-    --config copy_prefetch=True,wgrad_warp_specialize=True
+    --config copy_prefetch=True
   [[ $what == epbench || $what == epbench4096 ]] && step ep-4096 $run --model $all --tokens 4096
   [[ $what == epbench || $what == epbenchfp8 ]] && step ep-fp8 $run --model $all --tokens 2048 --fp8 128
 fi

@@ -973,22 +973,3 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
     for k, v in expect.items():
         assert_bitwise_equal(captured[k], v, f"{name}: {k}, replay with new routing and weights")
 
-
-@pytest.mark.gpu
-def test_gpu_warp_specialized_weight_grads(cuda_cleanup):
-    """KernelConfig.wgrad_warp_specialize (the weight-gradient launch's K loop warp-specialized, 4-warp launch):
-    the weight gradients within the bf16 rel-L1 / cosine bars of the fp32 reference, close to the plain
-    launch's, and the same bits over two runs; the other gradients do not depend on it."""
-    case, inp = _seed_slice("kimi-k2.7", 512)
-    cfg = KernelConfig().with_(wgrad_warp_specialize=True)
-    plain = {k: v.clone() for k, v in _named(_backward(case, inp, config=KernelConfig())).items()}
-    ws = {k: v.clone() for k, v in _named(_backward(case, inp, config=cfg)).items()}
-    again = _named(_backward(case, inp, config=cfg))
-    ref = _reference_grads32(case, inp)
-    for gname in ("d_w13", "d_w2"):
-        _assert_rel_l1_cosine(f"warp-specialized {gname}", ws[gname], ref[gname])
-        _assert_grad_close(f"warp-specialized {gname} vs plain", ws[gname], plain[gname], "bf16", rescale=True)
-        assert_bitwise_equal(again[gname], ws[gname], f"warp-specialized {gname}, second run")
-    for gname in plain:
-        if gname not in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-            assert_bitwise_equal(ws[gname], plain[gname], f"{gname} (no weight gradient)")

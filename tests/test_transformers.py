@@ -133,7 +133,7 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     with pytest.raises(TypeError):
         kt.Options(knobs=(("no_such_knob", 1),))
     with pytest.raises(TypeError, match="must be a bool"):
-        kt.Options(knobs=(("wgrad_warp_specialize", 1),))
+        kt.Options(knobs=(("copy_prefetch", 1),))
     seen = {}
 
     def fake_moe(x, ids, w, w13, w2, backend, config, fp8):
@@ -141,7 +141,7 @@ def test_knobs_option_checked_and_applied(monkeypatch):
         return x
 
     monkeypatch.setattr(kt, "moe", fake_moe)
-    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("wgrad_warp_specialize", True),)))
+    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("copy_prefetch", True),)))
 
     class Experts(torch.nn.Module):  # the attributes check_supported reads, as HF's experts modules have them
         def __init__(self):
@@ -151,7 +151,7 @@ def test_knobs_option_checked_and_applied(monkeypatch):
             self.act_fn = torch.nn.SiLU()
 
     fwd(Experts(), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
-    assert seen["config"].wgrad_warp_specialize is True
+    assert seen["config"].copy_prefetch is True
 
 
 @pytest.mark.parametrize("attr,value,match", [

@@ -95,8 +95,7 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
-               "wgrad_warp_specialize")
+_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch")
 
 
 @dataclass(frozen=True)
@@ -144,10 +143,6 @@ class KernelConfig:
         one (two chunks in flight a program instead of one) in the forward's pull and push and the
         backward's push. On 2 H200s a 16-CTA pull over NVLink reached 109 GB/s where a push reached 258
         (p2p_probe.py, 8 KB a step): remote reads are latency-bound. Off until timed.
-    wgrad_warp_specialize: the backward's weight-gradient launch (a grouped GEMM of its own) runs its K loop
-        warp-specialized: Triton builds a producer warp group (TMA loads) and two consumer groups from a 4-warp
-        launch on Hopper, the form fast Hopper GEMMs take. Needs TMA (else ignored). Off until timed on the
-        H200 (benchmarks/bwd_round.py times both).
     """
 
     num_comm_programs_fwd: int = 16
@@ -165,7 +160,6 @@ class KernelConfig:
     fp8_dx_high: bool = False
     fp8_down_high: bool = False
     copy_prefetch: bool = False
-    wgrad_warp_specialize: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -46,13 +46,13 @@ MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Launch parameters of the standalone quantisers by scale block (also what kittenmoe.sm90_build compiles).
-# Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: one block
-# in one pass (RC = block), 4 warps for 128-blocks, one for 32-blocks: the form checked bit for bit on the
-# H200. The kernel's chunked form (RC = 32 for 128-blocks: 55 registers instead of 255 and a 280-byte stack,
-# Triton 3.6, bf16) is built and tested on CPU but has not run on a GPU; benchmarks/wquant_time.py times both
-# and checks them against each other.
+# Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: a block in
+# 32-row chunks (an amax pass, then a quantise pass), 4 warps for 128-blocks; one 32-block in one pass with one
+# warp. The one-pass form of a 128-block (RC = 128) needs 255 registers and a 280-byte stack (Triton 3.6, bf16)
+# against the chunked form's 55: on the H200 the chunked form quantises the Kimi slice's weights in 3.13 ms
+# against 10.82 (bf16; fp32 5.16 against 17.48), the same bits (benchmarks/wquant_time.py, 2026-12-01).
 ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
-WEIGHT_QUANT_LAUNCH = {128: dict(RC=128, num_warps=4), 32: dict(RC=32, num_warps=1)}
+WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ def build_quantisers() -> list[Build]:
                 label(f"{dn},SB={b}")
                 w = torch.empty(2, 256, 384, dtype=dt)
                 nb, kb = 256 // b, 384 // b
-                for rc in sorted({WEIGHT_QUANT_LAUNCH[b]["RC"], 32}):  # the default form and the chunked one
+                for rc in sorted({WEIGHT_QUANT_LAUNCH[b]["RC"], b}):  # the default form and the one-pass one
                     quant.quantize_weights_bxb_kernel[(kb, nb, 2)](
                         w, torch.empty(2, 256, 384, dtype=torch.uint8), torch.empty(2, 384, 256, dtype=torch.uint8),
                         torch.empty(2, nb, kb), 256, 384, nb, kb, SB=b, POW2=b == 32, TRANSPOSED=True,

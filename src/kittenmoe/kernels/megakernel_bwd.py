@@ -231,11 +231,11 @@ def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, out_ptr, out_st
 
 @triton.jit
 def _wgrad_tile_tma(p_desc, q_desc, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
-                    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, WS: tl.constexpr = False):
+                    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr):
     """As ``_wgrad_tile`` through TMA descriptors: p_desc blocks [WK, WN], q_desc blocks [WK, WM]. Rows
     past the tensor's end (the shared expert's T) load as zeros; routed segments are WK-row aligned."""
     acc = tl.zeros((WN, WM), dtype=tl.float32)
-    for r0 in tl.range(row0, row_end, WK, warp_specialize=WS):
+    for r0 in range(row0, row_end, WK):
         p = p_desc.load([r0, n0])
         q = q_desc.load([r0, m0])
         acc = tl.dot(p.T, q, acc)
@@ -779,7 +779,7 @@ def weight_grad_kernel(
     out_ptr,  # [G, N, M] gradient, row-major
     N, M, p_stride, q_stride,
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, WS: tl.constexpr = False,
+    USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """out[g] = P[seg_g]^T Q[seg_g], one program per WN x WM output tile, group after group.
 
@@ -799,7 +799,7 @@ def weight_grad_kernel(
     seg1 = tl.load(offsets_ptr + g + 1)
     out = out_ptr + g.to(tl.int64) * N * M
     if USE_TMA:
-        _wgrad_tile_tma(p_op, q_op, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, WS)
+        _wgrad_tile_tma(p_op, q_op, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK)
     else:
         _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, DOT_FP32,
                     PRECISION)
