@@ -23,7 +23,7 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
-from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
+from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, default_config
 from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank
@@ -80,12 +80,11 @@ def main() -> int:
     ap.add_argument("--config", default="", help="KernelConfig overrides (k=v,k=v); several separated by ';' are "
                     "each timed (forward+backward) beside the default in the same run")
     args = ap.parse_args()
-    extra = [KernelConfig(**parse_config_overrides(c)) for c in args.config.split(";") if c.strip()]
+    extra = [parse_config_overrides(c) for c in args.config.split(";") if c.strip()]
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__)
-    cfg = KernelConfig()
-    print(env, cfg, flush=True)
+    print(env, flush=True)
     small = TEST_SHAPES["small"]
     small_cfg = KernelConfig(block_m=64, minibatch_size=256)
     check("small R=2 T=300", small, 2, 300, small_cfg, dev)
@@ -94,6 +93,8 @@ def main() -> int:
         base = SEED_SHAPES[name]
         shape = base.with_(e=base.e // 8)
         T = SLICES[name]
+        cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev)  # what the layer runs untuned
+        print(f"  {name}: heuristic {cfg}", flush=True)
         row = dict(kind="forward+backward", shape=name, ep_slice=8, experts_local=shape.e, tokens=T, h=shape.h,
                    i=shape.i, k=shape.k, dtype="bf16", ranks=1, config=str(cfg.__dict__), **env,
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -157,7 +158,8 @@ def main() -> int:
         row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
         # --config: other configs' forward+backward in the same run, each checked against the fp32 reference
         row["sweep_ms"] = {}
-        for c in extra:
+        for over in extra:
+            c = cfg.with_(**over)
             key = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(cfg, k))
             try:
                 row.setdefault("sweep_check", {})[key] = check(f"{name} [{key}]", shape, 1, T, c, dev)["worst_rel_l1"]

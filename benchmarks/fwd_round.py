@@ -26,7 +26,7 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
-from kittenmoe.config import SEED_SHAPES, KernelConfig
+from kittenmoe.config import SEED_SHAPES, KernelConfig, default_config
 from kittenmoe.ops import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
@@ -52,8 +52,9 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SLICES))
     ap.add_argument("--tokens", type=int, default=0, help="override tokens per shape (0 = the issue's slice)")
     ap.add_argument("--ep", type=int, default=8)
-    ap.add_argument("--config", default="", help="KernelConfig overrides, e.g. num_comm_programs_fwd=16,block_n=128; "
-                    "several configs separated by ';' are each timed")
+    ap.add_argument("--config", default="", help="KernelConfig overrides on top of each shape's heuristic config "
+                    "(config.default_config, what the layer runs untuned), e.g. num_comm_programs_fwd=16,block_n=128; "
+                    "several separated by ';' are each timed (an empty one is the heuristic config itself)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--skip-check", action="store_true")
@@ -63,19 +64,21 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also run the best config's traced build once and print kittenmoe.trace's summary")
     args = ap.parse_args()
-    cfgs = [parse_config(c) for c in args.config.split(";")]
-    cfg = cfgs[0]
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
                python=platform.python_version())
-    print(env, cfg, flush=True)
+    print(env, flush=True)
     rows = []
     for name in args.shapes.split(","):
         base = SEED_SHAPES[name]
         L = base.e // args.ep
         shape = base.with_(e=L, k=base.k)  # R=1 slice: E_local experts, all routes land here
         T = args.tokens or SLICES[name]
+        heur = default_config(T, shape.h, shape.i, L, shape.k, device=dev)
+        cfgs = [heur.with_(**parse_config_overrides(c)) for c in args.config.split(";")]
+        cfg = cfgs[0]
+        print(f"  {name}: heuristic {heur}", flush=True)
         g = torch.Generator().manual_seed(0)
         w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
         x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
@@ -116,7 +119,7 @@ def main() -> int:
         sweep, sweep_errors = {}, {}
         for c in cfgs:
             fn = lambda c=c: megakernel_forward_multirank(*args_k, config=c, peers=peers).outputs[0]
-            short = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(KernelConfig(), k)) or "default"
+            short = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(heur, k)) or "heuristic"
             try:
                 sweep[str(c.__dict__)] = triton.testing.do_bench(fn, warmup=100, rep=args.reps * 10,
                                                                  return_mode="median")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import os
 import re
 
@@ -102,11 +103,16 @@ def render_hf() -> str:
              f"{len(r0['ms_all'])} steps after warm-up; `{r0['_file']}`, {r0['gpu']}, torch {r0['torch']}, "
              f"triton {r0['triton']}, {r0['date'][:10]}):", "",
              "| experts_implementation | ms / step | speedup vs grouped_mm |", "| --- | --- | --- |"]
+    bad = [r["experts_implementation"] for r in rows if not all(math.isfinite(v) for v in r.get("losses", []))]
     for r in rows:
         name = r["experts_implementation"]
+        if name in bad:  # a step whose loss went non-finite is no speed figure
+            continue
         if name == "no-routed-experts":  # hf_round's floor: the step with the routed experts computing nothing
             name = "(routed experts computing nothing: the floor)"
         lines.append(f"| {name} | {r['ms_median']:.2f} | {r['speedup_vs_grouped_mm']:.2f}x |")
+    if bad:
+        lines += ["", f"Left out, their losses not finite: {', '.join(bad)}."]
     return "\n".join(lines)
 
 
