@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|bm64|profile|widea|all]
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|bm64|profile|widea|wgrad|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -105,6 +105,11 @@ fi
 if [[ $what == widea ]]; then  # the kept backward's 2x-wide phase A: its GPU tests, then times and a trace
   step bwdtests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py
   step widea python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --trace --reps 3 --out "$OUT"
+fi
+if [[ $what == wgrad ]]; then  # KernelConfig.wgrad_persistent: its GPU test, then timed beside the default
+  step wgtest python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "persistent"
+  step wgrad python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 3 --out "$OUT" \
+    --config "wgrad_persistent=True"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py

@@ -547,6 +547,8 @@ BITWISE_VARIANTS = {
     "comm-3": dict(num_comm_programs_bwd=3),
     # the push issues the next chunk's loads before storing the current one (KernelConfig.copy_prefetch)
     "copy-prefetch": dict(copy_prefetch=True),
+    # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
+    "wgrad-persistent": dict(wgrad_persistent=True),
 }
 
 
@@ -580,6 +582,33 @@ def test_bitwise_across_configs(bitwise_base, variant):
     assert sorted(got) == sorted(base)
     for k in base:
         assert_bitwise_equal(got[k], base[k], f"{k} with {variant}")
+
+
+WGRAD_PERSISTENT_CASES = {
+    # four ranks, experts 0..2 only: ranks 2 and 3 own no row, so every group of theirs is empty and its tiles
+    # take one step of zeros; rank 1 mixes empty and full groups within one program's walk
+    "R4-zero-token-experts": Case(TINY, r=4, t=10, routing="few_experts"),
+    # T = 7: the shared expert's one group ends mid-step (rows past T load as zeros)
+    "R2-T7": Case(TINY, r=2, t=7),
+    # one hot expert: a 40-row segment of several steps beside empty groups
+    "R2-one-hot": Case(TINY, r=2, t=20, routing="one_hot", hot=TINY.e - 1),
+}
+
+
+@pytest.mark.parametrize("name", list(WGRAD_PERSISTENT_CASES))
+def test_wgrad_persistent_same_bits(name, monkeypatch):
+    """KernelConfig.wgrad_persistent: every weight gradient the same bits as one program per tile, every
+    tile written (the launchers' buffers start NaN), the other gradients untouched."""
+    case = WGRAD_PERSISTENT_CASES[name]
+    inp = _make_inputs(case, seed=9)
+    plain = {k: v.clone() for k, v in _named(_backward(case, inp)).items()}
+    nan_scratch(monkeypatch)
+    got = _named(_backward(case, inp, config=case.config().with_(wgrad_persistent=True)))
+    monkeypatch.undo()
+    assert sorted(got) == sorted(plain)
+    for k in plain:
+        assert torch.isfinite(got[k]).all(), f"{k}: NaN from an unwritten tile"
+        assert_bitwise_equal(got[k], plain[k], f"{name}: {k}")
 
 
 # ----------------------------------------------------------------------------- out-of-range expert ids
@@ -972,4 +1001,19 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
     expect = eager(inp2)
     for k, v in expect.items():
         assert_bitwise_equal(captured[k], v, f"{name}: {k}, replay with new routing and weights")
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_persistent_same_bits(cuda_cleanup):
+    """KernelConfig.wgrad_persistent on the Kimi slice (512 tokens): one program per SM walking the tiles computes
+    each tile with the same MMA sequence as one program per tile, so every gradient has the same bits; and the
+    weight gradients pass the bf16 bars against the fp32 reference."""
+    case, inp = _seed_slice("kimi-k2.7", 512)
+    plain = {k: v.clone() for k, v in _named(_backward(case, inp, config=KernelConfig())).items()}
+    got = _named(_backward(case, inp, config=KernelConfig().with_(wgrad_persistent=True)))
+    ref = _reference_grads32(case, inp)
+    for gname in ("d_w13", "d_w2"):
+        _assert_rel_l1_cosine(f"persistent {gname}", got[gname], ref[gname])
+    for gname in plain:
+        assert_bitwise_equal(got[gname], plain[gname], f"{gname}: persistent vs one program per tile")
 

@@ -45,6 +45,7 @@ def _build(spec: dict) -> dict:
 
 FWD = ["dispatch_mlp_swiglu_combine_kernel", "combine_epilogue_kernel"]
 BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epilogue_kernel"]
+BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -54,6 +55,8 @@ BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epil
     (dict(which="fwd", config=dict(copy_prefetch=True)), FWD),  # pull and push with two chunks in flight
     (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
+    # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
+    (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2
@@ -73,7 +76,7 @@ def test_megakernel_builds_for_sm90(spec, expected):
     assert sorted(set(names)) == sorted(expected), names
     for b in out["builds"]:
         assert b["shared"] <= SHARED_MEMORY_LIMIT, b
-        if b["name"] in (FWD[0], BWD[0], BWD[1]):
+        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1]):
             assert b["wgmma"] and b["tma"], b
         # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; nothing is
         # warp-specialized (the one form that was, the weight gradients', computed wrong values on the H200)

@@ -95,7 +95,8 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch")
+_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
+               "wgrad_persistent")
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,13 @@ class KernelConfig:
     copy_prefetch: communication programs issue the next 32 x 512 chunk's loads before storing the current
         one (two chunks in flight a program instead of one) in the forward's pull and push and the
         backward's push. On 2 H200s a 16-CTA pull over NVLink reached 109 GB/s where a push reached 258
-        (p2p_probe.py, 8 KB a step): remote reads are latency-bound. Off until timed.
+        (p2p_probe.py, 8 KB a step): remote reads are latency-bound. On one H200 no gain (Kimi forward
+        3.58 ms against 3.57); off until timed over NVLink.
+    wgrad_persistent: the backward's weight gradients in one program per SM, each walking its tiles in one
+        flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
+        (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
+        alone: Kimi's tiles have six 64-row steps, and the launch ran at ~450 TFLOP/s. The same bits.
+        Off until timed on the H200.
     """
 
     num_comm_programs_fwd: int = 16
@@ -160,6 +167,7 @@ class KernelConfig:
     fp8_dx_high: bool = False
     fp8_down_high: bool = False
     copy_prefetch: bool = False
+    wgrad_persistent: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

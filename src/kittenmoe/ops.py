@@ -751,9 +751,15 @@ def launch_rank_backward(
         jobs += [(whole, 1, "sdgu", "xl", dsw13, 2 * S, H), (whole, 1, "dol", "sh", dsw2, H, S)]
     for offsets, groups, p_name, q_name, dst, n, m in jobs:
         p_op, q_op = operands[p_name], operands[q_name]
-        out["compiled_wgrad"] = mb.weight_grad_kernel[(groups * triton.cdiv(n, wn) * triton.cdiv(m, wm),)](
-            offsets, descs[p_name] if use_tma else p_op, descs[q_name] if use_tma else q_op, dst, n, m,
-            p_op.stride(0), q_op.stride(0), **wmeta)
+        p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
+        tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
+        if config.wgrad_persistent:  # one program per SM (3 under the interpreter), each walking many tiles
+            out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, _num_programs(dev, 0)),)](
+                offsets, p_arg, q_arg, dst, groups, n, m, p_op.stride(0), q_op.stride(0), p_op.shape[0],
+                GP=triton.next_power_of_2(groups + 1), **wmeta)
+        else:
+            out["compiled_wgrad"] = mb.weight_grad_kernel[(tiles,)](
+                offsets, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)
     out["sdx"] = bufs["sdx"]
     return out
 

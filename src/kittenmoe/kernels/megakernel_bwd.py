@@ -806,6 +806,86 @@ def weight_grad_kernel(
 
 
 @triton.jit
+def weight_grad_persistent_kernel(
+    offsets_ptr,  # [G + 1] int32, row segment of each group (as weight_grad_kernel's)
+    p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
+    q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
+    out_ptr,  # [G, N, M] gradient, row-major
+    G, N, M, p_stride, q_stride, p_rows,
+    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, GP: tl.constexpr,
+    USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """weight_grad_kernel's tiles, each program walking tiles pid, pid + nprog, ... in one flat loop of row
+    steps (the form of Triton's persistent-matmul tutorial), so the pipeliner loads the next tile's first rows
+    while this tile's last steps and its store run. A routed tile has few steps (Kimi: six 64-row steps of
+    ~384 rows); one program per tile pays its pipeline fill and its 64 KB store alone.
+
+    GP >= G + 1 (a power of two): the segment offsets are read once, as a vector. A group with no rows still
+    takes one step, of zeros (past p_rows under TMA, masked on pointers), so its tiles store zeros. Each tile
+    sums its rows in order, as weight_grad_kernel does: the same bits."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_m = tl.cdiv(M, WM)
+    per_g = tl.cdiv(N, WN) * n_m
+    gi = tl.arange(0, GP)
+    seg_lo = tl.load(offsets_ptr + gi, mask=gi < G, other=0)
+    seg_hi = tl.load(offsets_ptr + gi + 1, mask=gi < G, other=0)
+    steps_g = tl.maximum(tl.cdiv(seg_hi - seg_lo, WK), 1)
+    # tiles of group g with index = pid (mod nprog): f(hi) - f(lo), f(x) = #{t < x : t = pid mod nprog}
+    hi = (gi + 1) * per_g
+    lo = gi * per_g
+    # (numerators kept non-negative: GPU integer division truncates, the interpreter's floors)
+    cnt = tl.where(hi > pid, (hi - pid + nprog - 1) // nprog, 0) - tl.where(lo > pid, (lo - pid + nprog - 1) // nprog, 0)
+    total = tl.sum(tl.where(gi < G, cnt * steps_g, 0), axis=0)
+
+    tile = pid - nprog
+    left = 0
+    r = 0
+    seg1 = 0
+    g = 0
+    n0 = 0
+    m0 = 0
+    acc = tl.zeros((WN, WM), dtype=tl.float32)
+    for _ in range(0, total):
+        if left == 0:  # the next tile: its group's rows
+            tile += nprog
+            g = tile // per_g
+            qq = tile % per_g
+            n0 = (qq // n_m) * WN
+            m0 = (qq % n_m) * WM
+            seg0 = tl.sum(tl.where(gi == g, seg_lo, 0), axis=0)
+            seg1 = tl.sum(tl.where(gi == g, seg_hi, 0), axis=0)
+            left = tl.maximum(tl.cdiv(seg1 - seg0, WK), 1)
+            r = seg0
+            if USE_TMA:
+                if seg1 == seg0:
+                    r = p_rows  # past the end: TMA loads zeros
+        if USE_TMA:
+            p = p_op.load([r, n0])
+            q = q_op.load([r, m0])
+            acc = tl.dot(p.T, q, acc)
+        else:
+            rr = r + tl.arange(0, WK)
+            ok = rr < seg1
+            rr64 = rr.to(tl.int64)
+            ra = n0 + tl.arange(0, WN)
+            rb = m0 + tl.arange(0, WM)
+            p = tl.load(p_op + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :],
+                        other=0.0)
+            q = tl.load(q_op + rr64[:, None] * q_stride + rb[None, :], mask=ok[:, None] & (rb < M)[None, :],
+                        other=0.0)
+            if DOT_FP32:
+                p = p.to(tl.float32)
+                q = q.to(tl.float32)
+            acc = tl.dot(tl.trans(p), q, acc, input_precision=PRECISION)
+        r += WK
+        left -= 1
+        if left == 0:
+            _store_wgrad(acc, out_ptr + g.to(tl.int64) * N * M, M, n0, N, m0, M, WN, WM)
+            acc = tl.zeros((WN, WM), dtype=tl.float32)
+
+
+@triton.jit
 def bwd_epilogue_kernel(
     sdx_ptr,  # [T, H] shared-expert d_x (ignored without a shared expert)
     dxc_ptr,  # [T*K, H] d_x rows pushed back by the expert owners
