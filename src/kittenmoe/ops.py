@@ -594,7 +594,7 @@ def launch_rank_backward(
     # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
     # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
     # against phase B's 5.7 (H200 trace, 2026-12-01).
-    bna = 2 * bn if gu_mode == 1 and fp8 is None and I % (2 * bn) == 0 else bn
+    bna = 2 * bn if gu_mode == 1 and I % (2 * bn) == 0 else bn
     NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
@@ -683,7 +683,7 @@ def launch_rank_backward(
         if use_tma_a:  # d_out rows, the replay's x rows, W2^T, and W13 for the replay
             a_descs = (TD.from_tensor(fp8_bufs[0].view(f8), [bm, sb]),
                        TD.from_tensor(fp8_bufs[4].view(f8), [min(bm, fp8_bufs[4].shape[0]), sb]),
-                       TD.from_tensor(w2_qt.reshape(L * I, H), [bn, sb]),
+                       TD.from_tensor(w2_qt.reshape(L * I, H), [bna, sb]),
                        TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]), *a_descs[4:])
     num_comm = config.num_comm_programs_bwd
     grid = (_num_programs(dev, num_comm),)

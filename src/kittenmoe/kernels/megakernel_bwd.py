@@ -311,6 +311,28 @@ def _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr,
 
 
 @triton.jit
+def _phase_a_kept_wide_fp8(dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, gu_ptr, wr_ptr, dgu_ptr,
+                           hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, e, nta, H, I, NI, HB, IB, GB, swiglu_limit,
+                           HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNA: tl.constexpr,
+                           SB: tl.constexpr, DGB: tl.constexpr, FP8_B: tl.constexpr, POW2: tl.constexpr,
+                           USE_TMA_A: tl.constexpr, EMULATE: tl.constexpr):
+    """``_phase_a_kept_wide`` for FP8: the e4m3 down dgrad of a BM x BNA tile (BNA = 2 BN), then per BN-wide half
+    the SwiGLU backward and, with phase B on e4m3 (FP8_B), d(gate|up)'s 1 x DGB quantisation, each half as a
+    BN tile's own: the same bits as two BN tiles."""
+    acc = _down_dgrad_fp8_any(dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, e, nta, H, I, HB, IB,
+                              BM, BNA, SB, USE_TMA_A, EMULATE)
+    acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+    w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
+    for half in tl.static_range(2):
+        nt = 2 * nta + half
+        acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
+        dgc, duc = _bwd_a_epilogue(acc_lo if half == 0 else acc_hi, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
+                                   row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
+        if FP8_B:
+            _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
+
+
+@triton.jit
 def _phase_a_replay(dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc, e, nt, H, I,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
@@ -658,11 +680,19 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if TRACE:
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
-                            if BNA != BN:  # every row kept, bf16: 2 BN wide (the launcher sets it only then)
+                            if BNA != BN:  # every row kept: 2 BN wide (the launcher sets it only then)
                                 if e >= 0:
-                                    _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr,
-                                                       dgu_ptr, hw_ptr, dwp_ptr, e, nt, H, I, NI, swiglu_limit,
-                                                       HAS_LIMIT, BM, BN, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION)
+                                    if FP8:
+                                        _phase_a_kept_wide_fp8(
+                                            dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, gu_ptr,
+                                            wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, e, nt, H, I, NI, HB,
+                                            IB, GB, swiglu_limit, HAS_LIMIT, BM, BN, BNA, SB, DGB, FP8_B, POW2,
+                                            USE_TMA_A, DOT_FP32)
+                                    else:
+                                        _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr,
+                                                           dgu_ptr, hw_ptr, dwp_ptr, e, nt, H, I, NI, swiglu_limit,
+                                                           HAS_LIMIT, BM, BN, BNA, BK, USE_TMA_A, DOT_FP32,
+                                                           PRECISION)
                             elif e >= 0:
                                 if FP8:
                                     # gu_rows: NR when every row was kept, MAC for a ring that wrapped, 0 for none
