@@ -74,10 +74,10 @@ if [[ $what == wquant ]]; then  # the FP8 weight quantiser (q, scales, q^T) on t
   step wqtest python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "transpose or chunk"
   step wquant python3 benchmarks/wquant_time.py
 fi
-if [[ $what == next ]]; then  # what the 2026-12-01 session built after its device time ran out (~5 min)
-  step wqtest python3 -m pytest -q -p no:cacheprovider tests/test_fp8.py -k "transpose or chunk"
-  step wquant python3 benchmarks/wquant_time.py
-  step dxtest python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "dx-high"
+if [[ $what == next ]]; then  # what the 2026-12-01 (4) session built after its device time ran out (~6 min)
+  step wgtest python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "persistent"
+  step wgrad python3 benchmarks/wgrad_time.py --shapes kimi-k2.7,deepseek-v4-pro
+  step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "backward or train"
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step hf python3 benchmarks/hf_round.py --out "$OUT"
 fi
