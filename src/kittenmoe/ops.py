@@ -755,7 +755,8 @@ def launch_rank_backward(
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
         if config.wgrad_persistent:  # one program per SM (3 under the interpreter), each walking many tiles
             out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, _num_programs(dev, 0)),)](
-                offsets, p_arg, q_arg, dst, groups, n, m, p_op.stride(0), q_op.stride(0), p_op.shape[0],
+                offsets, p_arg, q_arg, dst, groups, n, m, p_op.stride(0), q_op.stride(0),
+                max(p_op.shape[0], q_op.shape[0]),  # a row past both operands: an empty group's step loads zeros
                 GP=triton.next_power_of_2(groups + 1), **wmeta)
         else:
             out["compiled_wgrad"] = mb.weight_grad_kernel[(tiles,)](

@@ -522,7 +522,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     # and for phase A (USE_TMA_A)
     dor_desc,  # dor [NR, H], blocks [BM, BK] (FP8: dorq as float8e4nv, blocks [BM, SB])
     xr_desc,  # xr [NR, H], blocks [BM, BK] (FP8: xrq as float8e4nv, blocks [BM, SB])
-    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BNA] (FP8: W2^T viewed [L * I, H], blocks [BN, SB])
+    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BNA] (FP8: W2^T viewed [L * I, H], blocks [BNA, SB])
     w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK] (FP8: its e4m3 copy, blocks [BN, SB])
     dol_desc,  # dout_local [T, H], blocks [BM, BK]
     xl_desc,  # x_local [T, H], blocks [BM, BK]
@@ -841,7 +841,7 @@ def weight_grad_persistent_kernel(
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
-    G, N, M, p_stride, q_stride, p_rows,
+    G, N, M, p_stride, q_stride, p_rows,  # p_rows: a row index past the end of both P and Q
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, GP: tl.constexpr,
     USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -889,7 +889,7 @@ def weight_grad_persistent_kernel(
             r = seg0
             if USE_TMA:
                 if seg1 == seg0:
-                    r = p_rows  # past the end: TMA loads zeros
+                    r = p_rows  # past the end of P and Q: TMA loads zeros for both
         if USE_TMA:
             p = p_op.load([r, n0])
             q = q_op.load([r, m0])
