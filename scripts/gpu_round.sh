@@ -80,6 +80,8 @@ if [[ $what == next ]]; then  # what the 2026-12-01 (4) session built after its 
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "backward or train"
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
   step hf python3 benchmarks/hf_round.py --out "$OUT"
+  # how much of phase A's 182 program-ms is its epilogue ("A epilogue" in the table): what to shorten next
+  step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
   # where GLM's and DeepSeek's forward time goes at the heuristic config (1.43x / 1.39x of the 1.5x goal)
   step fwdtrace python3 benchmarks/fwd_round.py --shapes glm-5.2,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"

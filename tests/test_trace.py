@@ -24,11 +24,11 @@ CFG = KernelConfig(num_comm_programs_fwd=2, minibatch_size=16, block_m=16, block
                    num_stages=2)
 
 
-def _problem(r, t, seed=0):
+def _problem(r, t, seed=0, shape=TINY):
     g = torch.Generator().manual_seed(seed)
-    w = make_weights(TINY, dtype=torch.float32, generator=g)
-    xs = [torch.randn(t, TINY.h, generator=g).to(DEV) for _ in range(r)]
-    routes = [routing_uniform(t, TINY.e, TINY.k, generator=g) for _ in range(r)]
+    w = make_weights(shape, dtype=torch.float32, generator=g)
+    xs = [torch.randn(t, shape.h, generator=g).to(DEV) for _ in range(r)]
+    routes = [routing_uniform(t, shape.e, shape.k, generator=g) for _ in range(r)]
     ids = [i.to(DEV) for i, _ in routes]
     ws = [v.to(DEV) for _, v in routes]
     return (xs, ids, ws, w.w13_E2IH.to(DEV), w.w2_EHI.to(DEV), w.shared_w13_2SH.to(DEV), w.shared_w2_HS.to(DEV))
@@ -71,17 +71,20 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
             assert (ev[:, 2:] == 0).all(), "the interpreter has no timer: every timestamp reads 0"
 
 
-@pytest.mark.parametrize("r,t,keep", [
-    (1, 24, True),  # one rank reading the forward's kept activations
-    (2, 20, False),  # two ranks replaying gate|up
+@pytest.mark.parametrize("r,t,keep,i", [
+    (1, 24, True, 16),  # one rank reading the forward's kept activations (I = one half-width phase-A tile)
+    (2, 20, False, 16),  # two ranks replaying gate|up
+    (1, 24, True, 64),  # kept, I = 64: phase A two 32-wide tiles a row tile, each with its epilogue event
 ])
-def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep):
+def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep, i):
     """The backward megakernel: one pull and one push per comm program and live minibatch, one event per
-    phase A / phase B / shared tile; the gradients equal an untraced run's bit for bit."""
+    phase A / phase B / shared tile, and an "A epilogue" event per wide kept phase-A tile of an expert; the
+    gradients equal an untraced run's bit for bit."""
     from kittenmoe.ops import megakernel_backward_multirank
     from kittenmoe.trace import BWD_KINDS
 
-    a = _problem(r, t)
+    shape = TINY.with_(i=i)
+    a = _problem(r, t, shape=shape)
     g = torch.Generator().manual_seed(3)
     d_out = [torch.randn(t, TINY.h, generator=g).to(DEV) for _ in range(r)]
     fwd = megakernel_forward_multirank(*a, config=CFG, save_for_backward=keep)
@@ -93,16 +96,20 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep)
     assert_bitwise_equal(traced.d_w13, plain.d_w13, "d_w13 traced")
     assert plain.traces is None and len(traced.traces) == r
     bm, bn_a, bn_b = CFG.block_m, max(16, CFG.block_n // 2), 2 * CFG.block_n
+    wide = keep and i % (2 * bn_a) == 0  # the launcher's rule for 2 x wide routed phase-A tiles
+    bn_ra = 2 * bn_a if wide else bn_a
     ncomm = CFG.num_comm_programs_bwd
     rows = [int(st.schedule.num_rows.item()) for st in fwd.states]
     for k, tr in enumerate(traced.traces):
         ev = events(tr)
         live = -(-rows[k] // CFG.minibatch_size)  # the backward holds every routed row: no ring
         mb_tiles = CFG.minibatch_size // bm
+        expert_tiles = int((fwd.states[k].schedule.tile_expert[:live * mb_tiles] >= 0).sum())
         want = {"pull": ncomm * live, "push": ncomm * live,
-                "A": live * mb_tiles * triton.cdiv(TINY.i, bn_a), "B": live * mb_tiles * triton.cdiv(TINY.h, bn_b),
-                "shared A": triton.cdiv(t, bm) * triton.cdiv(TINY.i, bn_a),
+                "A": live * mb_tiles * triton.cdiv(i, bn_ra), "B": live * mb_tiles * triton.cdiv(TINY.h, bn_b),
+                "shared A": triton.cdiv(t, bm) * triton.cdiv(i, bn_a),
                 "shared B": triton.cdiv(t, bm) * triton.cdiv(TINY.h, bn_b)}
+        want["A epilogue"] = expert_tiles * triton.cdiv(i, bn_ra) if wide else 0
         got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(BWD_KINDS)}
         assert got == want, (k, got, want)
 

@@ -218,11 +218,12 @@ def _num_programs(device: torch.device, num_comm: int) -> int:
     return num_comm + 3  # interpreter: a few compute programs exercise the round-robin
 
 
-def _trace_buffer(n_gemm: int, comm_iters: int, num_comm: int, dev: torch.device) -> tuple[torch.Tensor, dict]:
+def _trace_buffer(n_gemm: int, comm_iters: int, num_comm: int, dev: torch.device, extra: int = 0
+                  ) -> tuple[torch.Tensor, dict]:
     """A traced launch's event buffer ([MAXE, 5] int64, unused rows -1) and its kernel constexprs: one slot per
     GEMM tile (``n_gemm``, the kernel's tile count), then a pull and a push slot per comm program and
-    processing index (``comm_iters`` of them)."""
-    maxe = n_gemm + 2 * comm_iters * num_comm
+    processing index (``comm_iters`` of them), then ``extra`` (the backward's wide phase-A epilogues)."""
+    maxe = n_gemm + 2 * comm_iters * num_comm + extra
     return torch.full((maxe, 5), -1, dtype=torch.int64, device=dev), dict(TRACE=True, MAXE=maxe)
 
 
@@ -696,7 +697,8 @@ def launch_rank_backward(
         n_srt = triton.cdiv(T, bm)
         n_gemm = (n_srt * (triton.cdiv(S, bn) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
-        out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev)
+        n_epi = (NMB + 1) * (MB // bm) * triton.cdiv(I, bna) if bna != bn else 0  # one per wide phase-A tile
+        out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev, n_epi)
     meta = dict(
         LAG=1, MB=MB, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),

@@ -28,8 +28,10 @@ import torch
 # Event kinds by code, as the kernels write them (kernels/megakernel_fwd.py TR_*, tests/test_trace.py checks).
 KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push")
 # The backward megakernel's (launch_rank_backward(trace=True)), same codes: phase A is the down dgrad with the
-# SwiGLU backward, phase B the gate|up dgrad.
-BWD_KINDS = ("shared A", "A", "B", "shared B", "pull", "push")
+# SwiGLU backward, phase B the gate|up dgrad. "A epilogue" (code 6, kernels/megakernel_bwd.py TR_A_EPILOGUE) is
+# part of an "A" event, not more work: the SwiGLU backward of a phase-A tile that every kept row made 2 x wide,
+# from the end of its GEMM to the tile's end.
+BWD_KINDS = ("shared A", "A", "B", "shared B", "pull", "push", "A epilogue")
 COMM_KINDS = ("pull", "push")
 
 

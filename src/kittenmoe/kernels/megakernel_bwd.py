@@ -51,6 +51,8 @@ replay the gate|up GEMM from the pulled x rows; 0, replay everything.
 import triton
 import triton.language as tl
 
+TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue inside a wide kept phase-A tile
+
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now,
                                               _peer_rows, _signal, _trace_event, _wait_geq, store_chunk_fp8)
@@ -280,56 +282,50 @@ def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I
 
 
 @triton.jit
-def _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, e, nta,
-                       H, I, NI, swiglu_limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BNA: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr,
-                       PRECISION: tl.constexpr):
-    """Routed phase A of one BM x BNA tile (BNA = 2 BN) with every row kept: the down dgrad's K loop over H at
-    the full width, then the SwiGLU backward one BN-wide half at a time, each half exactly as a BN tile's
-    (its g and u loaded, d(gate|up), w h and the d_w partial of column tile 2 nta + half).
-
-    One accumulator at 2 BN columns reads each d_out row tile from L2 half as often as two BN tiles do; the
-    epilogue in halves keeps the live fp32 tiles at three of BM x BN (at BM x 2 BN the sm_90 build spilled
-    1,736 bytes a thread)."""
+def _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nta, H, I, BM: tl.constexpr, BNA: tl.constexpr,
+                    BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Routed phase A's down dgrad over a BM x BNA tile (BNA = 2 BN) when every row is kept (bf16; FP8 calls
+    ``_down_dgrad_fp8_any`` at BNA): one accumulator at 2 BN columns reads each d_out row tile from L2 half as
+    often as two BN tiles do. ``_kept_wide_epilogue`` finishes the tile."""
     if USE_TMA_A:
         acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK)
     else:
         acc = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nta * BNA, I, H, BM, BNA, BK,
                       DOT_FP32, PRECISION)
-    acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
-    w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
-    nt = 2 * nta
-    acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
-    _bwd_a_epilogue(acc_lo, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, nt * BN, nt, I, NI,
-                    swiglu_limit, HAS_LIMIT, True, BM, BN)
-    # The launcher requires I % BNA == 0, so this always holds; as a branch it leaves the sm_90 build (Triton 3.6)
-    # 8 bytes of stack a thread, straight-line code 48.
-    if (nt + 1) * BN < I:
-        acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt + 1, I, BM, BN)
-        _bwd_a_epilogue(acc_hi, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, (nt + 1) * BN, nt + 1,
-                        I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
+    return acc
 
 
 @triton.jit
-def _phase_a_kept_wide_fp8(dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, gu_ptr, wr_ptr, dgu_ptr,
-                           hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, e, nta, H, I, NI, HB, IB, GB, swiglu_limit,
-                           HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNA: tl.constexpr,
-                           SB: tl.constexpr, DGB: tl.constexpr, FP8_B: tl.constexpr, POW2: tl.constexpr,
-                           USE_TMA_A: tl.constexpr, EMULATE: tl.constexpr):
-    """``_phase_a_kept_wide`` for FP8: the e4m3 down dgrad of a BM x BNA tile (BNA = 2 BN), then per BN-wide half
-    the SwiGLU backward and, with phase B on e4m3 (FP8_B), d(gate|up)'s 1 x DGB quantisation, each half as a
-    BN tile's own: the same bits as two BN tiles."""
-    acc = _down_dgrad_fp8_any(dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, e, nta, H, I, HB, IB,
-                              BM, BNA, SB, USE_TMA_A, EMULATE)
+def _kept_wide_epilogue(acc, row0, nta, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
+                        swiglu_limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        FP8_B: tl.constexpr, POW2: tl.constexpr, DGB: tl.constexpr):
+    """The SwiGLU backward of a BM x 2 BN kept phase-A tile one BN-wide half at a time, each half exactly as a
+    BN tile's own (its g and u loaded, d(gate|up), w h, the d_w partial of column tile 2 nta + half, and with
+    phase B on e4m3 (FP8_B) d(gate|up)'s 1 x DGB quantisation): the same bits as two BN tiles. Halves keep the
+    live fp32 tiles at three of BM x BN (the whole 2 BN at once spilled 1,736 bytes a thread on sm_90)."""
     acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
     w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
-    for half in tl.static_range(2):
-        nt = 2 * nta + half
-        acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
-        dgc, duc = _bwd_a_epilogue(acc_lo if half == 0 else acc_hi, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
-                                   row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT, True, BM, BN)
-        if FP8_B:
-            _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
+    nt = 2 * nta
+    _kept_half(acc_lo, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
+               swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB)
+    # The launcher requires I % (2 BN) == 0, so this always holds; as a branch it leaves the bf16 sm_90 build
+    # (Triton 3.6) 8 bytes of stack a thread, straight-line code 48 (the form timed on the H200 is the branch).
+    if (nt + 1) * BN < I:
+        _kept_half(acc_hi, w_row, row0, nt + 1, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
+                   swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB)
+
+
+@triton.jit
+def _kept_half(acc_dh, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB, swiglu_limit,
+               HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FP8_B: tl.constexpr, POW2: tl.constexpr,
+               DGB: tl.constexpr):
+    """One BN-wide half of ``_kept_wide_epilogue``: column tile nt's g and u, its SwiGLU backward, and with FP8_B
+    its d(gate|up) quantisation."""
+    acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
+    dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, nt * BN, nt, I, NI,
+                               swiglu_limit, HAS_LIMIT, True, BM, BN)
+    if FP8_B:
+        _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
 
 
 @triton.jit
@@ -561,6 +557,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
         n_srt_t = tl.cdiv(T, BM)
         trace_sb0 = (n_srt_t * tl.cdiv(S, BN) if HAS_SHARED else 0) + (NMB + LAG) * (per_a + per_b)
         trace_comm0 = trace_sb0 + (n_srt_t * n_b_h if HAS_SHARED else 0)
+        trace_epi0 = trace_comm0 + 2 * (2 * NMB + 1) * num_comm  # the wide kept phase A's epilogues
 
     if pid < num_comm:
         for it in range(p_lo, p_hi + pull_ahead):
@@ -683,16 +680,20 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if BNA != BN:  # every row kept: 2 BN wide (the launcher sets it only then)
                                 if e >= 0:
                                     if FP8:
-                                        _phase_a_kept_wide_fp8(
-                                            dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, gu_ptr,
-                                            wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, e, nt, H, I, NI, HB,
-                                            IB, GB, swiglu_limit, HAS_LIMIT, BM, BN, BNA, SB, DGB, FP8_B, POW2,
-                                            USE_TMA_A, DOT_FP32)
+                                        acc = _down_dgrad_fp8_any(
+                                            dor_desc, dorq_ptr, dors_ptr, row0, w2_desc, w2t_ptr, w2s_ptr, e, nt, H,
+                                            I, HB, IB, BM, BNA, SB, USE_TMA_A, DOT_FP32)
                                     else:
-                                        _phase_a_kept_wide(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, wr_ptr,
-                                                           dgu_ptr, hw_ptr, dwp_ptr, e, nt, H, I, NI, swiglu_limit,
-                                                           HAS_LIMIT, BM, BN, BNA, BK, USE_TMA_A, DOT_FP32,
-                                                           PRECISION)
+                                        acc = _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nt, H, I,
+                                                              BM, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION)
+                                    if TRACE:
+                                        t_gemm = _now()
+                                    _kept_wide_epilogue(acc, row0, nt, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr,
+                                                        dguq_ptr, dgus_ptr, I, NI, GB, swiglu_limit, HAS_LIMIT, BM,
+                                                        BN, FP8_B, POW2, DGB)
+                                    if TRACE:  # the epilogue's share of the tile, in a slot of its own
+                                        _trace_event(trace_ptr, trace_epi0 + rnd * per_a + i, MAXE, TR_A_EPILOGUE,
+                                                     t_gemm, t_gemm, _now())
                             elif e >= 0:
                                 if FP8:
                                     # gu_rows: NR when every row was kept, MAC for a ring that wrapped, 0 for none
