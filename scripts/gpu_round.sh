@@ -139,6 +139,11 @@ if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GP
   # the 2026-12-01 knob at EP: two chunks in flight a comm program
   [[ $what == epbenchknobs ]] && step ep-knobs $run --model kimi-k2.7,deepseek-v4-pro --tokens 2048 \
     --config copy_prefetch=True
+  # more programs on the remote pull (109 GB/s from 16 CTAs, 336 from 132: p2p_probe), with and without prefetch
+  [[ $what == epbenchknobs ]] && step ep-comm24 $run --model kimi-k2.7 --tokens 2048 \
+    --config num_comm_programs_fwd=24,num_comm_programs_bwd=24
+  [[ $what == epbenchknobs ]] && step ep-comm24pf $run --model kimi-k2.7 --tokens 2048 \
+    --config num_comm_programs_fwd=24,num_comm_programs_bwd=24,copy_prefetch=True
   [[ $what == epbench || $what == epbench4096 ]] && step ep-4096 $run --model $all --tokens 4096
   [[ $what == epbench || $what == epbenchfp8 ]] && step ep-fp8 $run --model $all --tokens 2048 --fp8 128
 fi
