@@ -82,20 +82,15 @@ if [[ $what == next ]]; then  # what the 2026-12-01 (4) session built after its 
   step hf python3 benchmarks/hf_round.py --out "$OUT"
   # how much of phase A's 182 program-ms is its epilogue ("A epilogue" in the table): what to shorten next
   step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
+fi
+if [[ $what == next2 ]]; then  # KernelConfig.tile_group_m (the order of a minibatch's tiles), ~7 min
   # where GLM's and DeepSeek's forward time goes at the heuristic config (1.43x / 1.39x of the 1.5x goal)
   step fwdtrace python3 benchmarks/fwd_round.py --shapes glm-5.2,deepseek-v4-pro --skip-check --trace --reps 5 \
     --out "$OUT"
-fi
-if [[ $what == next2 ]]; then  # the rest of it (~5 min): probes, traces
-  step gputests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_trace.py tests/test_megakernel_bwd.py \
-    -k "trace"
-  step fp8gemm python3 benchmarks/fp8_gemm_probe.py --tiles 128x128,64x128,64x256 --stages 2,3
-  step fwdtrace python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --skip-check --trace --reps 5 \
-    --out "$OUT"
-  step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
-  # with two chunks in flight a comm program, fewer of them may keep up: more SMs for the GEMMs
-  step prefetch python3 benchmarks/fwd_round.py --shapes kimi-k2.7 --skip-check --reps 5 --out "$OUT" \
-    --config ";copy_prefetch=True;copy_prefetch=True,num_comm_programs_fwd=12;copy_prefetch=True,num_comm_programs_fwd=8"
+  step tgfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" \
+    --config ";tile_group_m=2;tile_group_m=4;tile_group_m=8"
+  step tgbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 3 --out "$OUT" \
+    --config "tile_group_m=4"
 fi
 if [[ $what == bm64 ]]; then  # block_m 64 for BF16: less padding of each expert's rows (DeepSeek: 33% at 128)
   step bm64fwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" \

@@ -574,6 +574,34 @@ def test_bitwise_repeatable(bitwise_base):
         assert_bitwise_equal(got[k], base[k], k)
 
 
+@pytest.mark.parametrize("group,keep", [
+    (1, False),  # one row tile at a time; phase A replays (three 16-wide tiles of I = 48)
+    (2, True),  # a group of two row tiles and a last one of one; phase A kept (I = 48 is not 2 x 16-wide: narrow)
+    (2, False),  # the same order with replay
+])
+def test_tile_group_order_same_bits(group, keep):
+    """KernelConfig.tile_group_m: the backward's gradients do not depend on the order of a minibatch's phase-A
+    and phase-B tiles (H = 64: two phase-B tiles of 32; I = 48: three phase-A tiles; minibatch 48 = three row
+    tiles)."""
+    case = Case(TINY.with_(h=64, i=48), r=2, t=24)
+    inp = _make_inputs(case, seed=12)
+    cfg = case.config().with_(minibatch_size=48)
+
+    def run(c):
+        peers = _poisoned_peers(case.r, case.t, case.shape.k, case.shape.h, case.dtype)
+        saved = _forward_saved(case, inp, c, peers).saved() if keep else None
+        res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
+                                            config=c, peers=peers, saved=saved)
+        res.check_errors()
+        return {k: v.clone() for k, v in _named(res).items()}
+
+    base = run(cfg)
+    got = run(cfg.with_(tile_group_m=group))
+    for k in base:
+        assert torch.isfinite(got[k]).all(), k
+        assert_bitwise_equal(got[k], base[k], f"{k}, tile_group_m={group}")
+
+
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base, _ = bitwise_base

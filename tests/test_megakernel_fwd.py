@@ -313,6 +313,28 @@ def test_bitwise_repeatable_reused_peers(bitwise_base):
         assert_bitwise_equal(second[r], base[r], f"second out[{r}]")
 
 
+# KernelConfig.tile_group_m on a shape with several column tiles (I = 64: four gate|up tiles of 16, H = 64: two
+# down tiles of 32), minibatch 48 = three row tiles
+TILE_GROUP_CASE = Case(TINY.with_(h=64, i=64), r=2, t=24)
+
+
+@pytest.mark.parametrize("group", [
+    1,  # one row tile at a time, across every column tile
+    2,  # a full group of two row tiles, then a last group of one
+    3,  # the whole minibatch in one group: the default order written another way
+])
+def test_tile_group_order_same_bits(group):
+    """The forward's output does not depend on the order of a minibatch's GEMM tiles."""
+    case = TILE_GROUP_CASE
+    inp = _make_inputs(case, seed=11)
+    cfg = case.config().with_(minibatch_size=48)
+    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    got = _megakernel(case, inp, config=cfg.with_(tile_group_m=group)).outputs
+    for r in range(case.r):
+        assert torch.isfinite(got[r]).all()
+        assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
+
+
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base = bitwise_base
@@ -657,6 +679,8 @@ GPU_BITWISE_VARIANTS = {
     "comm-16": dict(num_comm_programs_fwd=16),
     # minibatch 64 with a four-slot ring
     "mb64-mac256": dict(minibatch_size=64, macrobatch_size=256),
+    # minibatch 256 walked in groups of 3 row tiles (3 + 1; KernelConfig.tile_group_m)
+    "tile-group-3-mb256": dict(minibatch_size=256, macrobatch_size=None, tile_group_m=3),
 }
 if HAS_PUSH_KNOB:
     # the other combine path

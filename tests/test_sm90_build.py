@@ -55,6 +55,8 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="fwd", config=dict(copy_prefetch=True)), FWD),  # pull and push with two chunks in flight
     (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
+    (dict(which="fwd", config=dict(tile_group_m=4)), FWD),  # a minibatch's tiles in groups of 4 row tiles
+    (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)

@@ -150,6 +150,13 @@ class KernelConfig:
         (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
         alone: Kimi's tiles have six 64-row steps, and the launch ran at ~450 TFLOP/s. The same bits.
         Off until timed on the H200.
+    tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
+        every row tile of the minibatch under one (the order timed so far): a weight tile serves its
+        expert's 2-3 row tiles at once, but each 128-row x tile is read again for every column tile, after
+        the whole minibatch's rows (Kimi 29 MB a minibatch) and the weights streaming by have passed
+        through L2. G > 0: groups of G row tiles, each walked column tile by column tile, so a wave of
+        ~116 programs reads ~G row tiles' x many times while it is in L2 (Triton's GROUP_M swizzle). The
+        same bits in any order. Not yet timed.
     """
 
     num_comm_programs_fwd: int = 16
@@ -168,6 +175,7 @@ class KernelConfig:
     fp8_down_high: bool = False
     copy_prefetch: bool = False
     wgrad_persistent: bool = False
+    tile_group_m: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -199,6 +207,9 @@ class KernelConfig:
                              f"of minibatch_size={self.minibatch_size} (or None for no ring)")
         if self.num_stages < 1:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.tile_group_m < 0:
+            raise ValueError(f"KernelConfig.tile_group_m must be >= 0 (0: every row tile of a minibatch in one "
+                             f"group), got {self.tile_group_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 

@@ -349,7 +349,7 @@ def launch_rank_forward(
         st.trace, trace_meta = _trace_buffer(n_gemm, ring.num_minibatches + 2, num_comm, dev)
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
-        BK=config.block_k, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         COPY_PREFETCH=config.copy_prefetch,
@@ -700,7 +700,7 @@ def launch_rank_backward(
         n_epi = (NMB + 1) * (MB // bm) * triton.cdiv(I, bna) if bna != bn else 0  # one per wide phase-A tile
         out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev, n_epi)
     meta = dict(
-        LAG=1, MB=MB, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
+        LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,

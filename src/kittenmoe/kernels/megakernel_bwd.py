@@ -55,7 +55,8 @@ TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue i
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now,
-                                              _peer_rows, _signal, _trace_event, _wait_geq, store_chunk_fp8)
+                                              _peer_rows, _signal, _tile_rc, _trace_event, _wait_geq,
+                                              store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -530,7 +531,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     T, H, I, S, K, L, NMB,
     swiglu_limit,
     phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows,
-    LAG: tl.constexpr, MB: tl.constexpr,
+    LAG: tl.constexpr, MB: tl.constexpr, TGM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BNA: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
@@ -670,8 +671,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         if ((phase & 4) != 0) & (p < p_hi) & (p * MB < num_rows):  # PB_A
                             if TRACE:
                                 t_start = _now()
-                            nt = i // (MB // BM)
-                            rt = i % (MB // BM)
+                            rt, nt = _tile_rc(i, tl.cdiv(I, BNA), MB // BM, TGM)
                             row0 = p * MB + rt * BM
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             if TRACE:
@@ -750,8 +750,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if TRACE:
                                 t_start = _now()
                             j = i - per_a
-                            nt = j // (MB // BM)
-                            rt = j % (MB // BM)
+                            rt, nt = _tile_rc(j, n_b_h, MB // BM, TGM)
                             row0 = p * MB + rt * BM
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             if TRACE:

@@ -138,6 +138,23 @@ def _peer_rows(ptrs_ptr, pr, ok, DT: tl.constexpr):
 
 
 @triton.jit
+def _tile_rc(i, NT, RT: tl.constexpr, G: tl.constexpr):
+    """(row tile, column tile) of a minibatch's i-th GEMM tile, i < RT * NT (RT row tiles, NT column tiles):
+    groups of G row tiles, each walked column tile by column tile (G = 0 or >= RT: the whole minibatch is one
+    group, KernelConfig.tile_group_m's default). A smaller last group when G does not divide RT."""
+    if (G == 0) or (G >= RT):
+        rt = i % RT
+        nt = i // RT
+    else:
+        grp = i // (G * NT)
+        w = i % (G * NT)
+        gsz = tl.minimum(RT - grp * G, G)
+        rt = grp * G + w % gsz
+        nt = w // gsz
+    return rt, nt
+
+
+@triton.jit
 def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
     """First routed row of processing index p (reverse macrobatch order) and whether it holds rows."""
     nmac = (num_rows + MAC - 1) // MAC
@@ -502,7 +519,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     T, H, I, S, K, NMB, NSLOT,
     swiglu_limit,
     phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
-    LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr,
+    LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr, TGM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
@@ -637,8 +654,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                             if live:
                                 if TRACE:
                                     t_start = _now()
-                                nt = i // (MB // BM)
-                                rt = i % (MB // BM)
+                                rt, nt = _tile_rc(i, n_gu_tiles_i, MB // BM, TGM)
                                 _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
                                 if TRACE:
                                     t_ready = _now()
@@ -689,8 +705,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 if TRACE:
                                     t_start = _now()
                                 j = i - per_mb_gu
-                                nt = j // (MB // BM)
-                                rt = j % (MB // BM)
+                                rt, nt = _tile_rc(j, n_dn_tiles_h, MB // BM, TGM)
                                 _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
                                 if TRACE:
                                     t_ready = _now()
