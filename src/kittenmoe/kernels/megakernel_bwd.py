@@ -206,42 +206,42 @@ def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.
 
 
 @triton.jit
-def _wgrad_tile(p_ptr, p_stride, q_ptr, q_stride, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
-                WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
-                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], WK rows a step, in order.
-
-    P: [*, N] (stride p_stride), Q: [*, M] (stride q_stride), out: [N, M] row-major (stride out_stride).
-    Schedule padding rows need no mask: the pull writes them as zeros, so they add exact zeros.
-    """
-    ra = n0 + tl.arange(0, WN)
-    rb = m0 + tl.arange(0, WM)
-    acc = tl.zeros((WN, WM), dtype=tl.float32)
-    for r0 in range(row0, row_end, WK):
+def _wgrad_step(acc, p_op, q_op, r0, row_end, n0, N, m0, M, p_stride, q_stride, WN: tl.constexpr, WM: tl.constexpr,
+                WK: tl.constexpr, USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc + P[r0 : r0 + WK, n0 : n0 + WN]^T Q[r0 : r0 + WK, m0 : m0 + WM]: one row step of a weight-gradient
+    tile. TMA (USE_TMA): p_op / q_op descriptors with blocks [WK, WN] / [WK, WM]; rows past the tensor's end (the
+    shared expert's T) load as zeros, routed segments are WK-row aligned. Pointers: P [*, N], Q [*, M] with
+    the given row strides, rows from row_end on masked to zeros."""
+    if USE_TMA:
+        p = p_op.load([r0, n0])
+        q = q_op.load([r0, m0])
+        acc = tl.dot(p.T, q, acc)
+    else:
         rr = r0 + tl.arange(0, WK)
         ok = rr < row_end
         rr64 = rr.to(tl.int64)
-        p = tl.load(p_ptr + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :],
-                    other=0.0)
-        q = tl.load(q_ptr + rr64[:, None] * q_stride + rb[None, :], mask=ok[:, None] & (rb < M)[None, :],
-                    other=0.0)
+        ra = n0 + tl.arange(0, WN)
+        rb = m0 + tl.arange(0, WM)
+        p = tl.load(p_op + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :], other=0.0)
+        q = tl.load(q_op + rr64[:, None] * q_stride + rb[None, :], mask=ok[:, None] & (rb < M)[None, :], other=0.0)
         if DOT_FP32:
             p = p.to(tl.float32)
             q = q.to(tl.float32)
         acc = tl.dot(tl.trans(p), q, acc, input_precision=PRECISION)
-    _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
+    return acc
 
 
 @triton.jit
-def _wgrad_tile_tma(p_desc, q_desc, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
-                    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr):
-    """As ``_wgrad_tile`` through TMA descriptors: p_desc blocks [WK, WN], q_desc blocks [WK, WM]. Rows
-    past the tensor's end (the shared expert's T) load as zeros; routed segments are WK-row aligned."""
+def _wgrad_tile(p_op, p_stride, q_op, q_stride, row0, row_end, out_ptr, out_stride, n0, N, m0, M,
+                WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, USE_TMA: tl.constexpr,
+                DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], WK rows a step, in order
+    (``_wgrad_step``); out: [N, M] row-major (stride out_stride). Schedule padding rows need no mask: the pull
+    writes them as zeros, so they add exact zeros."""
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     for r0 in range(row0, row_end, WK):
-        p = p_desc.load([r0, n0])
-        q = q_desc.load([r0, m0])
-        acc = tl.dot(p.T, q, acc)
+        acc = _wgrad_step(acc, p_op, q_op, r0, row_end, n0, N, m0, M, p_stride, q_stride, WN, WM, WK, USE_TMA,
+                          DOT_FP32, PRECISION)
     _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
 
 
@@ -828,11 +828,8 @@ def weight_grad_kernel(
     seg0 = tl.load(offsets_ptr + g)
     seg1 = tl.load(offsets_ptr + g + 1)
     out = out_ptr + g.to(tl.int64) * N * M
-    if USE_TMA:
-        _wgrad_tile_tma(p_op, q_op, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK)
-    else:
-        _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, DOT_FP32,
-                    PRECISION)
+    _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
+                PRECISION)
 
 
 @triton.jit
@@ -890,24 +887,8 @@ def weight_grad_persistent_kernel(
             if USE_TMA:
                 if seg1 == seg0:
                     r = p_rows  # past the end of P and Q: TMA loads zeros for both
-        if USE_TMA:
-            p = p_op.load([r, n0])
-            q = q_op.load([r, m0])
-            acc = tl.dot(p.T, q, acc)
-        else:
-            rr = r + tl.arange(0, WK)
-            ok = rr < seg1
-            rr64 = rr.to(tl.int64)
-            ra = n0 + tl.arange(0, WN)
-            rb = m0 + tl.arange(0, WM)
-            p = tl.load(p_op + rr64[:, None] * p_stride + ra[None, :], mask=ok[:, None] & (ra < N)[None, :],
-                        other=0.0)
-            q = tl.load(q_op + rr64[:, None] * q_stride + rb[None, :], mask=ok[:, None] & (rb < M)[None, :],
-                        other=0.0)
-            if DOT_FP32:
-                p = p.to(tl.float32)
-                q = q.to(tl.float32)
-            acc = tl.dot(tl.trans(p), q, acc, input_precision=PRECISION)
+        acc = _wgrad_step(acc, p_op, q_op, r, seg1, n0, N, m0, M, p_stride, q_stride, WN, WM, WK, USE_TMA, DOT_FP32,
+                          PRECISION)
         r += WK
         left -= 1
         if left == 0:
