@@ -693,11 +693,12 @@ def launch_rank_backward(
     trace_meta = {}
     out["trace"] = None
     if trace:
-        per_mb = (MB // bm) * (triton.cdiv(I, bna) + triton.cdiv(H, bn2))
+        n_a = triton.cdiv(I, bna)  # routed phase-A column tiles
+        per_mb = (MB // bm) * (n_a + triton.cdiv(H, bn2))
         n_srt = triton.cdiv(T, bm)
         n_gemm = (n_srt * (triton.cdiv(S, bn) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
-        n_epi = (NMB + 1) * (MB // bm) * triton.cdiv(I, bna) if bna != bn else 0  # one per wide phase-A tile
+        n_epi = (NMB + 1) * (MB // bm) * n_a if bna != bn else 0  # one per wide phase-A tile
         out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev, n_epi)
     meta = dict(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,

@@ -552,7 +552,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sa_ready = cnt_ptr + 3 * NMB
     NI = tl.cdiv(I, BN)  # d_w partials: one column per BN-wide slice of I
     n_b_h = tl.cdiv(H, BN2)
-    per_a = (MB // BM) * tl.cdiv(I, BNA)  # routed phase-A tiles a minibatch
+    NIA = tl.cdiv(I, BNA)  # routed phase-A column tiles
+    per_a = (MB // BM) * NIA  # routed phase-A tiles a minibatch
     per_b = (MB // BM) * n_b_h
     if TRACE:  # launch-independent slots (as the forward's): GEMM tiles of the whole backward, then comm
         n_srt_t = tl.cdiv(T, BM)
@@ -671,7 +672,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         if ((phase & 4) != 0) & (p < p_hi) & (p * MB < num_rows):  # PB_A
                             if TRACE:
                                 t_start = _now()
-                            rt, nt = _tile_rc(i, tl.cdiv(I, BNA), MB // BM, TGM)
+                            rt, nt = _tile_rc(i, NIA, MB // BM, TGM)
                             row0 = p * MB + rt * BM
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             if TRACE:
