@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|bm64|profile|widea|wgrad|all]
+#   bash scripts/gpu_round.sh [tests|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|bm64|profile|widea|wgrad|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need two calls: tests, then tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -82,6 +82,11 @@ if [[ $what == next ]]; then  # what the 2026-12-01 (4) session built after its 
   step hf python3 benchmarks/hf_round.py --out "$OUT"
   # how much of phase A's 182 program-ms is its epilogue ("A epilogue" in the table): what to shorten next
   step bwdtrace python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 3 --out "$OUT"
+fi
+if [[ $what == dwsum ]]; then  # the d_w partial summed in order: the probe, the FP8 kept == replayed tests, Kimi's time
+  step probe python3 benchmarks/split_sum_probe.py
+  step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "backward or train"
+  step dwbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5 --out "$OUT"
 fi
 if [[ $what == next2 ]]; then  # KernelConfig.tile_group_m (the order of a minibatch's tiles), ~7 min
   # where GLM's and DeepSeek's forward time goes at the heuristic config (1.43x / 1.39x of the 1.5x goal)

@@ -162,9 +162,21 @@ def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0,
     tl.store(dgu_ptr + rows[:, None] * (2 * I) + (rn + I)[None, :], duc.to(dt), mask=m)
     tl.store(hw_ptr + rows[:, None] * I + rn[None, :], (h * w_row[:, None]).to(dt), mask=m)
     if HAS_DW:
-        part = tl.sum(tl.where(m, acc_dh * h, 0.0), axis=1)
+        part = _row_sum_in_order(tl.where(m, acc_dh * h, 0.0), BN)
         tl.store(dwp_ptr + rows * NI + nt, part, mask=rm < n_rows)
     return dgc, duc
+
+
+@triton.jit
+def _row_sum_in_order(p, BN: tl.constexpr):
+    """sum(p, axis=1) of a [BM, BN] fp32 tile added left to right, whatever p's register layout: an fp32 "ieee"
+    dot against ones, which Triton lowers to FMAs in k order (no tensor cores take fp32 unrounded). tl.sum's
+    order follows the layout: on the H200 a BN-wide half split from a 2 BN-wide accumulator and a BN-wide
+    accumulator of the same bits gave different d_w partials in 134 of 256 rows (benchmarks/split_sum_probe.py),
+    which broke the FP8 backward's kept == replayed promise once kept tiles went 2 BN wide. The 16 columns are
+    tl.dot's least N; column 0 is kept."""
+    s = tl.dot(p, tl.full((BN, 16), 1.0, tl.float32), input_precision="ieee")
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, s, 0.0), axis=1)
 
 
 @triton.jit
