@@ -279,8 +279,9 @@ def test_no_route_is_skipped_not_invalid(impl):
     """NO_ROUTE entries (an EP rank's padding tokens) are neither placed nor counted as invalid; a -1 or E in
     the same routing still is. The tables equal those of the routing with the NO_ROUTE tokens removed."""
     R, L, T, K, bm = 2, 2, 5, 2, 4
-    ids = _ids(R, T, K, lambda r, t, j: (r + t + j) % (R * L))
-    padded = torch.cat([ids, torch.full((R, 3, K), NO_ROUTE, dtype=ids.dtype)], dim=1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton kernels take CPU tensors only interpreted
+    ids = _ids(R, T, K, lambda r, t, j: (r + t + j) % (R * L)).to(dev)
+    padded = torch.cat([ids, torch.full((R, 3, K), NO_ROUTE, dtype=ids.dtype, device=dev)], dim=1)
     padded[1, 6, 0] = -1  # a real invalid id among the padding tokens: still counted
     for rank in range(R):
         a = build_schedule(ids, rank, L, bm, impl=impl)
@@ -391,6 +392,14 @@ def test_triton_schedule_matches_torch_bitwise(name):
                   "num_invalid"):
             x, y = getattr(a, f), getattr(b, f)
             assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
+
+
+def test_triton_schedule_refuses_cpu_tensors_uninterpreted(monkeypatch):
+    """impl='triton' on CPU tensors without the interpreter: a clear error naming the fix, before any launch
+    (Triton's own, on a machine with a GPU, is "Pointer argument (at 0) cannot be accessed")."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        build_schedule(torch.zeros(1, 2, 1, dtype=torch.int64), 0, 2, 4, impl="triton")
 
 
 def test_build_schedule_rejects_unknown_impl():

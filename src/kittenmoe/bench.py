@@ -78,6 +78,7 @@ from typing import Callable
 
 import torch
 
+from kittenmoe.checks import interpreting
 from kittenmoe.config import SHAPES, KernelConfig, ModelShape, get_shape
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -297,10 +298,6 @@ def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: 
 
 
 # ----------------------------------------------------------------------------- environment
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def resolve_device(device: str | None) -> torch.device:

@@ -8,6 +8,7 @@ Expert ids out of range are data, so they are found on device
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,23 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under the interpreter (``TRITON_INTERPRET=1``), which takes CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_triton_device(device: torch.device, who: str) -> None:
+    """A Triton launch's tensors must be on CUDA, or on CPU under the interpreter: a clear error otherwise
+    (Triton's own for CPU tensors on a machine with a GPU is "Pointer argument (at 0) cannot be accessed")."""
+    if device.type == "cuda" or (device.type == "cpu" and interpreting()):
+        return
+    if device.type == "cpu":
+        raise RuntimeError(f"{who}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before "
+                           f"kittenmoe.kernels is imported); move them to CUDA or use impl='torch'")
+    raise RuntimeError(f"{who}: Triton kernels run on CUDA tensors (or CPU ones under the interpreter), "
+                       f"got tensors on {device}")
 
 
 def canonical_device(device: torch.device | str) -> torch.device:

@@ -41,6 +41,8 @@ from typing import Literal
 
 import torch
 
+from kittenmoe.checks import check_triton_device
+
 E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
@@ -159,9 +161,7 @@ def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[to
 
     from kittenmoe.kernels import quant
 
-    if x_MK.device.type == "cpu" and not _interpreting():
-        raise RuntimeError("quantize_activations(impl='triton'): CPU tensors need the Triton interpreter "
-                           "(TRITON_INTERPRET=1 set before kittenmoe.kernels is imported)")
+    check_triton_device(x_MK.device, "quantize_activations(impl='triton')")
     x = x_MK.contiguous()
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
@@ -176,12 +176,6 @@ def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[to
             x2, q.view(torch.uint8).reshape(m, k), scale.reshape(m, kb), m, k, kb,
             SB=b, POW2=cfg.pow2_scales, **ACT_QUANT_LAUNCH[b])
     return q, scale
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ---------------------------------------------------------------- weights: B x B over (N, K)
@@ -222,9 +216,7 @@ def quantize_weights_and_transpose(w: torch.Tensor, cfg: FP8Config = FP8Config()
         return q, scale, q.transpose(-1, -2).contiguous()
     if impl != "triton":
         raise ValueError(f"quantize_weights_and_transpose: impl must be 'torch', 'triton' or 'auto', got {impl!r}")
-    if w.device.type == "cpu" and not _interpreting():
-        raise RuntimeError("quantize_weights_and_transpose(impl='triton'): CPU tensors need the Triton interpreter "
-                           "(TRITON_INTERPRET=1 set before kittenmoe.kernels is imported)")
+    check_triton_device(w.device, "quantize_weights_and_transpose(impl='triton')")
     return torch.ops.kittenmoe.quantize_weights_fp8(w, cfg.scale_block, cfg.pow2_scales)
 
 

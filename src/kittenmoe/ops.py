@@ -13,13 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from kittenmoe.checks import check_moe_inputs
+from kittenmoe.checks import check_moe_inputs, interpreting
 from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
@@ -38,10 +37,6 @@ DEFAULT_MAX_SPIN = 1 << 22
 # is what raises a copy program's bandwidth).
 COPY_ROWS = 32
 COPY_BLOCK_H = 512
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 class MegakernelError(RuntimeError):

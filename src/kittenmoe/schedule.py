@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kittenmoe.checks import check_triton_device
 from kittenmoe.config import routed_capacity
 
 # A routing entry that is no route at all: the padding tokens of an expert-parallel rank with fewer tokens than
@@ -176,6 +177,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     L = experts_per_rank
     _check_args(R, rank, L, block_m)
     dev = topk_ids_RTK.device
+    check_triton_device(dev, "build_schedule(impl='triton')")
     P = T * K
     C = routed_capacity(R, T, K, L, block_m)
     i32 = torch.int32
