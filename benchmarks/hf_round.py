@@ -7,7 +7,8 @@ The model (issue 9's speed goal): a few DeepSeek-V3 layers, H 2048, I 1408, E 64
 expert, 8 k tokens a step, bf16, randomly initialised from its config (no download). Each
 ``experts_implementation`` (grouped_mm, kittenmoe, kittenmoe-fp8 on CUDA, sonicmoe when importable) trains from the same weights on
 the same batches; a step is forward + backward + AdamW, timed with CUDA events after warm-up, median of the
-timed steps. A third run with the routed experts computing nothing gives the step's floor (the most any
+timed steps. The timed steps go in rounds (every implementation a few steps in turn, all models kept), so that
+drift between the start and the end of a run is shared by every row. A third run with the routed experts computing nothing gives the step's floor (the most any
 experts kernel could gain) and each implementation's routed-expert milliseconds. Rows (with the losses, so a wrong implementation shows) go to ``benchmarks/results/`` as JSON.
 """
 
@@ -95,20 +96,27 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048, help="tokens a sequence (batch x seq tokens a step)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps of each implementation a round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each implementation in turn")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     seq = 16 if args.tiny else args.seq
-    rows = []
+    # Every implementation's model lives through the whole run and the timed steps go in rounds, each round
+    # a few steps of every implementation in turn: drift in the host or the GPU (the floor moved 69.8 -> 63.8 ms
+    # between two runs on 2026-12-01) then lands on all rows alike instead of on whichever ran at the time.
+    runs = {}
     for impl in implementations(dev):
         model, cfg = build(args.tiny, args.device, dtype)
         model.set_experts_implementation(impl)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(1)
-        times, losses = [], []
-        for step in range(args.warmup + args.steps):
+        runs[impl] = dict(model=model, opt=torch.optim.AdamW(model.parameters(), lr=1e-4),
+                          gen=torch.Generator().manual_seed(1), times=[], rounds=[], losses=[])
+
+    def steps(run: dict, n: int) -> list[float]:
+        model, opt, gen = run["model"], run["opt"], run["gen"]
+        out = []
+        for _ in range(n):
             ids = torch.randint(0, cfg.vocab_size, (args.batch, seq), generator=gen).to(dev)
             if dev.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -121,24 +129,33 @@ def main() -> int:
             if dev.type == "cuda":
                 end.record()
                 end.synchronize()
-                ms = start.elapsed_time(end)
+                out.append(start.elapsed_time(end))
             else:
-                ms = (time.perf_counter() - t0) * 1e3
-            losses.append(loss.item())
-            if step >= args.warmup:
-                times.append(ms)
+                out.append((time.perf_counter() - t0) * 1e3)
+            run["losses"].append(loss.item())
+        return out
+
+    for run in runs.values():
+        steps(run, args.warmup)
+    for _ in range(args.rounds):
+        for run in runs.values():
+            t = steps(run, args.steps)
+            run["times"] += t
+            run["rounds"].append(statistics.median(t))
+    rows = []
+    for impl, run in runs.items():
+        times, losses = run["times"], run["losses"]
         row = dict(kind="hf-train-step", model="deepseek-v3-tiny" if args.tiny else "deepseek-v3-mid",
                    experts_implementation=impl, tokens_per_step=args.batch * seq, layers=cfg.num_hidden_layers,
                    h=cfg.hidden_size, i=cfg.moe_intermediate_size, e=cfg.n_routed_experts, k=cfg.num_experts_per_tok,
                    dtype=str(dtype).removeprefix("torch."), ms_median=statistics.median(times), ms_all=times,
+                   ms_round_medians=run["rounds"], rounds=args.rounds, steps_per_round=args.steps,
                    losses=losses, **environment(dev),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    command="PYTHONPATH=src python3 " + " ".join(sys.argv))
         rows.append(row)
-        print(f"{impl:<12} {row['ms_median']:9.2f} ms/step  loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
-        del model, opt
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        print(f"{impl:<12} {row['ms_median']:9.2f} ms/step (rounds {min(run['rounds']):.2f}-{max(run['rounds']):.2f})"
+              f"  loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
     base = next(r for r in rows if r["experts_implementation"] == "grouped_mm")
     floor = next(r for r in rows if r["experts_implementation"] == NO_EXPERTS)
     for r in rows:

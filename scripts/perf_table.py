@@ -97,12 +97,16 @@ def render_hf() -> str:
         return ""
     rows = runs[max(runs, key=lambda n: max(r["date"] for r in runs[n]))]
     r0 = rows[0]
+    spread = "ms_round_medians" in r0  # runs since 2026-12-01 (5): implementations interleaved in rounds
+    rounds = (f", {r0['rounds']} rounds of {r0['steps_per_round']} steps with the implementations in turn"
+              if spread else "")
     lines = ["", "", f"Whole training step of a Hugging Face DeepSeek-V3-style model ({r0['model']}: {r0['layers']} layers, "
              f"H {r0['h']}, I {r0['i']}, E {r0['e']}, K {r0['k']}, {r0['tokens_per_step']} tokens per step, "
              f"{r0['dtype']}, AdamW; `experts_implementation` switched, all else equal; median of "
-             f"{len(r0['ms_all'])} steps after warm-up; `{r0['_file']}`, {r0['gpu']}, torch {r0['torch']}, "
+             f"{len(r0['ms_all'])} steps after warm-up{rounds}; `{r0['_file']}`, {r0['gpu']}, torch {r0['torch']}, "
              f"triton {r0['triton']}, {r0['date'][:10]}):", "",
-             "| experts_implementation | ms / step | speedup vs grouped_mm |", "| --- | --- | --- |"]
+             "| experts_implementation | ms / step | speedup vs grouped_mm |" + (" round medians |" if spread else ""),
+             "| --- | --- | --- |" + (" --- |" if spread else "")]
     bad = [r["experts_implementation"] for r in rows if not all(math.isfinite(v) for v in r.get("losses", []))]
     for r in rows:
         name = r["experts_implementation"]
@@ -110,7 +114,9 @@ def render_hf() -> str:
             continue
         if name == "no-routed-experts":  # hf_round's floor: the step with the routed experts computing nothing
             name = "(routed experts computing nothing: the floor)"
-        lines.append(f"| {name} | {r['ms_median']:.2f} | {r['speedup_vs_grouped_mm']:.2f}x |")
+        rm = r.get("ms_round_medians")
+        lines.append(f"| {name} | {r['ms_median']:.2f} | {r['speedup_vs_grouped_mm']:.2f}x |"
+                     + (f" {min(rm):.2f}-{max(rm):.2f} |" if spread else ""))
     if bad:
         lines += ["", f"Left out, their losses not finite: {', '.join(bad)}."]
     return "\n".join(lines)

@@ -258,8 +258,8 @@ def test_hf_benchmark_smoke(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("hf_round", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    monkeypatch.setattr(sys, "argv", ["hf_round.py", "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
-                                      "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["hf_round.py", "--tiny", "--device", "cpu", "--steps", "1", "--rounds", "2",
+                                      "--warmup", "1", "--out", str(tmp_path)])
     assert mod.main() == 0
     (out,) = tmp_path.glob("hf-*.json")
     rows = json.loads(out.read_text())
@@ -267,5 +267,6 @@ def test_hf_benchmark_smoke(tmp_path, monkeypatch):
     assert impls[:2] == ["grouped_mm", "kittenmoe"]
     for r in rows:
         assert r["ms_median"] > 0 and len(r["losses"]) == 3 and r["tokens_per_step"] == 4 * 16
+        assert len(r["ms_all"]) == 2 and len(r["ms_round_medians"]) == 2  # two interleaved rounds of one step
         assert {"torch", "triton", "gpu", "date", "command"} <= set(r)
     assert torch.allclose(torch.tensor(rows[0]["losses"]), torch.tensor(rows[1]["losses"]), rtol=1e-4)
