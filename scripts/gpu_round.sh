@@ -82,7 +82,7 @@ if [[ $what == wquant ]]; then  # the FP8 weight quantiser (q, scales, q^T) on t
   step wquant python3 benchmarks/wquant_time.py
 fi
 if [[ $what == next ]]; then  # what the 2026-12-01 (4) session built after its device time ran out (~6 min)
-  step wgtest python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "persistent"
+  step wgtest python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch"
   step wgrad python3 benchmarks/wgrad_time.py --shapes kimi-k2.7,deepseek-v4-pro
   step fp8test python3 -m pytest -q -p no:cacheprovider tests/test_megakernel_fp8.py -k "backward or train"
   step fp8kimi python3 benchmarks/fp8_round.py --comm 16 --shapes kimi-k2.7 --reps 5 --out "$OUT"
@@ -118,10 +118,9 @@ if [[ $what == widea ]]; then  # the kept backward's 2x-wide phase A: its GPU te
   step bwdtests python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py
   step widea python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --trace --reps 3 --out "$OUT"
 fi
-if [[ $what == wgrad ]]; then  # KernelConfig.wgrad_persistent: its GPU test, then timed beside the default
-  step wgtest python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "persistent"
-  step wgrad python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 3 --out "$OUT" \
-    --config "wgrad_persistent=True"
+if [[ $what == wgrad ]]; then  # the weight-gradient launch's knobs (persistent, two per SM): GPU tests, times (~4 min)
+  step wgtest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch"
+  step wgrad python3 benchmarks/wgrad_time.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py

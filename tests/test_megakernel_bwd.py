@@ -549,6 +549,10 @@ BITWISE_VARIANTS = {
     "copy-prefetch": dict(copy_prefetch=True),
     # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
     "wgrad-persistent": dict(wgrad_persistent=True),
+    # weight-gradient tiles block_n x block_n (not x 2 block_n), 4 warps (KernelConfig.wgrad_two_per_sm)
+    "wgrad-two-per-sm": dict(wgrad_two_per_sm=True),
+    # both: square tiles walked by twice as many persistent programs (6)
+    "wgrad-two-per-sm-persistent": dict(wgrad_two_per_sm=True, wgrad_persistent=True),
 }
 
 
@@ -1032,16 +1036,21 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
 
 
 @pytest.mark.gpu
-def test_gpu_wgrad_persistent_same_bits(cuda_cleanup):
-    """KernelConfig.wgrad_persistent on the Kimi slice (512 tokens): one program per SM walking the tiles computes
-    each tile with the same MMA sequence as one program per tile, so every gradient has the same bits; and the
-    weight gradients pass the bf16 bars against the fp32 reference."""
+@pytest.mark.parametrize("knobs", [
+    dict(wgrad_persistent=True),  # one program per SM walking the tiles
+    dict(wgrad_two_per_sm=True),  # 128 x 128 tiles from 4 warps, two programs an SM (wgmma N 128, not 256)
+    dict(wgrad_two_per_sm=True, wgrad_persistent=True),  # both: two persistent programs an SM
+])
+def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
+    """The weight-gradient launch's knobs on the Kimi slice (512 tokens): each output element is still summed by
+    one program over its expert's rows in row order, 64 rows an MMA step, so every gradient has the default
+    launch's bits; and the weight gradients pass the bf16 bars against the fp32 reference."""
     case, inp = _seed_slice("kimi-k2.7", 512)
     plain = {k: v.clone() for k, v in _named(_backward(case, inp, config=KernelConfig())).items()}
-    got = _named(_backward(case, inp, config=KernelConfig().with_(wgrad_persistent=True)))
+    got = _named(_backward(case, inp, config=KernelConfig().with_(**knobs)))
     ref = _reference_grads32(case, inp)
     for gname in ("d_w13", "d_w2"):
-        _assert_rel_l1_cosine(f"persistent {gname}", got[gname], ref[gname])
+        _assert_rel_l1_cosine(f"{knobs} {gname}", got[gname], ref[gname])
     for gname in plain:
-        assert_bitwise_equal(got[gname], plain[gname], f"{gname}: persistent vs one program per tile")
+        assert_bitwise_equal(got[gname], plain[gname], f"{gname}: {knobs} vs the default launch")
 

@@ -59,6 +59,8 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
+    # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)
+    (dict(which="bwd", resident=True, config=dict(wgrad_two_per_sm=True)), BWD),
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2

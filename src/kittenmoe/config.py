@@ -96,7 +96,7 @@ def _is_pow2(v: int) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
-               "wgrad_persistent")
+               "wgrad_persistent", "wgrad_two_per_sm")
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,13 @@ class KernelConfig:
         flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
         (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
         alone: Kimi's tiles have six 64-row steps, and the launch ran at ~450 TFLOP/s. The same bits.
+        Off: on the H200 it was slower (DeepSeek slice backward 11.50 ms against 10.71, 2026-12-01).
+    wgrad_two_per_sm: weight-gradient tiles of block_n x block_n (not x 2 block_n) from 4 warps and at most 3
+        stages (3 x 32 KB of operands at 128 x 128 x 64), so two programs share an SM and one's pipeline fill
+        and 64 KB store overlap the other's MMAs. The default (128 x 256, 8 warps, 4 x 48 KB) holds a whole
+        SM: nothing overlaps a tile's fill and store, and Kimi's tiles have six 64-row steps each. Costs 1.33x
+        the operand traffic from L2 (64 FLOP a byte against 85). Combined with ``wgrad_persistent``: two
+        programs per SM. Each element is still summed by one program over its rows in order: the same bits.
         Off until timed on the H200.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
         every row tile of the minibatch under one (the order timed so far): a weight tile serves its
@@ -175,6 +182,7 @@ class KernelConfig:
     fp8_down_high: bool = False
     copy_prefetch: bool = False
     wgrad_persistent: bool = False
+    wgrad_two_per_sm: bool = False
     tile_group_m: int = 0
 
     def __post_init__(self) -> None:

@@ -639,7 +639,9 @@ def launch_rank_backward(
     # one fp32 accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for
     # v1's 64 x 128). Routed segments start and end on block_m rows and both are powers of two, so whole row
     # steps never cross into the next expert.
-    wn, wm, wk = config.block_n, 2 * config.block_n, min(config.block_k, bm)
+    # KernelConfig.wgrad_two_per_sm: block_n x block_n from 4 warps, two programs an SM.
+    two = config.wgrad_two_per_sm
+    wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
@@ -703,14 +705,15 @@ def launch_rank_backward(
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
-    # operands (4 x 48 KB on the defaults).
+    # operands (4 x 48 KB on the defaults); with wgrad_two_per_sm half an SM's: at most 3 of block_k x 2 block_n.
     # (A warp-specialized K loop, tl.range(warp_specialize=True) from a 4-warp launch, computed wrong weight
     # gradients on the H200 with Triton 3.6: rel L1 9.5e-2 on the Kimi slice, NaN losses in the HF step;
     # removed 2026-12-01, docs/perf-notes.md.)
     wmeta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=use_tma, **dot)
     if not interp:
         meta.update(num_warps=config.num_warps, num_stages=min(config.num_stages, 3))
-        wmeta.update(num_warps=config.num_warps, num_stages=config.num_stages)
+        wmeta.update(num_warps=4 if two else config.num_warps,
+                     num_stages=min(config.num_stages, 3) if two else config.num_stages)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
@@ -751,8 +754,9 @@ def launch_rank_backward(
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
-        if config.wgrad_persistent:  # one program per SM (3 under the interpreter), each walking many tiles
-            out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, _num_programs(dev, 0)),)](
+        if config.wgrad_persistent:  # one program per SM (3 under the interpreter; two as many with `two`)
+            progs = _num_programs(dev, 0) * (2 if two else 1)
+            out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
                 offsets, p_arg, q_arg, dst, groups, n, m, p_op.stride(0), q_op.stride(0),
                 max(p_op.shape[0], q_op.shape[0]),  # a row past both operands: an empty group's step loads zeros
                 GP=triton.next_power_of_2(groups + 1), **wmeta)
