@@ -33,13 +33,13 @@ first=(tests/test_distributed.py)
 second=(tests/test_bench_tune.py tests/test_layer.py tests/test_megakernel_bwd.py tests/test_megakernel_fp8.py
         tests/test_fp8.py)
 if [[ $what == tests || $what == all ]]; then
-  step tests timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider "${first[@]}"
+  step tests timeout 500 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider "${first[@]}"
 fi
 if [[ $what == tests1 || $what == all ]]; then
-  step tests1 timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider "${second[@]}"
+  step tests1 timeout 500 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider "${second[@]}"
 fi
 if [[ $what == tests2 || $what == all ]]; then
-  step tests2 timeout 500 python3 -m pytest -v -m gpu -p no:cacheprovider tests "${first[@]/#/--ignore=}" \
+  step tests2 timeout 500 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider tests "${first[@]/#/--ignore=}" \
     "${second[@]/#/--ignore=}"
   step sched python3 -m pytest -q -p no:cacheprovider tests/test_schedule.py -k triton
 fi
