@@ -61,12 +61,13 @@ def _probe(a_ptr,  # [BM, H] bf16, or e4m3 bytes as uint8 when FP8
         tl.store(dw_ptr + rm * 2 + half, _row_sum(t * h, SEQ, BM, BN))
 
 
-def main() -> None:
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+def compare(dev: str) -> list[dict]:
+    """One row per (operands, sum): whether the wide accumulator's halves equal the narrow tiles and whether the
+    d_w partials do (and how many of the 2 x BM differ)."""
     bm, bn, bk, sb, H = 128, 64, 64, 128, 1024
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(bm, 2 * bn, generator=g).to(dev)
-    print(f"BM={bm} BN={bn} (wide 2BN={2 * bn}) H={H}, num_warps=8")
+    rows = []
     for fp8 in (False, True):
         if fp8:
             a = (torch.randn(bm, H, generator=g) * 8).to(dev).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -85,13 +86,19 @@ def main() -> None:
                 _probe[(1,)](a, a_s, b, b_s, h, acc, dw, H, WIDE=wide, FP8=fp8, SEQ=seq, BM=bm, BN=bn, BK=bk,
                              SB=sb, num_warps=8, num_stages=3)
                 outs[wide] = (acc, dw)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            acc_eq = torch.equal(outs[False][0], outs[True][0])
-            dw_eq = torch.equal(outs[False][1], outs[True][1])
-            ndiff = int((outs[False][1] != outs[True][1]).sum())
-            print(f"{'e4m3' if fp8 else 'bf16'}  sum={'sequential' if seq else 'tl.sum   '}  "
-                  f"acc halves == narrow: {acc_eq}   d_w partials equal: {dw_eq} ({ndiff} of {bm * 2} differ)")
+            rows.append(dict(operands="e4m3" if fp8 else "bf16", in_order=seq,
+                             acc_equal=torch.equal(outs[False][0], outs[True][0]),
+                             dw_equal=torch.equal(outs[False][1], outs[True][1]),
+                             dw_differ=int((outs[False][1] != outs[True][1]).sum()), of=2 * bm))
+    return rows
+
+
+def main() -> None:
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    print("BM=128 BN=64 (wide 2BN=128) H=1024, num_warps=8")
+    for r in compare(dev):
+        print(f"{r['operands']}  sum={'in order' if r['in_order'] else 'tl.sum  '}  acc halves == narrow: "
+              f"{r['acc_equal']}   d_w partials equal: {r['dw_equal']} ({r['dw_differ']} of {r['of']} differ)")
 
 
 if __name__ == "__main__":

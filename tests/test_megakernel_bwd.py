@@ -1054,3 +1054,22 @@ def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     for gname in plain:
         assert_bitwise_equal(got[gname], plain[gname], f"{gname}: {knobs} vs the default launch")
 
+
+
+@pytest.mark.gpu
+def test_gpu_dw_partial_sum_layout_independent():
+    """The d_w partial (``_row_sum_in_order``) of a BN-wide half split from a 2 BN-wide accumulator equals that of
+    a BN-wide accumulator of the same bits, in bf16 and e4m3 (benchmarks/split_sum_probe.py). tl.sum did not on
+    the H200 (Triton 3.6: 155 and 134 of 256 rows), which broke the FP8 backward's kept == replayed bits; this
+    catches a Triton whose fp32 FMA dot stops summing in k order."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "split_sum_probe.py"
+    spec = importlib.util.spec_from_file_location("split_sum_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for r in mod.compare("cuda"):
+        assert r["acc_equal"], f"{r}: the wide GEMM's halves differ from the narrow tiles"
+        if r["in_order"]:
+            assert r["dw_equal"], f"{r}: the in-order d_w partials depend on the accumulator's layout"
