@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|bm64|profile|widea|wgrad|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -103,6 +103,13 @@ if [[ $what == next2 ]]; then  # KernelConfig.tile_group_m (the order of a minib
     --config ";tile_group_m=2;tile_group_m=4;tile_group_m=8"
   step tgbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 3 --out "$OUT" \
     --config "tile_group_m=4"
+fi
+if [[ $what == halftail ]]; then  # KernelConfig.half_tail_tiles: its GPU bit tests, then the four slices (~6 min)
+  # the small cases (fp32 on the GPU) and the seed slices' bit tests
+  step httest python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "half_tail"
+  step htfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" --config ";half_tail_tiles=True"
+  step htbwd python3 benchmarks/bwd_round.py --shapes deepseek-v4-pro,glm-5.2 --reps 3 --out "$OUT" \
+    --config "half_tail_tiles=True"
 fi
 if [[ $what == bm64 ]]; then  # block_m 64 for BF16: less padding of each expert's rows (DeepSeek: 33% at 128)
   step bm64fwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" \

@@ -830,3 +830,12 @@ def test_gpu_fp8_layer_cuda_graph_and_compile():
     for i, (a, b) in enumerate(zip(grads_c, eager[1:], strict=True)):
         scale = b.double().pow(2).mean().sqrt().clamp_min(1e-30)
         assert_close(a.double() / scale, b.double() / scale, "bf16", f"compiled grad {i}")
+
+
+def test_fp8_refuses_half_tail_tiles():
+    """KernelConfig.half_tail_tiles has no e4m3 form: the FP8 forward says so instead of ignoring the knob."""
+    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19)
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    with pytest.raises(NotImplementedError, match="half_tail_tiles"):
+        megakernel_forward_multirank(*a, config=CFG.with_(block_m=32, minibatch_size=32, half_tail_tiles=True),
+                                     fp8=fp8)

@@ -22,7 +22,8 @@ import torch
 from kittenmoe import ops
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, ModelShape, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
-from kittenmoe.ops import MegakernelError, RingGeometry, check_errors, megakernel_forward_multirank
+from kittenmoe.ops import (MegakernelError, RingGeometry, check_errors, megakernel_backward_multirank,
+                           megakernel_forward_multirank)
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference, moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
@@ -335,6 +336,78 @@ def test_tile_group_order_same_bits(group):
         assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
 
 
+# KernelConfig.half_tail_tiles: block_m 32, so an expert whose last tile holds 1-16 rows runs it as a 16-row
+# tile over two column tiles. 20 tokens x K 2 over 8 experts on 2 ranks: ~10 rows an expert, every last tile
+# (most are the only tile) is a half tail.
+HALF_TAIL_CASES = {
+    # I = 64: four 16-wide gate|up tiles, H = 64: two 32-wide down tiles: every column tile in a pair
+    "pairs": Case(TINY.with_(h=64, i=64), r=2, t=20, minibatch=64),
+    # I = 48, H = 96: three gate|up and three down tiles: the last column tile of each runs at full height
+    "odd-tiles": Case(TINY.with_(h=96, i=48), r=2, t=20, minibatch=64),
+    # rows pushed from the down epilogue, through a ring that wraps (macrobatch = minibatch = 32), 48 tokens
+    "push-ring": Case(TINY.with_(h=64, i=64), r=2, t=48, minibatch=32, macrobatch=32, push_in_epilogue=True),
+    # a K = 4 shape with the clamp: more routes an expert, so full and half tiles both occur
+    "k4-limit": Case(TINY_SIG.with_(h=64, i=32), r=2, t=24, minibatch=64, swiglu_limit=0.5),
+}
+
+
+def _half_tail_tiles(sched, bm: int) -> int:
+    """Row tiles of a schedule whose rows bm/2.. are all padding (what the kernel runs as half tail tiles)."""
+    n = int(sched.num_rows.item())
+    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
+    return int(((pr[:, bm // 2:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
+
+
+@pytest.mark.parametrize("name", list(HALF_TAIL_CASES))
+def test_half_tail_tiles_match(name):
+    """KernelConfig.half_tail_tiles: the forward's output equals the full-tile run's bit for bit (each row's
+    sums do not depend on the tile's height or width: the MMAs on a GPU, the conftest's fp64-accumulated dot
+    under the interpreter) and is close to the fp64 reference; with the activations kept, gate|up equals the
+    full-tile run's and its padding rows are exact zeros (the backward's weight gradients sum them), so every
+    gradient of the backward from them has the same bits too."""
+    case = HALF_TAIL_CASES[name]
+    inp = _make_inputs(case, seed=21)
+    cfg = case.config().with_(block_m=32)
+    full = _megakernel(case, inp, config=cfg)
+    got = _megakernel(case, inp, config=cfg.with_(half_tail_tiles=True))
+    assert sum(_half_tail_tiles(st.schedule, 32) for st in got.states) > 0, "no half tail tile in this case"
+    ref = _reference64(case, inp)
+    for r in range(case.r):
+        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
+        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
+    if case.macrobatch is not None:
+        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    kept = {}
+    for label, c in (("full", cfg), ("half", cfg.with_(half_tail_tiles=True))):
+        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
+        f.check_errors()
+        for r, st in enumerate(f.states):
+            n = int(st.schedule.num_rows.item())
+            pad = (st.schedule.peer_rank[:n] < 0)
+            assert torch.all(st.gate_up[:n][pad] == 0), f"{label}: rank {r} gate|up padding rows not zero"
+            assert torch.isfinite(st.gate_up[:n]).all(), f"{label}: rank {r} gate|up rows unwritten"
+        d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
+                 for _ in range(case.r)]
+        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
+        b.check_errors()
+        kept[label] = (f, b)
+    (ff, fb), (hf, hb) = kept["full"], kept["half"]
+    for r in range(case.r):
+        n = int(ff.states[r].schedule.num_rows.item())
+        assert_bitwise_equal(hf.states[r].gate_up[:n], ff.states[r].gate_up[:n], f"gate|up[{r}]")
+        assert_bitwise_equal(hb.d_x[r], fb.d_x[r], f"d_x[{r}]")
+        assert_bitwise_equal(hb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
+    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+        assert_bitwise_equal(getattr(hb, gname), getattr(fb, gname), gname)
+
+
+def test_half_tail_tiles_refuse_small_block_m():
+    """half_tail_tiles needs block_m >= 32 (a 16-row half for tl.dot): a clear error at construction."""
+    with pytest.raises(ValueError, match="block_m >= 32"):
+        KernelConfig(block_m=16, half_tail_tiles=True)
+
+
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base = bitwise_base
@@ -549,6 +622,32 @@ def _seed_slice_inputs(name: str, seed: int = 0):
     x = torch.randn(t, shape.h, generator=gen).to(dev, torch.bfloat16)
     ids, w = routing_uniform(t, shape.e, shape.k, generator=gen, device=dev)
     return shape, t, x, ids.contiguous(), w.float().contiguous(), mw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,keep", [
+    ("deepseek-v4-pro-T2048", False),  # 256 rows an expert on average: about half the experts end in a half tile
+    ("glm-5.2-T2048", True),  # 512 an expert, with gate|up kept for the backward (padding rows stored as zeros)
+])
+def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
+    """KernelConfig.half_tail_tiles at the default tiles (128 x 128 gate|up, 128 x 256 down, 8 warps): an expert's
+    last tile with at most 64 rows runs as 64 x 256 / 64 x 512 through the same wgmma path, and each row's sums do
+    not depend on the tile's height or width, so the output (and the kept gate|up) have the full tiles' bits."""
+    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
+    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
+    runs = {}
+    for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(half_tail_tiles=True))):
+        res = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
+        res.check_errors()
+        runs[label] = res
+    sched = runs["half"].states[0].schedule
+    n = int(sched.num_rows.item())
+    pr = sched.peer_rank[:n].reshape(-1, 128)
+    assert int(((pr[:, 64:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum()) > 0, "no half tail tile in this routing"
+    assert_bitwise_equal(runs["half"].outputs[0], runs["full"].outputs[0], f"{name}: out")
+    if keep:
+        assert_bitwise_equal(runs["half"].states[0].gate_up[:n], runs["full"].states[0].gate_up[:n],
+                             f"{name}: kept gate|up")
 
 
 @pytest.mark.gpu

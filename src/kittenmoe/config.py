@@ -96,7 +96,7 @@ def _is_pow2(v: int) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
-               "wgrad_persistent", "wgrad_two_per_sm")
+               "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles")
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,13 @@ class KernelConfig:
         through L2. G > 0: groups of G row tiles, each walked column tile by column tile, so a wave of
         ~116 programs reads ~G row tiles' x many times while it is in L2 (Triton's GROUP_M swizzle). The
         same bits in any order. Not yet timed.
+    half_tail_tiles: the forward's routed row tiles whose second half is padding (an expert's last tile with
+        at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles, gate|up and down: the tile of an even
+        column computes its own and the next column's outputs, the next one only signals. Each expert wastes
+        block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing)
+        pads 2.5 tiles' work to 2.0, and this makes it ~2.25. Same accumulator registers; each row's arithmetic
+        unchanged. BF16 / fp32 only (FP8 raises NotImplementedError); the backward keeps full tiles.
+        Not yet timed.
     """
 
     num_comm_programs_fwd: int = 16
@@ -184,6 +191,7 @@ class KernelConfig:
     wgrad_persistent: bool = False
     wgrad_two_per_sm: bool = False
     tile_group_m: int = 0
+    half_tail_tiles: bool = False
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -218,6 +226,9 @@ class KernelConfig:
         if self.tile_group_m < 0:
             raise ValueError(f"KernelConfig.tile_group_m must be >= 0 (0: every row tile of a minibatch in one "
                              f"group), got {self.tile_group_m}")
+        if self.half_tail_tiles and self.block_m < 32:
+            raise ValueError(f"KernelConfig.half_tail_tiles needs block_m >= 32 (a half tile of block_m / 2 rows "
+                             f"is a tl.dot operand of at least 16), got block_m={self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 

@@ -161,6 +161,10 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
 
+# KernelConfig.half_tail_tiles: pipeline stages of a half tail tile's K loop. A stage holds block_m/2 x block_k
+# of rows and four (gate|up) or two (down) weight tiles: 72 KB at 128 x 128 x 64, so 2 stages (144 KB) stay
+# under the gate|up loop's 4 x 48 KB; Triton reuses the buffers of loops not live together.
+HALF_TAIL_STAGES = 2
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
 
 
@@ -262,6 +266,9 @@ def launch_rank_forward(
     bm = config.block_m
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
+        if config.half_tail_tiles:
+            raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
+                                      "scale block at a time): run FP8 without it")
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
@@ -328,8 +335,13 @@ def launch_rank_forward(
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
+        # KernelConfig.half_tail_tiles: the routed rows in half-height blocks (stand-ins without the knob)
+        half = config.half_tail_tiles
+        descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk])) if half
+                  else (routed[0], routed[1]))
     else:
-        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
+        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
+                 st.x_routed, st.hidden)
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
@@ -347,7 +359,7 @@ def launch_rank_forward(
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        COPY_PREFETCH=config.copy_prefetch,
+        COPY_PREFETCH=config.copy_prefetch, HALF_TAIL=config.half_tail_tiles, HALF_STAGES=HALF_TAIL_STAGES,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )

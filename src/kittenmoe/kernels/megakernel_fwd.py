@@ -310,6 +310,120 @@ def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
              mask=row_ok[:, None] & (rn < H)[None, :])
 
 
+@triton.jit
+def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.constexpr):
+    """SAVE_GU: a tile's fp32 gate and up pre-activations into the kept [*, 2I] buffer (gate columns n0..,
+    up columns I + n0..), rows brow.. of the ring; the backward reads them instead of replaying the GEMM."""
+    rows = gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I)
+    _store_rows(rows, tl.arange(0, BM) >= 0, acc_g, n0, I, BN)
+    _store_rows(rows + I, tl.arange(0, BM) >= 0, acc_u, n0, I, BN)
+
+
+# ----------------------------------------------------------------------------- half tail tiles
+# KernelConfig.half_tail_tiles: a routed row tile whose second half is schedule padding (an expert's last tile
+# with at most BM/2 rows) runs as a BM/2 x 2 BN tile covering its column tile and the next; the next column
+# tile of that row tile only signals. Same accumulator registers (BM/2 x 2 BN against BM x BN, twice for gate
+# and up), half the MMA rows. Through TMA the weight tiles of both column tiles are loaded separately (a
+# [2 BN2, BK] box passes TMA's 256 limit in the down GEMM) into two accumulators, at HALF_STAGES stages: a
+# stage holds BM/2 x BK of rows and 4 (gate|up) or 2 (down) BN-wide weight tiles, 72 KB at 128 x 128 x 64.
+
+
+@triton.jit
+def _is_half_tail(peer_rank_ptr, tile_row0, num_rows, BM: tl.constexpr):
+    """Whether rows BM/2.. of the routed row tile at tile_row0 are all padding. Each tile lies inside one
+    expert's segment, whose padding (peer rank -1) follows its rows, so row BM/2 alone tells."""
+    return tl.load(peer_rank_ptr + tile_row0 + BM // 2, mask=tile_row0 + BM // 2 < num_rows, other=-1) < 0
+
+
+@triton.jit
+def _gateup_half_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, BN: tl.constexpr, H,
+                     BMH: tl.constexpr, BNT: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """Gate and up of a BMH-row tile over two BNT-wide column tiles (gate rows wg_row0.., up rows wu_row0..
+    of the [L*2I, H] weight view, the second tile BNT further): four BMH x BNT accumulators. a_desc blocks
+    [BMH, BK], w_desc blocks [BNT, BK]."""
+    g0 = tl.zeros((BMH, BNT), dtype=tl.float32)
+    g1 = tl.zeros((BMH, BNT), dtype=tl.float32)
+    u0 = tl.zeros((BMH, BNT), dtype=tl.float32)
+    u1 = tl.zeros((BMH, BNT), dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=NS):
+        a = a_desc.load([a_row0, k0])
+        g0 = tl.dot(a, w_desc.load([wg_row0, k0]).T, g0)
+        g1 = tl.dot(a, w_desc.load([wg_row0 + BN, k0]).T, g1)
+        u0 = tl.dot(a, w_desc.load([wu_row0, k0]).T, u0)
+        u1 = tl.dot(a, w_desc.load([wu_row0 + BN, k0]).T, u1)
+    return g0, g1, u0, u1
+
+
+@triton.jit
+def _gateup_half(xrh_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
+                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Gate|up of a half tail tile (rows brow.. of the ring, BM/2 of them real) over column tiles nt and nt + 1:
+    hidden for the BM/2 rows; with SAVE_GU the kept gate|up of all BM rows, the padding half as zeros (what a
+    full tile computes from the pull's zero rows: the backward's weight gradients sum those rows)."""
+    BMH: tl.constexpr = BM // 2
+    if USE_TMA:
+        g0, g1, u0, u1 = _gateup_half_tma(xrh_desc, brow, w13_desc, e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN,
+                                          BN, H, BMH, BN, BK, NS)
+        _swiglu_store(g0, u0, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, BN)
+        _swiglu_store(g1, u1, hid_ptr, brow, BMH, (nt + 1) * BN, I, swiglu_limit, HAS_LIMIT, BMH, BN)
+        if SAVE_GU:
+            _store_gate_up(gu_ptr, brow, g0, u0, nt * BN, I, BMH, BN)
+            _store_gate_up(gu_ptr, brow, g1, u1, (nt + 1) * BN, I, BMH, BN)
+    else:
+        acc_g, acc_u = _gateup_acc(xr_ptr, brow, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BMH,
+                                   2 * BN, BK, DOT_FP32, PRECISION)
+        _swiglu_store(acc_g, acc_u, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, 2 * BN)
+        if SAVE_GU:
+            _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BMH, 2 * BN)
+    if SAVE_GU:
+        zero = tl.zeros((BMH, 2 * BN), dtype=tl.float32)
+        _store_gate_up(gu_ptr, brow + BMH, zero, zero, nt * BN, I, BMH, 2 * BN)
+
+
+@triton.jit
+def _down_half(hidh_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
+               srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr, DT: tl.constexpr,
+               BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """The down GEMM of a half tail tile (ring rows arow.., schedule rows srow.., BM/2 of them real) over column
+    tiles nt and nt + 1 of H, its rows stored to y_routed or pushed to their origins' combine buffers."""
+    BMH: tl.constexpr = BM // 2
+    if PUSH_IN_EPILOGUE:  # each row to its origin's combine buffer at t*K + j
+        r = srow + tl.arange(0, BMH)
+        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+        ok = pr >= 0
+        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
+    else:
+        rows = arow + tl.arange(0, BMH)
+        ok = rows >= 0
+        dst = yr_ptr + rows.to(tl.int64) * H
+    if USE_TMA:
+        acc0, acc1 = _down_half_tma(hidh_desc, arow, w2_desc, e * H + nt * BN2, I, BMH, BN2, BK, NS)
+        _store_rows(dst, ok, acc0, nt * BN2, H, BN2)
+        _store_rows(dst, ok, acc1, (nt + 1) * BN2, H, BN2)
+    else:
+        acc = _down_acc(hid_ptr, arow, BMH, w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I, BMH, 2 * BN2, BK,
+                        DOT_FP32, PRECISION)
+        _store_rows(dst, ok, acc, nt * BN2, H, 2 * BN2)
+
+
+@triton.jit
+def _down_half_tma(a_desc, a_row0, w_desc, w_row0, I, BMH: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
+                   NS: tl.constexpr):
+    """The down GEMM of a BMH-row tile over two BN2-wide column tiles of H (w rows w_row0.. and
+    w_row0 + BN2..): two BMH x BN2 accumulators. a_desc blocks [BMH, BK], w_desc blocks [BN2, BK]."""
+    acc0 = tl.zeros((BMH, BN2), dtype=tl.float32)
+    acc1 = tl.zeros((BMH, BN2), dtype=tl.float32)
+    for k0 in tl.range(0, I, BK, num_stages=NS):
+        a = a_desc.load([a_row0, k0])
+        acc0 = tl.dot(a, w_desc.load([w_row0, k0]).T, acc0)
+        acc1 = tl.dot(a, w_desc.load([w_row0 + BN2, k0]).T, acc1)
+    return acc0, acc1
+
+
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
 # Routed GEMMs on e4m3 operands, one K step per scale block (SB: 128, or MXFP8's 32): each step's fp32 product
 # is scaled by the row's activation scale and the weight block's scale and added to the fp32 accumulator
@@ -511,6 +625,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK] (FP8_DOWN: e4m3, blocks [BN2, SB])
     sw13_desc,  # shared w13 [2S, H], blocks [BN, BK]
     sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
+    xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
+    hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -525,7 +641,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
-    COPY_PREFETCH: tl.constexpr = False,
+    COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False, HALF_STAGES: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -678,22 +794,33 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         else:  # KernelConfig.fp8_down_high: hidden in x's dtype
                                             _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
                                                           HAS_LIMIT, BM, BN)
+                                        if SAVE_GU:  # the backward reads these instead of replaying the GEMM
+                                            _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
                                     else:
-                                        if USE_TMA:
-                                            acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
-                                                                           e * (2 * I) + nt * BN,
-                                                                           e * (2 * I) + I + nt * BN, H, BM, BN, BK)
-                                        else:
-                                            acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
-                                                                       w13_ptr + e.to(tl.int64) * (2 * I * H),
-                                                                       nt * BN, H, I, BM, BN, BK, DOT_FP32, PRECISION)
-                                        _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
-                                                      HAS_LIMIT, BM, BN)
-                                    if SAVE_GU:  # the backward reads these instead of replaying the GEMM
-                                        _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I),
-                                                    tl.arange(0, BM) >= 0, acc_g, nt * BN, I, BN)
-                                        _store_rows(gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I) + I,
-                                                    tl.arange(0, BM) >= 0, acc_u, nt * BN, I, BN)
+                                        full = True
+                                        if HALF_TAIL:  # this column tile and the next at BM/2 x 2 BN, or nothing
+                                            half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
+                                            pair = half & (nt % 2 == 0) & (nt + 1 < n_gu_tiles_i)
+                                            full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_gu_tiles_i))
+                                            if pair:
+                                                _gateup_half(xrh_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr,
+                                                             gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
+                                                             USE_TMA, BM, BN, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                        if full:
+                                            if USE_TMA:
+                                                acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
+                                                                               e * (2 * I) + nt * BN,
+                                                                               e * (2 * I) + I + nt * BN, H, BM, BN,
+                                                                               BK)
+                                            else:
+                                                acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
+                                                                           w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                                                           nt * BN, H, I, BM, BN, BK, DOT_FP32,
+                                                                           PRECISION)
+                                            _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
+                                                          HAS_LIMIT, BM, BN)
+                                            if SAVE_GU:
+                                                _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
                                 _signal(hid_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_GATEUP, t_start, t_ready, _now())
@@ -712,34 +839,47 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    arow = (p % NSLOT) * MB + rt * BM
-                                    if FP8_DOWN:
-                                        if USE_TMA:
-                                            acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
-                                                                    w2s_ptr + e * (HB * IB), e * H + nt * BN2,
-                                                                    nt * BN2, I, IB, BM, BN2, SB)
+                                    full = True
+                                    if HALF_TAIL:  # this column tile and the next at BM/2 x 2 BN2, or nothing
+                                        half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
+                                        pair = half & (nt % 2 == 0) & (nt + 1 < n_dn_tiles_h)
+                                        full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_dn_tiles_h))
+                                        if pair:
+                                            _down_half(hidh_desc, hid_ptr, (p % NSLOT) * MB + rt * BM, w2_desc,
+                                                       w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
+                                                       row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
+                                                       USE_TMA, DT, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                    if full:
+                                        arow = (p % NSLOT) * MB + rt * BM
+                                        if FP8_DOWN:
+                                            if USE_TMA:
+                                                acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
+                                                                        w2s_ptr + e * (HB * IB), e * H + nt * BN2,
+                                                                        nt * BN2, I, IB, BM, BN2, SB)
+                                            else:
+                                                acc = _down_acc_fp8(hid_ptr, hs_ptr, arow,
+                                                                    w2_ptr + e.to(tl.int64) * (H * I),
+                                                                    w2s_ptr + e * (HB * IB), nt * BN2, H, I, IB, BM,
+                                                                    BN2, SB, DOT_FP32)
+                                        elif USE_TMA:
+                                            acc = _down_acc_tma(hid_desc, arow, w2_desc, e * H + nt * BN2, I, BM, BN2,
+                                                                BK)
                                         else:
-                                            acc = _down_acc_fp8(hid_ptr, hs_ptr, arow, w2_ptr + e.to(tl.int64) * (H * I),
-                                                                w2s_ptr + e * (HB * IB), nt * BN2, H, I, IB, BM, BN2,
-                                                                SB, DOT_FP32)
-                                    elif USE_TMA:
-                                        acc = _down_acc_tma(hid_desc, arow, w2_desc, e * H + nt * BN2, I, BM, BN2, BK)
-                                    else:
-                                        acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I), nt * BN2,
-                                                        H, I, BM, BN2, BK, DOT_FP32, PRECISION)
-                                    if PUSH_IN_EPILOGUE:
-                                        # Push combine straight from the accumulators: each row goes
-                                        # to its origin's combine buffer at t*K + j.
-                                        r = row0 + rt * BM + tl.arange(0, BM)
-                                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-                                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-                                        ok = pr >= 0
-                                        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-                                        _store_rows(dst, ok, acc, nt * BN2, H, BN2)
-                                    else:
-                                        rows = (p % NSLOT) * MB + rt * BM + tl.arange(0, BM)
-                                        _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2,
-                                                    H, BN2)
+                                            acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I),
+                                                            nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
+                                        if PUSH_IN_EPILOGUE:
+                                            # Push combine straight from the accumulators: each row goes
+                                            # to its origin's combine buffer at t*K + j.
+                                            r = row0 + rt * BM + tl.arange(0, BM)
+                                            pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+                                            pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+                                            ok = pr >= 0
+                                            dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
+                                            _store_rows(dst, ok, acc, nt * BN2, H, BN2)
+                                        else:
+                                            rows = (p % NSLOT) * MB + rt * BM + tl.arange(0, BM)
+                                            _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2,
+                                                        H, BN2)
                                 _signal(y_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
