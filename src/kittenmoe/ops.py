@@ -561,6 +561,9 @@ def launch_rank_backward(
     I = two_i // 2
     S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
     dev, dtype, bm = w13_L2IH.device, w13_L2IH.dtype, config.block_m
+    if fp8 is not None and config.half_tail_tiles:
+        raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
+                                  "scale block at a time): run FP8 without it")
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize, backward=True)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
@@ -671,6 +674,9 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [config.block_k, bn2]))
     else:
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
+    # KernelConfig.half_tail_tiles: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
+    dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_tiles
+                 else b_descs[0])
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
     if use_tma_a:
@@ -714,6 +720,7 @@ def launch_rank_backward(
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
+        HALF_TAIL=config.half_tail_tiles, HALF_STAGES=HALF_TAIL_STAGES,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
@@ -735,7 +742,7 @@ def launch_rank_backward(
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1], *fp8_bufs,
-            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
+            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 

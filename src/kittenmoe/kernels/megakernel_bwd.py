@@ -54,9 +54,9 @@ import triton.language as tl
 TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue inside a wide kept phase-A tile
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
-                                              _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma, _now,
-                                              _peer_rows, _signal, _tile_rc, _trace_event, _wait_geq,
-                                              store_chunk_fp8)
+                                              _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma,
+                                              _is_half_tail, _now, _peer_rows, _signal, _store_rows, _tile_rc,
+                                              _trace_event, _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -134,9 +134,13 @@ def _bwd_a_acc_tma(do_desc, x_desc, a_row0, w2_desc, w2_row0, w13_desc, wg_row0,
 @triton.jit
 def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, n_rows, n0, nt, I, NI,
                     swiglu_limit, HAS_LIMIT: tl.constexpr, HAS_DW: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, DW_IN_ORDER: tl.constexpr = False):
     """SwiGLU backward of one tile: d_gu[rows, n] = dg, d_gu[rows, I + n] = du; hw = w * h;
-    dw_part[rows, nt] = sum_n dh_u * h. dgu: [*, 2I], hw: [*, I], dw_part: [*, NI] fp32; w_row: [BM] fp32."""
+    dw_part[rows, nt] = sum_n dh_u * h. dgu: [*, 2I], hw: [*, I], dw_part: [*, NI] fp32; w_row: [BM] fp32.
+    DW_IN_ORDER (the FP8 backward): that sum added left to right (``_row_sum_in_order``), so a kept 2 BN-wide
+    tile's half and a replayed BN tile give the same bits; else tl.sum in the layout's order (deterministic;
+    the in-order form costs the bf16 kept build 56 more bytes of stack a thread on sm_90, and BF16's kept and
+    replayed rows differ anyway, by their gate|up GEMMs)."""
     g = acc_g
     u = acc_u
     if HAS_LIMIT:
@@ -162,7 +166,10 @@ def _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0,
     tl.store(dgu_ptr + rows[:, None] * (2 * I) + (rn + I)[None, :], duc.to(dt), mask=m)
     tl.store(hw_ptr + rows[:, None] * I + rn[None, :], (h * w_row[:, None]).to(dt), mask=m)
     if HAS_DW:
-        part = _row_sum_in_order(tl.where(m, acc_dh * h, 0.0), BN)
+        if DW_IN_ORDER:
+            part = _row_sum_in_order(tl.where(m, acc_dh * h, 0.0), BN)
+        else:
+            part = tl.sum(tl.where(m, acc_dh * h, 0.0), axis=1)
         tl.store(dwp_ptr + rows * NI + nt, part, mask=rm < n_rows)
     return dgc, duc
 
@@ -311,7 +318,7 @@ def _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nta, H, I, BM: 
 @triton.jit
 def _kept_wide_epilogue(acc, row0, nta, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
                         swiglu_limit, HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        FP8_B: tl.constexpr, POW2: tl.constexpr, DGB: tl.constexpr):
+                        FP8_B: tl.constexpr, POW2: tl.constexpr, DGB: tl.constexpr, DW_IN_ORDER: tl.constexpr):
     """The SwiGLU backward of a BM x 2 BN kept phase-A tile one BN-wide half at a time, each half exactly as a
     BN tile's own (its g and u loaded, d(gate|up), w h, the d_w partial of column tile 2 nta + half, and with
     phase B on e4m3 (FP8_B) d(gate|up)'s 1 x DGB quantisation): the same bits as two BN tiles. Halves keep the
@@ -320,23 +327,23 @@ def _kept_wide_epilogue(acc, row0, nta, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr
     w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
     nt = 2 * nta
     _kept_half(acc_lo, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
-               swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB)
+               swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB, DW_IN_ORDER)
     # The launcher requires I % (2 BN) == 0, so this always holds; as a branch it leaves the bf16 sm_90 build
     # (Triton 3.6) 8 bytes of stack a thread, straight-line code 48 (the form timed on the H200 is the branch).
     if (nt + 1) * BN < I:
         _kept_half(acc_hi, w_row, row0, nt + 1, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB,
-                   swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB)
+                   swiglu_limit, HAS_LIMIT, BM, BN, FP8_B, POW2, DGB, DW_IN_ORDER)
 
 
 @triton.jit
 def _kept_half(acc_dh, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_ptr, dgus_ptr, I, NI, GB, swiglu_limit,
                HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FP8_B: tl.constexpr, POW2: tl.constexpr,
-               DGB: tl.constexpr):
+               DGB: tl.constexpr, DW_IN_ORDER: tl.constexpr):
     """One BN-wide half of ``_kept_wide_epilogue``: column tile nt's g and u, its SwiGLU backward, and with FP8_B
     its d(gate|up) quantisation."""
     acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
     dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr, row0, BM, nt * BN, nt, I, NI,
-                               swiglu_limit, HAS_LIMIT, True, BM, BN)
+                               swiglu_limit, HAS_LIMIT, True, BM, BN, DW_IN_ORDER)
     if FP8_B:
         _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
 
@@ -413,6 +420,30 @@ def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_pt
                                    BM, BN, SB)
     return _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I), w2s_ptr + e * (HB * IB), nt, H,
                            I, HB, IB, BM, BN, SB, EMULATE)
+
+
+@triton.jit
+def _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
+                  BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
+                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase B (d_x rows = d(gate|up) W13[e]) of a half tail tile (KernelConfig.half_tail_tiles): its BM/2 real
+    rows over column tiles nt and nt + 1 of H, at NS stages (a stage: BM/2 x BK of d(gate|up), two BK x BN2
+    weight tiles, 72 KB at 128 x 256 x 64). dguh_desc blocks [BM/2, BK], w13_desc blocks [BK, BN2]."""
+    BMH: tl.constexpr = BM // 2
+    rows = row0 + tl.arange(0, BMH)
+    if USE_TMA:
+        acc0 = tl.zeros((BMH, BN2), dtype=tl.float32)
+        acc1 = tl.zeros((BMH, BN2), dtype=tl.float32)
+        for k0 in tl.range(0, 2 * I, BK, num_stages=NS):
+            a = dguh_desc.load([row0, k0])
+            acc0 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, nt * BN2]), acc0)
+            acc1 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, (nt + 1) * BN2]), acc1)
+        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc0, nt * BN2, H, BN2)
+        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc1, (nt + 1) * BN2, H, BN2)
+    else:
+        acc = _mm_acc(dgu_ptr, 2 * I, row0, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I, BMH,
+                      2 * BN2, BK, DOT_FP32, PRECISION)
+        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, 2 * BN2)
 
 
 @triton.jit
@@ -537,6 +568,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     xl_desc,  # x_local [T, H], blocks [BM, BK]
     sw2_desc,  # sw2 [H, S], blocks [BK, BN]
     sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
+    dguh_desc,  # dgu [NR, 2I], blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32
     trace_ptr,  # [MAXE, 5] int64 events (TRACE; kinds as the forward's: shared A, A, B, shared B, pull, push)
@@ -549,7 +581,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False,
+    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
+    HALF_STAGES: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -703,7 +736,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                         t_gemm = _now()
                                     _kept_wide_epilogue(acc, row0, nt, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr,
                                                         dguq_ptr, dgus_ptr, I, NI, GB, swiglu_limit, HAS_LIMIT, BM,
-                                                        BN, FP8_B, POW2, DGB)
+                                                        BN, FP8_B, POW2, DGB, FP8)
                                     if TRACE:  # the epilogue's share of the tile, in a slot of its own
                                         _trace_event(trace_ptr, trace_epi0 + rnd * per_a + i, MAXE, TR_A_EPILOGUE,
                                                      t_gemm, t_gemm, _now())
@@ -751,7 +784,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
                                 dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
-                                                           True, BM, BN)
+                                                           True, BM, BN, FP8)
                                 if FP8_B:  # phase B on e4m3 (FP8 without KernelConfig.fp8_dx_high)
                                     _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
@@ -770,24 +803,35 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                if FP8_B and USE_TMA:
-                                    acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
-                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
-                                                           BM, BN2, DGB, SB)
-                                elif FP8_B:
-                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0, w13t_ptr + e.to(tl.int64) * (2 * I * H),
-                                                       w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM, BN2,
-                                                       DGB, SB, DOT_FP32)
-                                elif USE_TMA:
-                                    acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
-                                                      BM, BN2, BK)
-                                else:
-                                    acc = _mm_acc(dgu_ptr, 2 * I, row0, BM, w13_ptr + e.to(tl.int64) * (2 * I * H),
-                                                  H, nt * BN2, H, 2 * I, BM, BN2, BK, DOT_FP32, PRECISION)
-                                rows = row0 + tl.arange(0, BM)
-                                rn = nt * BN2 + tl.arange(0, BN2)
-                                tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
-                                         mask=(rn < H)[None, :])
+                                full = True
+                                if HALF_TAIL:  # KernelConfig.half_tail_tiles: this column tile and the next at BM/2
+                                    half = _is_half_tail(peer_rank_ptr, row0, num_rows, BM)
+                                    pair = half & (nt % 2 == 0) & (nt + 1 < n_b_h)
+                                    full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_b_h))
+                                    if pair:
+                                        _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H,
+                                                      I, USE_TMA, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                if full:
+                                    if FP8_B and USE_TMA:
+                                        acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
+                                                               w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
+                                                               BM, BN2, DGB, SB)
+                                    elif FP8_B:
+                                        acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0,
+                                                           w13t_ptr + e.to(tl.int64) * (2 * I * H),
+                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM,
+                                                           BN2, DGB, SB, DOT_FP32)
+                                    elif USE_TMA:
+                                        acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
+                                                          BM, BN2, BK)
+                                    else:
+                                        acc = _mm_acc(dgu_ptr, 2 * I, row0, BM,
+                                                      w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I,
+                                                      BM, BN2, BK, DOT_FP32, PRECISION)
+                                    rows = row0 + tl.arange(0, BM)
+                                    rn = nt * BN2 + tl.arange(0, BN2)
+                                    tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
+                                             mask=(rn < H)[None, :])
                             _signal(b_ready + p)
                             if TRACE:
                                 _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
