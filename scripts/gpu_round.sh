@@ -105,7 +105,7 @@ if [[ $what == next2 ]]; then  # KernelConfig.tile_group_m (the order of a minib
     --config "tile_group_m=4"
 fi
 if [[ $what == halftail ]]; then  # KernelConfig.half_tail_tiles: its GPU bit tests, then the four slices (~6 min)
-  # the small cases (fp32 on the GPU) and the seed slices' bit tests
+  # the seed slices' bit tests (forward, kept gate|up, backward) and the refusals outside the built form
   step httest python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "half_tail"
   step htfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" --config ";half_tail_tiles=True"
   step htbwd python3 benchmarks/bwd_round.py --shapes deepseek-v4-pro,glm-5.2 --reps 3 --out "$OUT" \

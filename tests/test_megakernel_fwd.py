@@ -358,6 +358,8 @@ def _half_tail_tiles(sched, bm: int) -> int:
     return int(((pr[:, bm // 2:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 run the half tiles' pointer path, which a GPU refuses "
+                    "(test_gpu_half_tail_tiles_refused_where_unsupported); test_gpu_half_tail_tiles_same_bits covers it")
 @pytest.mark.parametrize("name", list(HALF_TAIL_CASES))
 def test_half_tail_tiles_match(name):
     """KernelConfig.half_tail_tiles: the forward's output equals the full-tile run's bit for bit (each row's
@@ -400,6 +402,22 @@ def test_half_tail_tiles_match(name):
         assert_bitwise_equal(hb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
     for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
         assert_bitwise_equal(getattr(hb, gname), getattr(fb, gname), gname)
+
+
+@pytest.mark.parametrize("block_m,tma,ok", [
+    (128, True, True),  # the built form: 64-row halves through TMA
+    (64, True, False),  # 32-row halves: mma.sync on sm_90
+    (128, False, False),  # the pointer path: its half loops overflow shared memory at 4 stages
+])
+def test_half_tail_gpu_conditions(block_m, tma, ok):
+    """The launchers' check for a CUDA device (a pure function of the config, so it runs on CPU too)."""
+    cfg = KernelConfig(block_m=block_m, half_tail_tiles=True)
+    if ok:
+        ops._check_half_tail(cfg, torch.device("cuda"), tma)
+    else:
+        with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU needs block_m >= 128"):
+            ops._check_half_tail(cfg, torch.device("cuda"), tma)
+    ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False)  # the interpreter takes any size
 
 
 def test_half_tail_tiles_refuse_small_block_m():
@@ -632,7 +650,9 @@ def _seed_slice_inputs(name: str, seed: int = 0):
 def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
     """KernelConfig.half_tail_tiles at the default tiles (128 x 128 gate|up, 128 x 256 down, 8 warps): an expert's
     last tile with at most 64 rows runs as 64 x 256 / 64 x 512 through the same wgmma path, and each row's sums do
-    not depend on the tile's height or width, so the output (and the kept gate|up) have the full tiles' bits."""
+    not depend on the tile's height or width, so the output (and the kept gate|up) have the full tiles' bits;
+    with gate|up kept, the backward from each (its phase B at half height too) gives every gradient the same
+    bits."""
     shape, t, x, ids, w, mw = _seed_slice_inputs(name)
     args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
     runs = {}
@@ -648,6 +668,32 @@ def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
     if keep:
         assert_bitwise_equal(runs["half"].states[0].gate_up[:n], runs["full"].states[0].gate_up[:n],
                              f"{name}: kept gate|up")
+        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
+        grads = {}
+        for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(half_tail_tiles=True))):
+            b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=runs[label].saved())
+            b.check_errors()
+            grads[label] = [b.d_x[0], b.d_topk_weights[0], b.d_w13, b.d_w2, b.d_shared_w13, b.d_shared_w2]
+        for i, (g, f) in enumerate(zip(grads["half"], grads["full"], strict=True)):
+            assert_bitwise_equal(g, f, f"{name}: gradient {i} (d_x, d_w, d_w13, d_w2, d_sw13, d_sw2)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    KernelConfig(half_tail_tiles=True, block_m=64),  # 32-row halves would compile to mma.sync, not wgmma
+    KernelConfig(half_tail_tiles=True, tma=False),  # the pointer path's half loops overflow shared memory
+])
+def test_gpu_half_tail_tiles_refused_where_unsupported(cfg, cuda_cleanup):
+    """half_tail_tiles on a GPU outside its built form (block_m >= 128 through TMA): a clear error, forward and
+    backward, not a launch failure or an unchecked instruction path."""
+    case = Case(TINY.with_(h=256, i=128), r=1, t=64, dtype=torch.bfloat16)
+    inp = _make_inputs(case, device="cuda")
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), None)
+    with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU"):
+        megakernel_forward_multirank(*a, config=cfg.with_(minibatch_size=128))
+    d_out = [torch.randn_like(inp.xs[0])]
+    with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU"):
+        megakernel_backward_multirank(d_out, *a, config=cfg.with_(minibatch_size=128))
 
 
 @pytest.mark.gpu

@@ -169,7 +169,8 @@ class KernelConfig:
         column computes its own and the next column's outputs, the next one only signals. Each expert wastes
         block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing)
         pads 2.5 tiles' work to 2.0, and this makes it ~2.25. Same accumulator registers; each row's arithmetic
-        unchanged. BF16 / fp32 only (FP8 raises NotImplementedError). The backward's phase B (d_x = d(gate|up)
+        unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16); elsewhere, and with FP8, the launchers
+        raise NotImplementedError (the interpreter takes block_m >= 32). The backward's phase B (d_x = d(gate|up)
         W13) likewise; its phase A keeps full tiles.
         Not yet timed.
     """

@@ -161,6 +161,19 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
 
+def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool) -> None:
+    """KernelConfig.half_tail_tiles on a GPU: only through TMA (the pointer path's half loops pipeline at the
+    kernel's num_stages: 4 x 72 KB, past an H200's 227 KB) and with block_m >= 128 (halves of 64 rows, one
+    wgmma per warp group; 32-row halves compile to mma.sync, another instruction whose sums were never
+    compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
+    if not config.half_tail_tiles or dev.type != "cuda":
+        return
+    if config.block_m < 128 or not use_tma:
+        raise NotImplementedError(
+            f"KernelConfig.half_tail_tiles on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
+            f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
+
+
 # KernelConfig.half_tail_tiles: pipeline stages of a half tail tile's K loop. A stage holds block_m/2 x block_k
 # of rows and four (gate|up) or two (down) weight tiles: 72 KB at 128 x 128 x 64, so 2 stages (144 KB) stay
 # under the gate|up loop's 4 x 48 KB; Triton reuses the buffers of loops not live together.
@@ -307,6 +320,7 @@ def launch_rank_forward(
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
+    _check_half_tail(config, dev, use_tma)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -658,6 +672,7 @@ def launch_rank_backward(
     two = config.wgrad_two_per_sm
     wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
+    _check_half_tail(config, dev, use_tma)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
