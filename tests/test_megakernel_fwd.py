@@ -413,11 +413,11 @@ def test_half_tail_gpu_conditions(block_m, tma, ok):
     """The launchers' check for a CUDA device (a pure function of the config, so it runs on CPU too)."""
     cfg = KernelConfig(block_m=block_m, half_tail_tiles=True)
     if ok:
-        ops._check_half_tail(cfg, torch.device("cuda"), tma)
+        ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
     else:
         with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU needs block_m >= 128"):
-            ops._check_half_tail(cfg, torch.device("cuda"), tma)
-    ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False)  # the interpreter takes any size
+            ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
+    ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False, False)  # the interpreter takes any size
 
 
 def test_half_tail_tiles_refuse_small_block_m():

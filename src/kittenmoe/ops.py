@@ -161,12 +161,17 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
 
-def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool) -> None:
-    """KernelConfig.half_tail_tiles on a GPU: only through TMA (the pointer path's half loops pipeline at the
-    kernel's num_stages: 4 x 72 KB, past an H200's 227 KB) and with block_m >= 128 (halves of 64 rows, one
-    wgmma per warp group; 32-row halves compile to mma.sync, another instruction whose sums were never
-    compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
-    if not config.half_tail_tiles or dev.type != "cuda":
+def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8: bool) -> None:
+    """KernelConfig.half_tail_tiles, for both launchers: no FP8 form (anywhere); on a GPU only through TMA (the
+    pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an H200's 227 KB) and with
+    block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
+    instruction whose sums were never compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
+    if not config.half_tail_tiles:
+        return
+    if fp8:
+        raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
+                                  "scale block at a time): run FP8 without it")
+    if dev.type != "cuda":
         return
     if config.block_m < 128 or not use_tma:
         raise NotImplementedError(
@@ -279,9 +284,6 @@ def launch_rank_forward(
     bm = config.block_m
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
-        if config.half_tail_tiles:
-            raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
-                                      "scale block at a time): run FP8 without it")
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
@@ -320,7 +322,7 @@ def launch_rank_forward(
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma)
+    _check_half_tail(config, dev, use_tma, fp8 is not None)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -575,9 +577,6 @@ def launch_rank_backward(
     I = two_i // 2
     S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
     dev, dtype, bm = w13_L2IH.device, w13_L2IH.dtype, config.block_m
-    if fp8 is not None and config.half_tail_tiles:
-        raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
-                                  "scale block at a time): run FP8 without it")
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize, backward=True)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
@@ -672,7 +671,7 @@ def launch_rank_backward(
     two = config.wgrad_two_per_sm
     wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma)
+    _check_half_tail(config, dev, use_tma, fp8 is not None)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
