@@ -12,8 +12,13 @@ probe times the same forward five ways in one process, so the gap can be attribu
   kernels         the profiler's device time of every kernel in one call, back to back (sum, and the megakernel's)
   kernels+flush   the same with the 256 MB zero between calls
 
-A gap between do_bench and kernels+flush is host time the GPU waits on; between kernels and kernels+flush,
-cache or clock effects on the kernel itself.
+A gap between do_bench and kernels+flush is host time the GPU waits on, or idle gaps between the call's
+kernels; between kernels and kernels+flush, cache or clock effects on the kernel itself. The last call of the
+flushed profile is printed as a GPU timeline (each activity's start, duration and the gap before it).
+
+First run (2026-12-01 (6), H200), ms: DeepSeek do_bench 4.587, events 4.958, events+flush 4.793, kernels 3.937
+(megakernel 3.828), kernels+flush 4.018 (3.905); Kimi 3.584 / 3.955 / 3.823 / 3.277 (3.137) / 3.334 (3.193).
+`host_probe.py`: 0.64 ms of host time a DeepSeek call, with no wait on the GPU in it.
 """
 
 from __future__ import annotations
@@ -46,16 +51,42 @@ def event_median(fn, flush: torch.Tensor | None, n: int = 30) -> float:
     return statistics.median(ts)
 
 
-def kernel_times(fn, flush: torch.Tensor | None, n: int = 5) -> tuple[float, float, list[tuple[str, float]]]:
+def gpu_timeline(prof, path: str) -> None:
+    """Print the last call's GPU activities in order: start (us from the first), duration and the idle gap
+    before each, from the profiler's Chrome trace: gaps inside a call are GPU time no kernel accounts for."""
+    import json
+
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        evs = [e for e in json.load(f)["traceEvents"]
+               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    evs.sort(key=lambda e: e["ts"])
+    mk = [i for i, e in enumerate(evs) if "dispatch_mlp" in e["name"]]
+    if len(mk) < 2:
+        print("  timeline: fewer than two megakernels in the trace", flush=True)
+        return
+    lo, hi = mk[-2] + 1, len(evs)  # from just after the previous call's megakernel to the end
+    t0 = evs[lo]["ts"]
+    prev_end = evs[lo - 1]["ts"] + evs[lo - 1]["dur"]
+    print(f"  {'activity':<44} {'start us':>9} {'dur us':>9} {'gap us':>8}", flush=True)
+    for e in evs[lo:hi]:
+        print(f"  {e['name'][:44]:<44} {e['ts'] - t0:9.1f} {e['dur']:9.1f} {e['ts'] - prev_end:8.1f}", flush=True)
+        prev_end = e["ts"] + e["dur"]
+
+
+def kernel_times(fn, flush: torch.Tensor | None, n: int = 5,
+                 timeline: str | None = None) -> tuple[float, float, list[tuple[str, float]]]:
     """(sum of kernel ms a call, the megakernel's ms a call, the top kernels) from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(n):
             if flush is not None:
                 flush.zero_()
             fn()
         torch.cuda.synchronize()
+    if timeline is not None:
+        gpu_timeline(prof, timeline)
     rows = [(e.key, e.device_time_total / 1e3 / n) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     # the flush's own kernel is not the forward's
@@ -69,6 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="deepseek-v4-pro,kimi-k2.7")
     ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--out", default="/tmp", help="where the profiler's Chrome traces go")
     args = ap.parse_args()
     dev = torch.device("cuda")
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
@@ -95,7 +127,8 @@ def main() -> int:
         r = {"do_bench": triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"),
              "events": event_median(fn, None), "events+flush": event_median(fn, flush)}
         for label, fl in (("kernels", None), ("kernels+flush", flush)):
-            total, mk, top = kernel_times(fn, fl)
+            total, mk, top = kernel_times(fn, fl, timeline=f"{args.out}/timeline-{name}.json" if fl is not None
+                                          else None)
             r[label] = total
             r[label + " (megakernel)"] = mk
             print(f"  {name} {label}: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in top), flush=True)
