@@ -156,14 +156,16 @@ class KernelConfig:
         SM: nothing overlaps a tile's fill and store, and Kimi's tiles have six 64-row steps each. Costs 1.33x
         the operand traffic from L2 (64 FLOP a byte against 85). Combined with ``wgrad_persistent``: two
         programs per SM. Each element is still summed by one program over its rows in order: the same bits.
-        Off until timed on the H200.
+        Off: on the H200 within noise (launch alone Kimi 3.96 ms against 3.90, DeepSeek 5.14 against 5.32;
+        forward+backward 0.4-0.8% faster, 2026-12-01).
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
         every row tile of the minibatch under one (the order timed so far): a weight tile serves its
         expert's 2-3 row tiles at once, but each 128-row x tile is read again for every column tile, after
         the whole minibatch's rows (Kimi 29 MB a minibatch) and the weights streaming by have passed
         through L2. G > 0: groups of G row tiles, each walked column tile by column tile, so a wave of
         ~116 programs reads ~G row tiles' x many times while it is in L2 (Triton's GROUP_M swizzle). The
-        same bits in any order. Not yet timed.
+        same bits in any order. Off: on the H200 the forward was 1-3% slower at G = 4 and 8 on every slice
+        (2026-12-01).
     half_tail_tiles: the forward's routed row tiles whose second half is padding (an expert's last tile with
         at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles, gate|up and down: the tile of an even
         column computes its own and the next column's outputs, the next one only signals. Each expert wastes
@@ -172,7 +174,9 @@ class KernelConfig:
         unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16); elsewhere, and with FP8, the launchers
         raise NotImplementedError (the interpreter takes block_m >= 32). The backward's phase B (d_x = d(gate|up)
         W13) likewise; its phase A keeps full tiles.
-        Not yet timed.
+        Off: on the H200 the same bits but slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
+        5.56 against 4.62; 2026-12-01). Its device build spills 22 registers and every tile slows, not just
+        the tail ones (DeepSeek trace: gate|up 276 -> 328 program-ms for the same tiles).
     """
 
     num_comm_programs_fwd: int = 16
