@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -128,6 +128,10 @@ fi
 if [[ $what == wgrad ]]; then  # the weight-gradient launch's knobs (persistent, two per SM): GPU tests, times (~4 min)
   step wgtest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch"
   step wgrad python3 benchmarks/wgrad_time.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5
+fi
+if [[ $what == wgradfloor ]]; then  # the weight-gradient launch's floors (MMA only, no store, store only), ~3 min
+  step wgfloor python3 benchmarks/wgrad_floor.py --shapes kimi-k2.7,deepseek-v4-pro
+  step timing python3 benchmarks/timing_probe.py --out "$OUT"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py

@@ -1,0 +1,142 @@
+"""The weight-gradient launch's floors, measured (issue 4): what bounds d_W13 = d(gate|up)^T x per expert.
+
+    PYTHONPATH=src python3 benchmarks/wgrad_floor.py [--shapes kimi-k2.7,deepseek-v4-pro] [--reps 20]
+
+The backward's d_W13 launch (``weight_grad_kernel``: one 128 x 256 output tile a program, 64-row steps over the
+expert's ~384 padded rows, 8 warps, 4 stages) ran at ~415 TFLOP/s on the Kimi slice against a dense matmul's
+~795, and two programs an SM (``wgrad_two_per_sm``) did not move it (2026-12-01 (6)). This times, on one
+expert layout like the slice's (E_local experts of `rows` padded rows each), the library kernel and five
+variants of the same tile loop, so the launch's limiter shows as the variant that keeps its time:
+
+  library      kittenmoe's weight_grad_kernel, as the backward launches it
+  copy         this file's copy of that loop (must time like the library's)
+  no store     the copy without its 64 KB store (skipped by a runtime flag)
+  MMA only     one load of each operand, then the same number of wgmmas: the tensor-core floor
+  store only   zeros stored per tile: the HBM write floor
+  3 stages, WK 128 (2 stages): the copy at other pipeline depths and row steps
+
+If "MMA only" is near "copy", the launch is tensor-core bound; if "no store" is well under it, the store is not
+hidden; if neither, it waits on its operand loads (the L2 -> SM traffic below, or their latency).
+
+Needs a Hopper GPU (TMA descriptors). Prints one table a slice: ms, TFLOP/s of the tile work, operand bytes
+read into SMs and stored bytes, and each as a rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+from kittenmoe.config import SEED_SHAPES
+from kittenmoe.kernels import megakernel_bwd as mb
+
+SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+# label: (MODE, WK, num_stages). A loads-only variant is left out: without a dot consuming them Triton 3.6 does not
+# pipeline the loads (49 KB of shared memory against 196 KB), so it would time load latency, not L2 bandwidth.
+VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), "store only": (4, 64, 4),
+            "3 stages": (0, 64, 3), "WK 128, 2 st": (0, 128, 2)}  # 5 stages: 245,800 B, over the 232,448
+
+
+@triton.jit
+def wgrad_variant_kernel(
+    offsets_ptr,  # [G + 1] int32, each expert's row segment
+    p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
+    q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
+    out_ptr,  # [G, N, M]
+    N, M, do_store,
+    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, MODE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    n_n = tl.cdiv(N, WN)
+    n_m = tl.cdiv(M, WM)
+    g = tile // (n_n * n_m)
+    q = tile % (n_n * n_m)
+    n0 = (q // n_m) * WN
+    m0 = (q % n_m) * WM
+    seg0 = tl.load(offsets_ptr + g)
+    seg1 = tl.load(offsets_ptr + g + 1)
+    acc = tl.zeros((WN, WM), dtype=tl.float32)
+    if MODE == 3:
+        p = p_desc.load([seg0, n0])
+        qq = q_desc.load([seg0, m0])
+        for r0 in range(seg0, seg1, WK):
+            acc = tl.dot(p.T, qq, acc)
+    elif MODE == 0 or MODE == 1:
+        for r0 in range(seg0, seg1, WK):
+            p = p_desc.load([r0, n0])
+            qq = q_desc.load([r0, m0])
+            acc = tl.dot(p.T, qq, acc)
+    if MODE != 1 or do_store != 0:
+        ra = n0 + tl.arange(0, WN)
+        rb = m0 + tl.arange(0, WM)
+        out = out_ptr + g.to(tl.int64) * N * M
+        tl.store(out + ra[:, None].to(tl.int64) * M + rb[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(ra < N)[:, None] & (rb < M)[None, :])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="kimi-k2.7,deepseek-v4-pro")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=0, help="padded rows an expert (0: T*K/E_local up to 128s)")
+    args = ap.parse_args()
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    dev = torch.device("cuda")
+    WN, WM, WK = 128, 256, 64  # the default config's block_n, 2 block_n, min(block_k, block_m)
+    for name in args.shapes.split(","):
+        base = SEED_SHAPES[name]
+        L = base.e // args.ep
+        T = SLICES[name]
+        rows = args.rows or triton.cdiv(T * base.k // L, 128) * 128
+        N, M = 2 * base.i, base.h
+        g = torch.Generator(device=dev).manual_seed(0)
+        p_op = torch.randn(L * rows, N, device=dev, generator=g).to(torch.bfloat16)
+        q_op = torch.randn(L * rows, M, device=dev, generator=g).to(torch.bfloat16)
+        offsets = (torch.arange(L + 1, device=dev, dtype=torch.int32) * rows)
+        out = torch.empty(L, N, M, device=dev, dtype=torch.bfloat16)
+        pd, qd = TD.from_tensor(p_op, [WK, WN]), TD.from_tensor(q_op, [WK, WM])
+        tiles = L * triton.cdiv(N, WN) * triton.cdiv(M, WM)
+        steps = rows // WK
+        flop = 2.0 * L * rows * N * M
+        read = tiles * steps * (WK * WN + WK * WM) * 2.0
+        stored = float(L * N * M * 2)
+
+        def lib():
+            mb.weight_grad_kernel[(tiles,)](offsets, pd, qd, out, N, M, N, M, WN=WN, WM=WM, WK=WK, USE_TMA=True,
+                                            DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=4)
+
+        ref = None
+        times = {}
+        descs = {wk: (TD.from_tensor(p_op, [wk, WN]), TD.from_tensor(q_op, [wk, WM])) for wk in (64, 128)}
+        for label in ["library", *VARIANTS]:
+            if label == "library":
+                fn = lib
+            else:
+                mode, wk, st = VARIANTS[label]
+                fn = (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
+                    offsets, *descs[wk], out, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m, num_warps=8, num_stages=st))
+            fn()
+            torch.cuda.synchronize()
+            if label == "library":
+                ref = out.clone()
+            elif label == "copy":
+                print(f"  {name}: the copy's output equals the library's bit for bit: {torch.equal(out, ref)}",
+                      flush=True)
+            times[label] = triton.testing.do_bench(fn, warmup=10, rep=args.reps * 10, return_mode="median")
+        print(f"\n{name}: {L} experts x {rows} rows, N {N} x M {M}; {tiles} tiles of {WN} x {WM}, {steps} steps of "
+              f"{WK}; {flop / 1e12:.3f} TFLOP, {read / 1e9:.1f} GB operand reads, {stored / 1e9:.2f} GB stored")
+        print(f"{'variant':<12} {'ms':>8} {'TFLOP/s':>8} {'read TB/s':>10} {'store TB/s':>11}")
+        for label, ms in times.items():
+            print(f"{label:<12} {ms:8.3f} {flop / ms / 1e9:8.0f} {read / ms / 1e9:10.2f} {stored / ms / 1e9:11.2f}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
