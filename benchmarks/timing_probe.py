@@ -10,7 +10,8 @@ probe times the same forward five ways in one process, so the gap can be attribu
   events          back-to-back calls, CUDA events around each, no flush, median
   events+flush    as events, a 256 MB zero between calls (what do_bench does), median
   kernels         the profiler's device time of every kernel in one call, back to back (sum, and the megakernel's)
-  kernels+flush   the same with the 256 MB zero between calls
+  kernels+flush   the same with the 256 MB zero between calls (30 calls: each call's megakernel duration and
+                  start-to-start time are printed, so clocks falling under sustained load would show)
 
 A gap between do_bench and kernels+flush is host time the GPU waits on, or idle gaps between the call's
 kernels; between kernels and kernels+flush, cache or clock effects on the kernel itself. The last call of the
@@ -62,6 +63,12 @@ def gpu_timeline(prof, path: str) -> None:
                if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     evs.sort(key=lambda e: e["ts"])
     mk = [i for i, e in enumerate(evs) if "dispatch_mlp" in e["name"]]
+    # each call's megakernel in order: a rising duration over a sustained run is the clock coming down
+    print("  megakernel us, call by call: " + " ".join(f"{evs[i]['dur']:.0f}" for i in mk), flush=True)
+    starts = [evs[i]["ts"] for i in mk]
+    if len(starts) > 1:
+        print("  megakernel start to start us: " + " ".join(f"{b - a:.0f}" for a, b in zip(starts, starts[1:])),
+              flush=True)
     if len(mk) < 2:
         print("  timeline: fewer than two megakernels in the trace", flush=True)
         return
@@ -127,8 +134,8 @@ def main() -> int:
         r = {"do_bench": triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median"),
              "events": event_median(fn, None), "events+flush": event_median(fn, flush)}
         for label, fl in (("kernels", None), ("kernels+flush", flush)):
-            total, mk, top = kernel_times(fn, fl, timeline=f"{args.out}/timeline-{name}.json" if fl is not None
-                                          else None)
+            total, mk, top = kernel_times(fn, fl, n=30 if fl is not None else 5,
+                                          timeline=f"{args.out}/timeline-{name}.json" if fl is not None else None)
             r[label] = total
             r[label + " (megakernel)"] = mk
             print(f"  {name} {label}: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in top), flush=True)

@@ -131,7 +131,12 @@ if [[ $what == wgrad ]]; then  # the weight-gradient launch's knobs (persistent,
 fi
 if [[ $what == wgradfloor ]]; then  # the weight-gradient launch's floors (MMA only, no store, store only), ~3 min
   step wgfloor python3 benchmarks/wgrad_floor.py --shapes kimi-k2.7,deepseek-v4-pro
+  # SM clock and power every 100 ms beside the timing probe: does sustained load lower the clock?
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
+    > "$OUT/clocks.csv" 2>&1 &
+  smi=$!
   step timing python3 benchmarks/timing_probe.py --out "$OUT"
+  kill "$smi"
 fi
 if [[ $what == fp8gemm ]]; then  # can the block-scaled e4m3 GEMM overlap MMA and promotion (variants, occupancy)
   step fp8gemm python3 benchmarks/fp8_gemm_probe.py
