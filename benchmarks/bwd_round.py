@@ -23,13 +23,13 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
-from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, default_config
+from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
 from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank
 from kittenmoe.testing import cosine, make_weights, rel_l1, routing_uniform
 
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
 
 
 def case(shape, R, T, dev, seed=0):

@@ -18,14 +18,14 @@ import torch
 import triton
 
 from kittenmoe import ops
-from kittenmoe.config import SEED_SHAPES, KernelConfig
+from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS
 from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.testing import make_weights, routing_uniform
 
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
 
 
 def main() -> int:

@@ -24,14 +24,14 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
-from kittenmoe.config import SEED_SHAPES, default_config
+from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference, moe_reference_fp8
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
 
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
 
 
 def ceilings(reps: int) -> dict:

@@ -26,14 +26,49 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
-from kittenmoe.config import SEED_SHAPES, KernelConfig, default_config
+from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.ops import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
 
-# The issue's slices: (shape, tokens) with E_local = E / 8.
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
+
+
+@dataclasses.dataclass
+class ForwardSlice:
+    """One EP slice's forward inputs (R = 1: E_local experts, every route lands here), seeded from 0."""
+
+    shape: object  # the seed shape with e = E_local
+    experts: int  # E_local
+    tokens: int
+    config: KernelConfig  # the heuristic default for the slice
+    weights: object  # kittenmoe.testing.make_weights' bundle
+    x: torch.Tensor  # [T, H] bf16
+    ids: torch.Tensor  # [T, K]
+    wts: torch.Tensor  # [T, K]
+    peers: LocalPeers
+
+    @property
+    def args(self) -> tuple:
+        """megakernel_forward_multirank's positional arguments."""
+        w = self.weights
+        return ([self.x], [self.ids], [self.wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+                self.shape.swiglu_limit)
+
+
+def forward_slice(name: str, ep: int, tokens: int, dev: torch.device) -> ForwardSlice:
+    """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: the issue's SLICES count)."""
+    base = SEED_SHAPES[name]
+    L = base.e // ep
+    shape = base.with_(e=L, k=base.k)
+    T = tokens or SLICES[name]
+    cfg = default_config(T, shape.h, shape.i, L, shape.k, device=dev)
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+    x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
+    ids, wts = routing_uniform(T, L, shape.k, generator=g, device=dev)
+    return ForwardSlice(shape, L, T, cfg, w, x, ids, wts, LocalPeers(1, dev))
 
 
 def str_cfg(d: str) -> str:
@@ -71,20 +106,12 @@ def main() -> int:
     print(env, flush=True)
     rows = []
     for name in args.shapes.split(","):
-        base = SEED_SHAPES[name]
-        L = base.e // args.ep
-        shape = base.with_(e=L, k=base.k)  # R=1 slice: E_local experts, all routes land here
-        T = args.tokens or SLICES[name]
-        heur = default_config(T, shape.h, shape.i, L, shape.k, device=dev)
+        sl = forward_slice(name, args.ep, args.tokens, dev)
+        shape, L, T, heur = sl.shape, sl.experts, sl.tokens, sl.config
+        w, x, ids, wts, peers, args_k = sl.weights, sl.x, sl.ids, sl.wts, sl.peers, sl.args
         cfgs = [heur.with_(**parse_config_overrides(c)) for c in args.config.split(";")]
         cfg = cfgs[0]
         print(f"  {name}: heuristic {heur}", flush=True)
-        g = torch.Generator().manual_seed(0)
-        w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
-        x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
-        ids, wts = routing_uniform(T, L, shape.k, generator=g, device=dev)
-        peers = LocalPeers(1, dev)
-        args_k = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
 
         def run_mk():
             return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]

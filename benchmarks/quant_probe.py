@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kittenmoe.config import SEED_SHAPES
+from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS
 from kittenmoe.kernels.quant import E4M3_MAX, MIN_SCALE, quantize_rows_1xb
 
 MODES = {"copy": 0, "div": 1, "recip": 2, "nodiv": 3, "div128": 4, "recip128": 5}
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
 
 
 @triton.jit

@@ -25,17 +25,17 @@ First run (2026-12-01 (6), H200), ms: DeepSeek do_bench 4.587, events 4.958, eve
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import triton
 
-from kittenmoe.config import SEED_SHAPES, default_config
-from kittenmoe.ops import megakernel_forward_multirank
-from kittenmoe.peers import LocalPeers
-from kittenmoe.testing import make_weights, routing_uniform
+sys.path.insert(0, os.path.dirname(__file__))
+from fwd_round import forward_slice  # noqa: E402
 
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+from kittenmoe.ops import megakernel_forward_multirank  # noqa: E402
 
 
 def event_median(fn, flush: torch.Tensor | None, n: int = 30) -> float:
@@ -113,17 +113,8 @@ def main() -> int:
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=dev)
     table = []
     for name in args.shapes.split(","):
-        base = SEED_SHAPES[name]
-        L = base.e // args.ep
-        shape = base.with_(e=L, k=base.k)
-        T = SLICES[name]
-        cfg = default_config(T, shape.h, shape.i, L, shape.k, device=dev)
-        g = torch.Generator().manual_seed(0)
-        w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
-        x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
-        ids, wts = routing_uniform(T, L, shape.k, generator=g, device=dev)
-        peers = LocalPeers(1, dev)
-        args_k = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+        sl = forward_slice(name, args.ep, 0, dev)
+        args_k, cfg, peers = sl.args, sl.config, sl.peers
 
         def fn():
             return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]

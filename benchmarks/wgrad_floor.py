@@ -28,16 +28,18 @@ read into SMs and stored bytes, and each as a rate.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-from kittenmoe.config import SEED_SHAPES
-from kittenmoe.kernels import megakernel_bwd as mb
+sys.path.insert(0, os.path.dirname(__file__))
+from fwd_round import SLICES  # noqa: E402
 
-SLICES = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+from kittenmoe.config import SEED_SHAPES  # noqa: E402
+from kittenmoe.kernels import megakernel_bwd as mb  # noqa: E402
 # label: (MODE, WK, num_stages). A loads-only variant is left out: without a dot consuming them Triton 3.6 does not
 # pipeline the loads (49 KB of shared memory against 196 KB), so it would time load latency, not L2 bandwidth.
 VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), "store only": (4, 64, 4),

@@ -72,6 +72,10 @@ SEED_SHAPES: dict[str, ModelShape] = {
                                   swiglu_limit=7.0),
 }
 
+# The issues' one-GPU benchmark slices: tokens of each seed shape at EP8 (E_local = E / 8, R = 1, every route
+# local). Qwen's fewer, narrower experts take twice the tokens for a comparable amount of work.
+SLICE_TOKENS: dict[str, int] = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
+
 # Small shapes for CPU tests and the demo: widths that exercise tile edges
 # (H and I not multiples of 64) while staying fast under the interpreter.
 TEST_SHAPES: dict[str, ModelShape] = {

@@ -1,0 +1,66 @@
+"""Where a forward's host time goes (issue 3): cProfile over repeated megakernel forwards.
+
+    PYTHONPATH=src python3 benchmarks/host_probe.py [--shape deepseek-v4-pro] [--calls 50]
+
+2026-12-01 (6), `timing_probe.py`: a DeepSeek-slice forward measured 4.96 ms with a sync around each call
+against 3.94 ms of kernels, so about 1 ms of host work runs before the GPU has its megakernel. This prints the
+functions that host time is spent in (cumulative, then own time) and the wall time a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from fwd_round import forward_slice  # noqa: E402
+
+from kittenmoe.ops import megakernel_forward_multirank  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="deepseek-v4-pro")
+    ap.add_argument("--tokens", type=int, default=0, help="0: the slice's own count")
+    ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sl = forward_slice(args.shape, args.ep, args.tokens, dev)
+    args_k, cfg, peers = sl.args, sl.config, sl.peers
+
+    def fn():
+        return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    # host time alone: the GPU is kept far behind by a long sleep kernel, so no call waits on it
+    torch.cuda._sleep(int(2e9))
+    t0 = time.perf_counter()
+    for _ in range(args.calls):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / args.calls
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    pr.enable()
+    for _ in range(args.calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    st.sort_stats("cumulative").print_stats(45)
+    st.sort_stats("tottime").print_stats(30)
+    print(f"host time a forward call (no profiler, GPU not waited on): {host_ms:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
