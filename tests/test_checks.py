@@ -393,6 +393,8 @@ BAD_CONFIGS = [
                  id="comm-bwd-negative"),
     # zero pipeline stages
     pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),
+    # negative backward stages (0 is the default: follow num_stages up to 3)
+    pytest.param(dict(bwd_num_stages=-1), ValueError, r"bwd_num_stages must be >= 0", id="bwd-stages-negative"),
     # num_warps not a power of two
     pytest.param(dict(num_warps=3), ValueError, r"num_warps must be one of 1, 2, 4, 8, 16, got 3", id="warps-3"),
     # num_warps too many
@@ -494,3 +496,21 @@ def test_shared_memory_check(cfg, elem, backward, fits):
     else:
         with pytest.raises(ValueError, match="shared memory"):
             check_shared_memory(cfg, elem, backward)
+
+
+# KernelConfig.bwd_stages: what the backward megakernel is built with, and the shared-memory estimate follows it
+@pytest.mark.parametrize("kwargs, stages", [
+    (dict(), 3),  # default: num_stages 4 capped at 3, the build timed so far
+    (dict(num_stages=2), 2),  # small configs follow num_stages down
+    (dict(bwd_num_stages=4), 4),  # explicit: one stage deeper than the forward's cap allows
+    (dict(num_stages=2, bwd_num_stages=4), 4),  # explicit wins over num_stages
+])
+def test_kernel_config_bwd_stages(kwargs, stages):
+    from kittenmoe.config import bwd_phase_a_smem_bytes
+
+    cfg = KernelConfig(**kwargs)
+    assert cfg.bwd_stages == stages
+    one = bwd_phase_a_smem_bytes(cfg.with_(num_stages=1, bwd_num_stages=1))
+    # the megakernel's loops scale with bwd_stages (the weight-gradient launch's term with num_stages)
+    assert bwd_phase_a_smem_bytes(cfg) >= stages * one
+

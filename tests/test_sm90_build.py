@@ -65,6 +65,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
     # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)
     (dict(which="bwd", resident=True, config=dict(wgrad_two_per_sm=True)), BWD),
+    # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
+    (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
+    (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),
     (dict(which="bwd", resident=True), BWD),  # BF16 backward reading kept activations (GU_MODE 1)
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2

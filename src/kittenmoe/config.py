@@ -170,6 +170,10 @@ class KernelConfig:
         ~116 programs reads ~G row tiles' x many times while it is in L2 (Triton's GROUP_M swizzle). The
         same bits in any order. Off: on the H200 the forward was 1-3% slower at G = 4 and 8 on every slice
         (2026-12-01).
+    bwd_num_stages: pipeline stages of the backward megakernel's GEMM loops; 0 (default): min(num_stages, 3),
+        the build timed so far. 4 fits on sm_90 with the default tiles (229,408 B of shared memory, replaying,
+        kept and FP8 builds alike; the loops share their buffers), for phase A's 112-step K loop over H
+        (Kimi), which runs at ~3.3 TFLOP/s a program against phase B's 5.6. Not yet timed.
     half_tail_tiles: the forward's routed row tiles whose second half is padding (an expert's last tile with
         at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles, gate|up and down: the tile of an even
         column computes its own and the next column's outputs, the next one only signals. Each expert wastes
@@ -202,6 +206,7 @@ class KernelConfig:
     wgrad_two_per_sm: bool = False
     tile_group_m: int = 0
     half_tail_tiles: bool = False
+    bwd_num_stages: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -233,6 +238,9 @@ class KernelConfig:
                              f"of minibatch_size={self.minibatch_size} (or None for no ring)")
         if self.num_stages < 1:
             raise ValueError(f"KernelConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.bwd_num_stages < 0:
+            raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
+                             f"{self.bwd_num_stages}")
         if self.tile_group_m < 0:
             raise ValueError(f"KernelConfig.tile_group_m must be >= 0 (0: every row tile of a minibatch in one "
                              f"group), got {self.tile_group_m}")
@@ -244,6 +252,11 @@ class KernelConfig:
 
     def with_(self, **changes) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def bwd_stages(self) -> int:
+        """The backward megakernel's pipeline stages: ``bwd_num_stages``, or min(num_stages, 3) when 0."""
+        return self.bwd_num_stages or min(self.num_stages, 3)
 
 
 def routed_capacity(r: int, t: int, k: int, experts_per_rank: int, block_m: int) -> int:
@@ -272,12 +285,11 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
 
 
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
-    """Shared-memory estimate of the backward's largest tile, at most 3 stages (the launcher caps them
-    there): phase A holds per stage the d_out and x row tiles (``2 x block_m x block_k``) and three weight
+    """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage the d_out and x row tiles (``2 x block_m x block_k``) and three weight
     tiles of half width (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the
     weight-gradient launch ``block_k x 3 block_n`` with all ``num_stages``."""
     bn = max(16, config.block_n // 2)
-    stages = min(config.num_stages, 3)
+    stages = config.bwd_stages
     phase_a = stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes
     # phase B: a block_m x block_k row tile and a block_k x 2 block_n weight tile per stage
     phase_b = stages * (config.block_m + 2 * config.block_n) * config.block_k * elem_bytes

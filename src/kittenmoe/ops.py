@@ -744,7 +744,7 @@ def launch_rank_backward(
     # removed 2026-12-01, docs/perf-notes.md.)
     wmeta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=use_tma, **dot)
     if not interp:
-        meta.update(num_warps=config.num_warps, num_stages=min(config.num_stages, 3))
+        meta.update(num_warps=config.num_warps, num_stages=config.bwd_stages)
         wmeta.update(num_warps=4 if two else config.num_warps,
                      num_stages=min(config.num_stages, 3) if two else config.num_stages)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
