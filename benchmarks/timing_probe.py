@@ -94,7 +94,9 @@ def kernel_times(fn, flush: torch.Tensor | None, n: int = 5,
         torch.cuda.synchronize()
     if timeline is not None:
         gpu_timeline(prof, timeline)
-    rows = [(e.key, e.device_time_total / 1e3 / n) for e in prof.key_averages() if e.device_time_total > 0]
+    # GPU activities only: a CPU op's row (with the CPU activity on, for the timeline) also totals its kernels
+    rows = [(e.key, e.device_time_total / 1e3 / n) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
     rows.sort(key=lambda r: -r[1])
     # the flush's own kernel is not the forward's
     flush_ms = sum(ms for k, ms in rows if "fill" in k or "FillFunctor" in k) if flush is not None else 0.0

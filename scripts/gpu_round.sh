@@ -135,11 +135,12 @@ if [[ $what == wgradfloor ]]; then  # the weight-gradient launch's floors (MMA o
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 100 \
     > "$OUT/clocks.csv" 2>&1 &
   smi=$!
+  trap 'kill "$smi" 2>/dev/null' EXIT  # also when the call is cut short
   step timing python3 benchmarks/timing_probe.py --out "$OUT"
   kill "$smi"
 fi
 if [[ $what == bwdstages ]]; then  # KernelConfig.bwd_num_stages=4: its bit test, then Kimi and DeepSeek (~4 min)
-  step bstest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch and bwd_num"
+  step bstest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch and bwd-num-stages"
   step bstime python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5 --out "$OUT" \
     --config "bwd_num_stages=4"
 fi

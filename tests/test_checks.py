@@ -513,4 +513,3 @@ def test_kernel_config_bwd_stages(kwargs, stages):
     one = bwd_phase_a_smem_bytes(cfg.with_(num_stages=1, bwd_num_stages=1))
     # the megakernel's loops scale with bwd_stages (the weight-gradient launch's term with num_stages)
     assert bwd_phase_a_smem_bytes(cfg) >= stages * one
-

@@ -285,8 +285,8 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
 
 
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
-    """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage the d_out and x row tiles (``2 x block_m x block_k``) and three weight
-    tiles of half width (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the
+    """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage
+    the d_out and x row tiles (``2 x block_m x block_k``) and three weight tiles of half width (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the
     weight-gradient launch ``block_k x 3 block_n`` with all ``num_stages``."""
     bn = max(16, config.block_n // 2)
     stages = config.bwd_stages
@@ -305,7 +305,8 @@ def check_shared_memory(config: KernelConfig, elem_bytes: int, backward: bool = 
         which = "backward phase-A" if backward else "forward gate|up"
         raise ValueError(
             f"{config} needs about {need // 1024} KB of shared memory for its {which} tile with "
-            f"{elem_bytes}-byte operands; a GPU block has {SHARED_MEMORY_LIMIT // 1024} KB. Lower num_stages, "
+            f"{elem_bytes}-byte operands; a GPU block has {SHARED_MEMORY_LIMIT // 1024} KB. Lower num_stages"
+            f"{' or bwd_num_stages' if backward else ''}, "
             f"block_n or block_k (kittenmoe.config.default_config picks tiles that fit).")
 
 
