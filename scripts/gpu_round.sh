@@ -104,11 +104,12 @@ if [[ $what == next2 ]]; then  # KernelConfig.tile_group_m (the order of a minib
   step tgbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 3 --out "$OUT" \
     --config "tile_group_m=4"
 fi
-if [[ $what == halftail ]]; then  # KernelConfig.half_tail_tiles: its GPU bit tests, then the four slices (~6 min)
-  # the seed slices' bit tests (forward, kept gate|up, backward) and the refusals outside the built form
+if [[ $what == halftail ]]; then  # KernelConfig.half_tail_tiles (gate|up only): GPU bit tests, the four slices (~5 min)
+  # the seed slices' bit tests (forward, kept gate|up, backward; gate|up alone and with half_tail_wide) and the
+  # refusals outside the built form
   step httest python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "half_tail"
   step htfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" --config ";half_tail_tiles=True"
-  step htbwd python3 benchmarks/bwd_round.py --shapes deepseek-v4-pro,glm-5.2 --reps 3 --out "$OUT" \
+  step htbwd python3 benchmarks/bwd_round.py --shapes deepseek-v4-pro,kimi-k2.7 --reps 3 --out "$OUT" \
     --config "half_tail_tiles=True"
 fi
 if [[ $what == bm64 ]]; then  # block_m 64 for BF16: less padding of each expert's rows (DeepSeek: 33% at 128)

@@ -358,11 +358,17 @@ def _half_tail_tiles(sched, bm: int) -> int:
     return int(((pr[:, bm // 2:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
 
 
+# the knobs: gate|up half tiles alone (the spill-free sm_90 form), and with the wide GEMMs' half pairs (the
+# forward's down, the backward's phase B) too
+HALF_KNOBS = {"gate-up": dict(half_tail_tiles=True), "all": dict(half_tail_tiles=True, half_tail_wide=True)}
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 run the half tiles' pointer path, which a GPU refuses "
                     "(test_gpu_half_tail_tiles_refused_where_unsupported); test_gpu_half_tail_tiles_same_bits covers it")
+@pytest.mark.parametrize("knobs", list(HALF_KNOBS))
 @pytest.mark.parametrize("name", list(HALF_TAIL_CASES))
-def test_half_tail_tiles_match(name):
-    """KernelConfig.half_tail_tiles: the forward's output equals the full-tile run's bit for bit (each row's
+def test_half_tail_tiles_match(name, knobs):
+    """KernelConfig.half_tail_tiles (and half_tail_wide): the forward's output equals the full-tile run's bit for bit (each row's
     sums do not depend on the tile's height or width: the MMAs on a GPU, the conftest's fp64-accumulated dot
     under the interpreter) and is close to the fp64 reference; with the activations kept, gate|up equals the
     full-tile run's and its padding rows are exact zeros (the backward's weight gradients sum them), so every
@@ -371,7 +377,7 @@ def test_half_tail_tiles_match(name):
     inp = _make_inputs(case, seed=21)
     cfg = case.config().with_(block_m=32)
     full = _megakernel(case, inp, config=cfg)
-    got = _megakernel(case, inp, config=cfg.with_(half_tail_tiles=True))
+    got = _megakernel(case, inp, config=cfg.with_(**HALF_KNOBS[knobs]))
     assert sum(_half_tail_tiles(st.schedule, 32) for st in got.states) > 0, "no half tail tile in this case"
     ref = _reference64(case, inp)
     for r in range(case.r):
@@ -381,7 +387,7 @@ def test_half_tail_tiles_match(name):
         return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
     a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
     kept = {}
-    for label, c in (("full", cfg), ("half", cfg.with_(half_tail_tiles=True))):
+    for label, c in (("full", cfg), ("half", cfg.with_(**HALF_KNOBS[knobs]))):
         f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
         f.check_errors()
         for r, st in enumerate(f.states):
@@ -409,21 +415,24 @@ def test_half_tail_tiles_match(name):
     (64, True, False),  # 32-row halves: mma.sync on sm_90
     (128, False, False),  # the pointer path: its half loops overflow shared memory at 4 stages
 ])
-def test_half_tail_gpu_conditions(block_m, tma, ok):
+@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])
+def test_half_tail_gpu_conditions(block_m, tma, ok, knob):
     """The launchers' check for a CUDA device (a pure function of the config, so it runs on CPU too)."""
-    cfg = KernelConfig(block_m=block_m, half_tail_tiles=True)
+    cfg = KernelConfig(block_m=block_m, **{knob: True})
     if ok:
         ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
     else:
-        with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU needs block_m >= 128"):
+        with pytest.raises(NotImplementedError, match=f"{knob} on a GPU needs block_m >= 128"):
             ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
     ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False, False)  # the interpreter takes any size
 
 
-def test_half_tail_tiles_refuse_small_block_m():
-    """half_tail_tiles needs block_m >= 32 (a 16-row half for tl.dot): a clear error at construction."""
+@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])
+def test_half_tail_tiles_refuse_small_block_m(knob):
+    """half_tail_tiles / half_tail_wide need block_m >= 32 (a 16-row half for tl.dot): a clear error at
+    construction."""
     with pytest.raises(ValueError, match="block_m >= 32"):
-        KernelConfig(block_m=16, half_tail_tiles=True)
+        KernelConfig(block_m=16, **{knob: True})
 
 
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
@@ -643,11 +652,12 @@ def _seed_slice_inputs(name: str, seed: int = 0):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("knobs", list(HALF_KNOBS))
 @pytest.mark.parametrize("name,keep", [
     ("deepseek-v4-pro-T2048", False),  # 256 rows an expert on average: about half the experts end in a half tile
     ("glm-5.2-T2048", True),  # 512 an expert, with gate|up kept for the backward (padding rows stored as zeros)
 ])
-def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
+def test_gpu_half_tail_tiles_same_bits(name, keep, knobs, cuda_cleanup):
     """KernelConfig.half_tail_tiles at the default tiles (128 x 128 gate|up, 128 x 256 down, 8 warps): an expert's
     last tile with at most 64 rows runs as 64 x 256 / 64 x 512 through the same wgmma path, and each row's sums do
     not depend on the tile's height or width, so the output (and the kept gate|up) have the full tiles' bits;
@@ -656,7 +666,7 @@ def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
     shape, t, x, ids, w, mw = _seed_slice_inputs(name)
     args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
     runs = {}
-    for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(half_tail_tiles=True))):
+    for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(**HALF_KNOBS[knobs]))):
         res = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
         res.check_errors()
         runs[label] = res
@@ -670,7 +680,7 @@ def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
                              f"{name}: kept gate|up")
         d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
         grads = {}
-        for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(half_tail_tiles=True))):
+        for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(**HALF_KNOBS[knobs]))):
             b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=runs[label].saved())
             b.check_errors()
             grads[label] = [b.d_x[0], b.d_topk_weights[0], b.d_w13, b.d_w2, b.d_shared_w13, b.d_shared_w2]
@@ -682,6 +692,7 @@ def test_gpu_half_tail_tiles_same_bits(name, keep, cuda_cleanup):
 @pytest.mark.parametrize("cfg", [
     KernelConfig(half_tail_tiles=True, block_m=64),  # 32-row halves would compile to mma.sync, not wgmma
     KernelConfig(half_tail_tiles=True, tma=False),  # the pointer path's half loops overflow shared memory
+    KernelConfig(half_tail_wide=True, tma=False),  # the wide pairs likewise (the backward's phase B too)
 ])
 def test_gpu_half_tail_tiles_refused_where_unsupported(cfg, cuda_cleanup):
     """half_tail_tiles on a GPU outside its built form (block_m >= 128 through TMA): a clear error, forward and
@@ -689,10 +700,10 @@ def test_gpu_half_tail_tiles_refused_where_unsupported(cfg, cuda_cleanup):
     case = Case(TINY.with_(h=256, i=128), r=1, t=64, dtype=torch.bfloat16)
     inp = _make_inputs(case, device="cuda")
     a = (inp.xs, inp.ids, inp.ws, *inp.weights(), None)
-    with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU"):
+    with pytest.raises(NotImplementedError, match="half_tail_(tiles|wide) on a GPU"):
         megakernel_forward_multirank(*a, config=cfg.with_(minibatch_size=128))
     d_out = [torch.randn_like(inp.xs[0])]
-    with pytest.raises(NotImplementedError, match="half_tail_tiles on a GPU"):
+    with pytest.raises(NotImplementedError, match="half_tail_(tiles|wide) on a GPU"):
         megakernel_backward_multirank(d_out, *a, config=cfg.with_(minibatch_size=128))
 
 

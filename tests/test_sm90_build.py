@@ -59,7 +59,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     # an expert's last tile at half height over two column tiles (KernelConfig.half_tail_tiles), kept or not
     (dict(which="fwd", config=dict(half_tail_tiles=True)), FWD),
     (dict(which="fwd", resident=True, config=dict(half_tail_tiles=True)), FWD),
-    (dict(which="bwd", resident=True, config=dict(half_tail_tiles=True)), BWD),  # and the backward's phase B
+    # the wide GEMMs' half pairs too: the forward's down and the backward's phase B
+    (dict(which="fwd", config=dict(half_tail_tiles=True, half_tail_wide=True)), FWD),
+    (dict(which="bwd", resident=True, config=dict(half_tail_wide=True)), BWD),
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),

@@ -100,7 +100,7 @@ def _is_pow2(v: int) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
-               "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles")
+               "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles", "half_tail_wide")
 
 
 @dataclass(frozen=True)
@@ -174,17 +174,21 @@ class KernelConfig:
         the build timed so far. 4 fits on sm_90 with the default tiles (229,408 B of shared memory, replaying,
         kept and FP8 builds alike; the loops share their buffers), for phase A's 112-step K loop over H
         (Kimi), which runs at ~3.3 TFLOP/s a program against phase B's 5.6. Not yet timed.
-    half_tail_tiles: the forward's routed row tiles whose second half is padding (an expert's last tile with
-        at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles, gate|up and down: the tile of an even
+    half_tail_tiles: the forward gate|up GEMM's routed row tiles whose second half is padding (an expert's
+        last tile with at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles: the tile of an even
         column computes its own and the next column's outputs, the next one only signals. Each expert wastes
-        block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing)
-        pads 2.5 tiles' work to 2.0, and this makes it ~2.25. Same accumulator registers; each row's arithmetic
-        unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16); elsewhere, and with FP8, the launchers
-        raise NotImplementedError (the interpreter takes block_m >= 32). The backward's phase B (d_x = d(gate|up)
-        W13) likewise; its phase A keeps full tiles.
-        Off: on the H200 the same bits but slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
-        5.56 against 4.62; 2026-12-01). Its device build spills 22 registers and every tile slows, not just
-        the tail ones (DeepSeek trace: gate|up 276 -> 328 program-ms for the same tiles).
+        block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing) pads
+        2.5 tiles' work to 2.0, and this takes gate|up (2/3 of the routed FLOPs) to ~2.25. Same accumulator
+        registers; each row's arithmetic unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16);
+        elsewhere, and with FP8, the launchers raise NotImplementedError (the interpreter takes block_m >= 32).
+        The sm_90 build of this form alone: 220 registers, no stack. Not yet timed in this form.
+    half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
+        phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
+        phase A keeps full tiles. Same conditions. Off: its sm_90 builds spill (forward 56 bytes of stack with
+        both knobs, 40 with this one alone; kept backward 64), and on the H200 both together (then one knob,
+        2026-12-01) kept the bits but were slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
+        5.56 against 4.62; every tile slowed, not just the tail ones: DeepSeek's gate|up 276 -> 328
+        program-ms for the same tiles).
     """
 
     num_comm_programs_fwd: int = 16
@@ -206,6 +210,7 @@ class KernelConfig:
     wgrad_two_per_sm: bool = False
     tile_group_m: int = 0
     half_tail_tiles: bool = False
+    half_tail_wide: bool = False
     bwd_num_stages: int = 0
 
     def __post_init__(self) -> None:
@@ -244,9 +249,9 @@ class KernelConfig:
         if self.tile_group_m < 0:
             raise ValueError(f"KernelConfig.tile_group_m must be >= 0 (0: every row tile of a minibatch in one "
                              f"group), got {self.tile_group_m}")
-        if self.half_tail_tiles and self.block_m < 32:
-            raise ValueError(f"KernelConfig.half_tail_tiles needs block_m >= 32 (a half tile of block_m / 2 rows "
-                             f"is a tl.dot operand of at least 16), got block_m={self.block_m}")
+        if (self.half_tail_tiles or self.half_tail_wide) and self.block_m < 32:
+            raise ValueError(f"KernelConfig.half_tail_tiles / half_tail_wide need block_m >= 32 (a half tile of "
+                             f"block_m / 2 rows is a tl.dot operand of at least 16), got block_m={self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 

@@ -162,20 +162,21 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
 
 
 def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8: bool) -> None:
-    """KernelConfig.half_tail_tiles, for both launchers: no FP8 form (anywhere); on a GPU only through TMA (the
+    """KernelConfig.half_tail_tiles and half_tail_wide, for both launchers: no FP8 form (anywhere); on a GPU only through TMA (the
     pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an H200's 227 KB) and with
     block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
     instruction whose sums were never compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
-    if not config.half_tail_tiles:
+    if not (config.half_tail_tiles or config.half_tail_wide):
         return
+    knob = "half_tail_tiles" if config.half_tail_tiles else "half_tail_wide"
     if fp8:
-        raise NotImplementedError("KernelConfig.half_tail_tiles has no FP8 form yet (the e4m3 GEMMs step one "
+        raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one "
                                   "scale block at a time): run FP8 without it")
     if dev.type != "cuda":
         return
     if config.block_m < 128 or not use_tma:
         raise NotImplementedError(
-            f"KernelConfig.half_tail_tiles on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
+            f"KernelConfig.{knob} on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
             f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
 
 
@@ -351,8 +352,8 @@ def launch_rank_forward(
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
-        # KernelConfig.half_tail_tiles: the routed rows in half-height blocks (stand-ins without the knob)
-        half = config.half_tail_tiles
+        # KernelConfig.half_tail_tiles / half_tail_wide: the routed rows in half-height blocks (stand-ins without)
+        half = config.half_tail_tiles or config.half_tail_wide
         descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk])) if half
                   else (routed[0], routed[1]))
     else:
@@ -375,7 +376,8 @@ def launch_rank_forward(
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        COPY_PREFETCH=config.copy_prefetch, HALF_TAIL=config.half_tail_tiles, HALF_STAGES=HALF_TAIL_STAGES,
+        COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
+        HALF_STAGES=HALF_TAIL_STAGES,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
@@ -688,8 +690,8 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [config.block_k, bn2]))
     else:
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
-    # KernelConfig.half_tail_tiles: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
-    dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_tiles
+    # KernelConfig.half_tail_wide: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
+    dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_wide
                  else b_descs[0])
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
@@ -734,7 +736,7 @@ def launch_rank_backward(
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
-        HALF_TAIL=config.half_tail_tiles, HALF_STAGES=HALF_TAIL_STAGES,
+        HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n

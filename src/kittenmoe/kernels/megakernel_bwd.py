@@ -426,7 +426,7 @@ def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_pt
 def _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
                   BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a half tail tile (KernelConfig.half_tail_tiles): its BM/2 real
+    """Phase B (d_x rows = d(gate|up) W13[e]) of a half tail tile (KernelConfig.half_tail_wide): its BM/2 real
     rows over column tiles nt and nt + 1 of H, at NS stages (a stage: BM/2 x BK of d(gate|up), two BK x BN2
     weight tiles, 72 KB at 128 x 256 x 64). dguh_desc blocks [BM/2, BK], w13_desc blocks [BK, BN2]."""
     BMH: tl.constexpr = BM // 2
@@ -804,7 +804,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
                                 full = True
-                                if HALF_TAIL:  # KernelConfig.half_tail_tiles: this column tile and the next at BM/2
+                                if HALF_TAIL:  # KernelConfig.half_tail_wide: this column tile and the next at BM/2
                                     half = _is_half_tail(peer_rank_ptr, row0, num_rows, BM)
                                     pair = half & (nt % 2 == 0) & (nt + 1 < n_b_h)
                                     full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_b_h))

@@ -320,8 +320,8 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
 
 
 # ----------------------------------------------------------------------------- half tail tiles
-# KernelConfig.half_tail_tiles: a routed row tile whose second half is schedule padding (an expert's last tile
-# with at most BM/2 rows) runs as a BM/2 x 2 BN tile covering its column tile and the next; the next column
+# KernelConfig.half_tail_tiles (gate|up, HALF_GU) and half_tail_wide (down, HALF_DN): a routed row tile whose
+# second half is schedule padding (an expert's last tile with at most BM/2 rows) runs as a BM/2 x 2 BN tile covering its column tile and the next; the next column
 # tile of that row tile only signals. Same accumulator registers (BM/2 x 2 BN against BM x BN, twice for gate
 # and up), half the MMA rows. Through TMA the weight tiles of both column tiles are loaded separately (a
 # [2 BN2, BK] box passes TMA's 256 limit in the down GEMM) into two accumulators, at HALF_STAGES stages: a
@@ -625,8 +625,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK] (FP8_DOWN: e4m3, blocks [BN2, SB])
     sw13_desc,  # shared w13 [2S, H], blocks [BN, BK]
     sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
-    xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
-    hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
+    xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
+    hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -641,7 +641,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
-    COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False, HALF_STAGES: tl.constexpr = 2,
+    COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
+    HALF_STAGES: tl.constexpr = 2,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -798,7 +799,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
                                     else:
                                         full = True
-                                        if HALF_TAIL:  # this column tile and the next at BM/2 x 2 BN, or nothing
+                                        if HALF_GU:  # this column tile and the next at BM/2 x 2 BN, or nothing
                                             half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
                                             pair = half & (nt % 2 == 0) & (nt + 1 < n_gu_tiles_i)
                                             full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_gu_tiles_i))
@@ -840,7 +841,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
                                     full = True
-                                    if HALF_TAIL:  # this column tile and the next at BM/2 x 2 BN2, or nothing
+                                    if HALF_DN:  # this column tile and the next at BM/2 x 2 BN2, or nothing
                                         half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
                                         pair = half & (nt % 2 == 0) & (nt + 1 < n_dn_tiles_h)
                                         full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_dn_tiles_h))
