@@ -180,10 +180,13 @@ def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8
             f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
 
 
-# KernelConfig.half_tail_tiles: pipeline stages of a half tail tile's K loop. A stage holds block_m/2 x block_k
-# of rows and four (gate|up) or two (down) weight tiles: 72 KB at 128 x 128 x 64, so 2 stages (144 KB) stay
-# under the gate|up loop's 4 x 48 KB; Triton reuses the buffers of loops not live together.
-HALF_TAIL_STAGES = 2
+# KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
+# block_m/2 x block_k of rows and four (gate|up) or two 2 block_n-wide (down, phase B) weight tiles: 72 KB at
+# 128 x 128 x 64, so 3 stages (216 KB) fit beside nothing else; Triton reuses the buffers of loops not live
+# together (sm_90 builds: 221,304 B forward, 221,240 B backward). At 3 rather than 2 the builds also spill
+# less: backward with half_tail_wide 8 bytes of stack against 64 (the default build's 8), forward with both
+# knobs 48 against 56; gate|up alone stays at 220 registers and no stack.
+HALF_TAIL_STAGES = 3
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
 
 
