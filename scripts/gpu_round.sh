@@ -108,7 +108,9 @@ if [[ $what == halftail ]]; then  # KernelConfig.half_tail_tiles (gate|up only):
   # the seed slices' bit tests (forward, kept gate|up, backward; gate|up alone and with half_tail_wide) and the
   # refusals outside the built form
   step httest python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "half_tail"
-  step htfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" --config ";half_tail_tiles=True"
+  # with 6 comm programs too: DeepSeek's 8 were busy about half the kernel (trace 2026-12-01: pull 26%, push 29%)
+  step htfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" \
+    --config ";half_tail_tiles=True;num_comm_programs_fwd=6;num_comm_programs_fwd=6,half_tail_tiles=True"
   step htbwd python3 benchmarks/bwd_round.py --shapes deepseek-v4-pro,kimi-k2.7 --reps 3 --out "$OUT" \
     --config "half_tail_tiles=True"
 fi
