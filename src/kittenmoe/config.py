@@ -184,9 +184,9 @@ class KernelConfig:
         The sm_90 build of this form alone: 220 registers, no stack. Not yet timed in this form.
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
-        phase A keeps full tiles. Same conditions. Off: its sm_90 builds spill (forward 56 bytes of stack with
-        both knobs, 40 with this one alone; kept backward 64), and on the H200 both together (then one knob,
-        2026-12-01) kept the bits but were slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
+        phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
+        48 with half_tail_tiles; the backward's is back to the default's 8 at the half loops' 3 stages), and
+        on the H200 both together at 2 stages (then one knob, 2026-12-01) kept the bits but were slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
         5.56 against 4.62; every tile slowed, not just the tail ones: DeepSeek's gate|up 276 -> 328
         program-ms for the same tiles).
     """
