@@ -56,6 +56,10 @@ class ForwardSlice:
         return ([self.x], [self.ids], [self.wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
                 self.shape.swiglu_limit)
 
+    def run(self, config: KernelConfig | None = None) -> torch.Tensor:
+        """One megakernel forward (the slice's heuristic config unless given); its output."""
+        return megakernel_forward_multirank(*self.args, config=config or self.config, peers=self.peers).outputs[0]
+
 
 def forward_slice(name: str, ep: int, tokens: int, dev: torch.device) -> ForwardSlice:
     """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: the issue's SLICES count)."""

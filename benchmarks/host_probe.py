@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from fwd_round import forward_slice  # noqa: E402
 
-from kittenmoe.ops import megakernel_forward_multirank  # noqa: E402
 
 
 def main() -> int:
@@ -33,10 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     sl = forward_slice(args.shape, args.ep, args.tokens, dev)
-    args_k, cfg, peers = sl.args, sl.config, sl.peers
-
-    def fn():
-        return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]
+    fn = sl.run
 
     for _ in range(5):
         fn()

@@ -35,7 +35,6 @@ import triton
 sys.path.insert(0, os.path.dirname(__file__))
 from fwd_round import forward_slice  # noqa: E402
 
-from kittenmoe.ops import megakernel_forward_multirank  # noqa: E402
 
 
 def event_median(fn, flush: torch.Tensor | None, n: int = 30) -> float:
@@ -116,10 +115,7 @@ def main() -> int:
     table = []
     for name in args.shapes.split(","):
         sl = forward_slice(name, args.ep, 0, dev)
-        args_k, cfg, peers = sl.args, sl.config, sl.peers
-
-        def fn():
-            return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]
+        fn = sl.run
 
         for _ in range(5):
             fn()
