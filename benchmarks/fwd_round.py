@@ -118,7 +118,7 @@ def main() -> int:
         print(f"  {name}: heuristic {heur}", flush=True)
 
         def run_mk():
-            return megakernel_forward_multirank(*args_k, config=cfg, peers=peers).outputs[0]
+            return sl.run(cfg)
 
         def run_base():
             return grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
@@ -149,7 +149,7 @@ def main() -> int:
         print(f"  schedule: torch ops {ms_sched['torch']:.3f} ms, triton {ms_sched['triton']:.3f} ms", flush=True)
         sweep, sweep_errors = {}, {}
         for c in cfgs:
-            fn = lambda c=c: megakernel_forward_multirank(*args_k, config=c, peers=peers).outputs[0]
+            fn = lambda c=c: sl.run(c)
             short = ",".join(f"{k}={v}" for k, v in c.__dict__.items() if v != getattr(heur, k)) or "heuristic"
             try:
                 sweep[str(c.__dict__)] = triton.testing.do_bench(fn, warmup=100, rep=args.reps * 10,
@@ -201,8 +201,7 @@ def main() -> int:
         # The same two paths replayed from CUDA graphs: what a training step that captures its layers sees
         # (no Python or launch overhead; the schedule's ~30 torch ops cost host time in eager mode).
         graph_ms = {}
-        for label, fn in (("kittenmoe", lambda: megakernel_forward_multirank(
-                *args_k, config=parse_config(str_cfg(best)), peers=peers).outputs[0]), ("grouped_mm", run_base)):
+        for label, fn in (("kittenmoe", lambda: sl.run(parse_config(str_cfg(best)))), ("grouped_mm", run_base)):
             try:
                 fn()  # warm-up outside the capture: buffers and pointer tables exist before it
                 torch.cuda.synchronize()

@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from fwd_round import forward_slice  # noqa: E402
 
 
-
 def event_median(fn, flush: torch.Tensor | None, n: int = 30) -> float:
     ts = []
     for _ in range(n):

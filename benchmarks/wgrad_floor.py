@@ -57,15 +57,7 @@ def wgrad_variant_kernel(
     N, M, do_store,
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, MODE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    n_n = tl.cdiv(N, WN)
-    n_m = tl.cdiv(M, WM)
-    g = tile // (n_n * n_m)
-    q = tile % (n_n * n_m)
-    n0 = (q // n_m) * WN
-    m0 = (q % n_m) * WM
-    seg0 = tl.load(offsets_ptr + g)
-    seg1 = tl.load(offsets_ptr + g + 1)
+    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), offsets_ptr, N, M, WN, WM)  # the library's tiles
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     if MODE == 3:
         p = p_desc.load([seg0, n0])

@@ -143,7 +143,8 @@ if [[ $what == wgradfloor ]]; then  # the weight-gradient launch's floors (MMA o
   kill "$smi"
 fi
 if [[ $what == bwdstages ]]; then  # KernelConfig.bwd_num_stages=4: its bit test, then Kimi and DeepSeek (~4 min)
-  step bstest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py -k "wgrad_launch and bwd-num-stages"
+  step bstest python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_bwd.py \
+    -k "wgrad_launch and bwd-num-stages"
   step bstime python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5 --out "$OUT" \
     --config "bwd_num_stages=4"
 fi

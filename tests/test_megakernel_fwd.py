@@ -368,8 +368,8 @@ HALF_KNOBS = {"gate-up": dict(half_tail_tiles=True), "all": dict(half_tail_tiles
 @pytest.mark.parametrize("knobs", list(HALF_KNOBS))
 @pytest.mark.parametrize("name", list(HALF_TAIL_CASES))
 def test_half_tail_tiles_match(name, knobs):
-    """KernelConfig.half_tail_tiles (and half_tail_wide): the forward's output equals the full-tile run's bit for bit (each row's
-    sums do not depend on the tile's height or width: the MMAs on a GPU, the conftest's fp64-accumulated dot
+    """KernelConfig.half_tail_tiles (and half_tail_wide): the forward's output equals the full-tile run's bit for
+    bit (each row's sums do not depend on the tile's height or width: the MMAs on a GPU, the conftest's fp64-accumulated dot
     under the interpreter) and is close to the fp64 reference; with the activations kept, gate|up equals the
     full-tile run's and its padding rows are exact zeros (the backward's weight gradients sum them), so every
     gradient of the backward from them has the same bits too."""

@@ -186,9 +186,9 @@ class KernelConfig:
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
         48 with half_tail_tiles; the backward's is back to the default's 8 at the half loops' 3 stages), and
-        on the H200 both together at 2 stages (then one knob, 2026-12-01) kept the bits but were slower everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek
-        5.56 against 4.62; every tile slowed, not just the tail ones: DeepSeek's gate|up 276 -> 328
-        program-ms for the same tiles).
+        on the H200 both together at 2 stages (then one knob, 2026-12-01) kept the bits but were slower
+        everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek 5.56 against 4.62; every tile slowed, not just
+        the tail ones: DeepSeek's gate|up 276 -> 328 program-ms for the same tiles).
     """
 
     num_comm_programs_fwd: int = 16
@@ -249,7 +249,7 @@ class KernelConfig:
         if self.tile_group_m < 0:
             raise ValueError(f"KernelConfig.tile_group_m must be >= 0 (0: every row tile of a minibatch in one "
                              f"group), got {self.tile_group_m}")
-        if (self.half_tail_tiles or self.half_tail_wide) and self.block_m < 32:
+        if self.half_tails and self.block_m < 32:
             raise ValueError(f"KernelConfig.half_tail_tiles / half_tail_wide need block_m >= 32 (a half tile of "
                              f"block_m / 2 rows is a tl.dot operand of at least 16), got block_m={self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
@@ -257,6 +257,11 @@ class KernelConfig:
 
     def with_(self, **changes) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def half_tails(self) -> bool:
+        """Whether any GEMM runs half tail tiles (``half_tail_tiles`` or ``half_tail_wide``)."""
+        return self.half_tail_tiles or self.half_tail_wide
 
     @property
     def bwd_stages(self) -> int:
@@ -291,8 +296,9 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
 
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
     """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage
-    the d_out and x row tiles (``2 x block_m x block_k``) and three weight tiles of half width (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the
-    weight-gradient launch ``block_k x 3 block_n`` with all ``num_stages``."""
+    the d_out and x row tiles (``2 x block_m x block_k``) and three weight tiles of half width
+    (``3 x block_n/2 x block_k``); phase B ``(block_m + 2 block_n) x block_k``; the weight-gradient launch
+    ``block_k x 3 block_n`` with all ``num_stages``."""
     bn = max(16, config.block_n // 2)
     stages = config.bwd_stages
     phase_a = stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes

@@ -162,11 +162,11 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
 
 
 def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8: bool) -> None:
-    """KernelConfig.half_tail_tiles and half_tail_wide, for both launchers: no FP8 form (anywhere); on a GPU only through TMA (the
-    pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an H200's 227 KB) and with
-    block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
+    """KernelConfig.half_tail_tiles and half_tail_wide, for both launchers: no FP8 form (anywhere); on a GPU
+    only through TMA (the pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an
+    H200's 227 KB) and with block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
     instruction whose sums were never compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
-    if not (config.half_tail_tiles or config.half_tail_wide):
+    if not config.half_tails:
         return
     knob = "half_tail_tiles" if config.half_tail_tiles else "half_tail_wide"
     if fp8:
@@ -356,9 +356,8 @@ def launch_rank_forward(
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
         # KernelConfig.half_tail_tiles / half_tail_wide: the routed rows in half-height blocks (stand-ins without)
-        half = config.half_tail_tiles or config.half_tail_wide
-        descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk])) if half
-                  else (routed[0], routed[1]))
+        descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk]))
+                  if config.half_tails else (routed[0], routed[1]))
     else:
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
                  st.x_routed, st.hidden)

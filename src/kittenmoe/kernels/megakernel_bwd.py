@@ -582,7 +582,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
     MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 2,
+    HALF_STAGES: tl.constexpr = 3,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -859,6 +859,19 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
 
 
 @triton.jit
+def _wgrad_tile_at(tile, offsets_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
+    """Weight-gradient tile ``tile`` (groups after one another, each WN x WM output tiles row by row): its
+    group g, output origin (n0, m0) and the group's row segment [seg0, seg1) from offsets_ptr ([G + 1])."""
+    n_n = tl.cdiv(N, WN)
+    n_m = tl.cdiv(M, WM)
+    g = tile // (n_n * n_m)
+    q = tile % (n_n * n_m)
+    n0 = (q // n_m) * WN
+    m0 = (q % n_m) * WM
+    return g, n0, m0, tl.load(offsets_ptr + g), tl.load(offsets_ptr + g + 1)
+
+
+@triton.jit
 def weight_grad_kernel(
     offsets_ptr,  # [G + 1] int32, row segment of each group (an expert's padded rows; [0, T] for the shared one)
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
@@ -875,15 +888,7 @@ def weight_grad_kernel(
     (4 stages x 48 KB) would not fit. Output sums run over rows in order inside one program: bitwise
     reproducible.
     """
-    tile = tl.program_id(0)
-    n_n = tl.cdiv(N, WN)
-    n_m = tl.cdiv(M, WM)
-    g = tile // (n_n * n_m)
-    q = tile % (n_n * n_m)
-    n0 = (q // n_m) * WN
-    m0 = (q % n_m) * WM
-    seg0 = tl.load(offsets_ptr + g)
-    seg1 = tl.load(offsets_ptr + g + 1)
+    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), offsets_ptr, N, M, WN, WM)
     out = out_ptr + g.to(tl.int64) * N * M
     _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                 PRECISION)

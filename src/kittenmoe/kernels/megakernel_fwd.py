@@ -321,8 +321,8 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
 
 # ----------------------------------------------------------------------------- half tail tiles
 # KernelConfig.half_tail_tiles (gate|up, HALF_GU) and half_tail_wide (down, HALF_DN): a routed row tile whose
-# second half is schedule padding (an expert's last tile with at most BM/2 rows) runs as a BM/2 x 2 BN tile covering its column tile and the next; the next column
-# tile of that row tile only signals. Same accumulator registers (BM/2 x 2 BN against BM x BN, twice for gate
+# second half is schedule padding (an expert's last tile with at most BM/2 rows) runs as a BM/2 x 2 BN tile
+# covering its column tile and the next; the next column tile of that row tile only signals. Same accumulator registers (BM/2 x 2 BN against BM x BN, twice for gate
 # and up), half the MMA rows. Through TMA the weight tiles of both column tiles are loaded separately (a
 # [2 BN2, BK] box passes TMA's 256 limit in the down GEMM) into two accumulators, at HALF_STAGES stages: a
 # stage holds BM/2 x BK of rows and 4 (gate|up) or 2 (down) BN-wide weight tiles, 72 KB at 128 x 128 x 64.
@@ -642,7 +642,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
     COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 2,
+    HALF_STAGES: tl.constexpr = 3,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
