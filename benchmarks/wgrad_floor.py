@@ -14,6 +14,8 @@ variants of the same tile loop, so the launch's limiter shows as the variant tha
   MMA only     one load of each operand, then the same number of wgmmas: the tensor-core floor
   store only   zeros stored per tile: the HBM write floor
   3 stages, WK 128 (2 stages): the copy at other pipeline depths and row steps
+  persistent TMA st  one program an SM walking its tiles, each stored through a TMA bulk store that drains
+               under the next tile's K loop (3 and 2 stages)
   TMA store    the copy storing its tile through shared memory and a TMA bulk store, at 3 and 4 stages (the
                sm_90 build reuses the pipeline's shared memory for it: 147,480 / 196,640 B), instead of
                256 threads' scattered stores
@@ -44,7 +46,11 @@ from kittenmoe.kernels import megakernel_bwd as mb  # noqa: E402
 # pipeline the loads (49 KB of shared memory against 196 KB), so it would time load latency, not L2 bandwidth.
 VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), "store only": (4, 64, 4),
             "3 stages": (0, 64, 3), "WK 128, 2 st": (0, 128, 2),
-            "TMA store, 3 st": (5, 64, 3), "TMA store, 4 st": (5, 64, 4)}  # 5 stages: 245,800 B, over the 232,448
+            "TMA store, 3 st": (5, 64, 3), "TMA store, 4 st": (5, 64, 4),  # 5 stages: 245,800 B, over the 232,448
+            # one program an SM walking tiles pid, pid + 132, ...; Triton 3.6 hoists the 64 KB store buffer out of
+            # the tile loop and waits for the last tile's TMA store only before refilling it, so a tile's store
+            # drains under the next tile's K loop (213,016 B at 3 stages; 2 stages 164 KB)
+            "persistent TMA st, 3": (6, 64, 3), "persistent TMA st, 2": (6, 64, 2)}
 
 
 @triton.jit
@@ -79,23 +85,43 @@ def wgrad_variant_kernel(
                  mask=(ra < N)[:, None] & (rb < M)[None, :])
 
 
+@triton.jit
+def wgrad_persistent_store_kernel(
+    offsets_ptr,  # [G + 1] int32, each expert's row segment
+    p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
+    q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
+    out_desc,  # [G * N, M] TMA descriptor, blocks [WN, WM]
+    N, M, tiles,
+    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
+):
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(t, offsets_ptr, N, M, WN, WM)
+        acc = tl.zeros((WN, WM), dtype=tl.float32)
+        for r0 in range(seg0, seg1, WK):
+            p = p_desc.load([r0, n0])
+            qq = q_desc.load([r0, m0])
+            acc = tl.dot(p.T, qq, acc)
+        out_desc.store([g * N + n0, m0], acc.to(out_desc.dtype))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi-k2.7,deepseek-v4-pro")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ep", type=int, default=8)
+    ap.add_argument("--jobs", default="dw13", help="dw13 (N 2I x M H), dw2 (N H x M I), or both: dw13,dw2")
     ap.add_argument("--rows", type=int, default=0, help="padded rows an expert (0: T*K/E_local up to 128s)")
     args = ap.parse_args()
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
     dev = torch.device("cuda")
     WN, WM, WK = 128, 256, 64  # the default config's block_n, 2 block_n, min(block_k, block_m)
-    for name in args.shapes.split(","):
+    for name, job in [(n, j) for n in args.shapes.split(",") for j in args.jobs.split(",")]:
         base = SEED_SHAPES[name]
         L = base.e // args.ep
         T = SLICES[name]
         rows = args.rows or triton.cdiv(T * base.k // L, 128) * 128
-        N, M = 2 * base.i, base.h
+        N, M = (2 * base.i, base.h) if job == "dw13" else (base.h, base.i)
         g = torch.Generator(device=dev).manual_seed(0)
         p_op = torch.randn(L * rows, N, device=dev, generator=g).to(torch.bfloat16)
         q_op = torch.randn(L * rows, M, device=dev, generator=g).to(torch.bfloat16)
@@ -121,7 +147,10 @@ def main() -> int:
                 fn = lib
             else:
                 mode, wk, st = VARIANTS[label]
-                fn = (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                fn = (lambda st=st: wgrad_persistent_store_kernel[(min(tiles, sms),)](
+                    offsets, *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
+                    num_stages=st)) if mode == 6 else (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
                     offsets, *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m, num_warps=8,
                     num_stages=st))
             out.fill_(float("nan"))  # tiles this variant leaves unwritten show in its bit check
@@ -129,15 +158,16 @@ def main() -> int:
             torch.cuda.synchronize()
             if label == "library":
                 ref = out.clone()
-            elif VARIANTS[label][0] in (0, 5):  # the variants that compute the gradient: the library's bits?
+            elif VARIANTS[label][0] in (0, 5, 6):  # the variants that compute the gradient: the library's bits?
                 print(f"  {name} {label}: the output equals the library's bit for bit: {torch.equal(out, ref)}",
                       flush=True)
             times[label] = triton.testing.do_bench(fn, warmup=10, rep=args.reps * 10, return_mode="median")
-        print(f"\n{name}: {L} experts x {rows} rows, N {N} x M {M}; {tiles} tiles of {WN} x {WM}, {steps} steps of "
-              f"{WK}; {flop / 1e12:.3f} TFLOP, {read / 1e9:.1f} GB operand reads, {stored / 1e9:.2f} GB stored")
-        print(f"{'variant':<12} {'ms':>8} {'TFLOP/s':>8} {'read TB/s':>10} {'store TB/s':>11}")
+        print(f"\n{name} {job}: {L} experts x {rows} rows, N {N} x M {M}; {tiles} tiles of {WN} x {WM}, "
+              f"{steps} steps of {WK}; {flop / 1e12:.3f} TFLOP, {read / 1e9:.1f} GB operand reads, "
+              f"{stored / 1e9:.2f} GB stored")
+        print(f"{'variant':<20} {'ms':>8} {'TFLOP/s':>8} {'read TB/s':>10} {'store TB/s':>11}")
         for label, ms in times.items():
-            print(f"{label:<12} {ms:8.3f} {flop / ms / 1e9:8.0f} {read / ms / 1e9:10.2f} {stored / ms / 1e9:11.2f}",
+            print(f"{label:<20} {ms:8.3f} {flop / ms / 1e9:8.0f} {read / ms / 1e9:10.2f} {stored / ms / 1e9:11.2f}",
                   flush=True)
     return 0
 
