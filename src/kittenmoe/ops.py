@@ -793,10 +793,19 @@ def launch_rank_backward(
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
         if config.wgrad_persistent:  # one program per SM (3 under the interpreter; two as many with `two`)
             progs = _num_programs(dev, 0) * (2 if two else 1)
+            # The store through shared memory and TMA, drained under the next tile's K loop: the output viewed
+            # as [G * N, M] must not let a tile cross into the next group's rows (N % wn), a 2-byte dtype (an
+            # fp32 tile's 128 KB buffer does not fit beside the operands), and one program an SM (with `two`,
+            # two 96 KB programs would not fit either); at 3 stages (3 x 48 KB + 64 KB = 213,016 B on sm_90).
+            tma_store = (use_tma and not two and n % wn == 0 and m % 8 == 0 and dst.element_size() == 2
+                         and dst.is_contiguous())
+            out_desc = TD.from_tensor(dst.view(-1, m), [wn, wm]) if tma_store else dst
+            pmeta = dict(wmeta)
+            if tma_store and not interp:
+                pmeta["num_stages"] = min(config.num_stages, 3)
             out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
-                offsets, p_arg, q_arg, dst, groups, n, m, p_op.stride(0), q_op.stride(0),
-                max(p_op.shape[0], q_op.shape[0]),  # a row past both operands: an empty group's step loads zeros
-                GP=triton.next_power_of_2(groups + 1), **wmeta)
+                offsets, p_arg, q_arg, dst, out_desc, n, m, p_op.stride(0), q_op.stride(0), tiles,
+                TMA_STORE=tma_store, **pmeta)
         else:
             out["compiled_wgrad"] = mb.weight_grad_kernel[(tiles,)](
                 offsets, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)

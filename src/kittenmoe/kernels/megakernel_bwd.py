@@ -257,11 +257,20 @@ def _wgrad_tile(p_op, p_stride, q_op, q_stride, row0, row_end, out_ptr, out_stri
     """out[n0 + a, m0 + b] = sum_{r in [row0, row_end)} P[r, n0 + a] * Q[r, m0 + b], WK rows a step, in order
     (``_wgrad_step``); out: [N, M] row-major (stride out_stride). Schedule padding rows need no mask: the pull
     writes them as zeros, so they add exact zeros."""
+    acc = _wgrad_acc(p_op, p_stride, q_op, q_stride, row0, row_end, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
+                     PRECISION)
+    _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
+
+
+@triton.jit
+def _wgrad_acc(p_op, p_stride, q_op, q_stride, row0, row_end, n0, N, m0, M, WN: tl.constexpr, WM: tl.constexpr,
+               WK: tl.constexpr, USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """A weight-gradient tile's fp32 sum over rows [row0, row_end), WK rows a step in order (``_wgrad_tile``)."""
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     for r0 in range(row0, row_end, WK):
         acc = _wgrad_step(acc, p_op, q_op, r0, row_end, n0, N, m0, M, p_stride, q_stride, WN, WM, WK, USE_TMA,
                           DOT_FP32, PRECISION)
-    _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN, WM)
+    return acc
 
 
 @triton.jit
@@ -900,62 +909,27 @@ def weight_grad_persistent_kernel(
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
-    G, N, M, p_stride, q_stride, p_rows,  # p_rows: a row index past the end of both P and Q
-    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, GP: tl.constexpr,
-    USE_TMA: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    out_desc,  # [G * N, M] TMA descriptor of out_ptr, blocks [WN, WM] (used when TMA_STORE; N % WN == 0)
+    N, M, p_stride, q_stride, tiles,
+    WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
+    USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """weight_grad_kernel's tiles, each program walking tiles pid, pid + nprog, ... in one flat loop of row
-    steps (the form of Triton's persistent-matmul tutorial), so the pipeliner loads the next tile's first rows
-    while this tile's last steps and its store run. A routed tile has few steps (Kimi: six 64-row steps of
-    ~384 rows); one program per tile pays its pipeline fill and its 64 KB store alone.
+    """weight_grad_kernel's tiles, each program walking tiles pid, pid + nprog, ... With TMA_STORE a tile's
+    output goes out through one shared-memory buffer and a TMA bulk store: Triton 3.6 allocates the buffer once,
+    outside the tile loop, and waits for the previous tile's store only before refilling it, so the store
+    drains under the next tile's K loop. One program per tile paid its 64 KB store alone (Kimi d_W13: 2.44 ms
+    for the launch, 1.85 without the store; this form 2.26, benchmarks/wgrad_floor.py, 2026-12-01 (7)).
 
-    GP >= G + 1 (a power of two): the segment offsets are read once, as a vector. A group with no rows still
-    takes one step, of zeros (past p_rows under TMA, masked on pointers), so its tiles store zeros. Each tile
-    sums its rows in order, as weight_grad_kernel does: the same bits."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    n_m = tl.cdiv(M, WM)
-    per_g = tl.cdiv(N, WN) * n_m
-    gi = tl.arange(0, GP)
-    seg_lo = tl.load(offsets_ptr + gi, mask=gi < G, other=0)
-    seg_hi = tl.load(offsets_ptr + gi + 1, mask=gi < G, other=0)
-    steps_g = tl.maximum(tl.cdiv(seg_hi - seg_lo, WK), 1)
-    # tiles of group g with index = pid (mod nprog): f(hi) - f(lo), f(x) = #{t < x : t = pid mod nprog}
-    hi = (gi + 1) * per_g
-    lo = gi * per_g
-    # (numerators kept non-negative: GPU integer division truncates, the interpreter's floors)
-    cnt = tl.where(hi > pid, (hi - pid + nprog - 1) // nprog, 0) - tl.where(lo > pid, (lo - pid + nprog - 1) // nprog, 0)
-    total = tl.sum(tl.where(gi < G, cnt * steps_g, 0), axis=0)
-
-    tile = pid - nprog
-    left = 0
-    r = 0
-    seg1 = 0
-    g = 0
-    n0 = 0
-    m0 = 0
-    acc = tl.zeros((WN, WM), dtype=tl.float32)
-    for _ in range(0, total):
-        if left == 0:  # the next tile: its group's rows
-            tile += nprog
-            g = tile // per_g
-            qq = tile % per_g
-            n0 = (qq // n_m) * WN
-            m0 = (qq % n_m) * WM
-            seg0 = tl.sum(tl.where(gi == g, seg_lo, 0), axis=0)
-            seg1 = tl.sum(tl.where(gi == g, seg_hi, 0), axis=0)
-            left = tl.maximum(tl.cdiv(seg1 - seg0, WK), 1)
-            r = seg0
-            if USE_TMA:
-                if seg1 == seg0:
-                    r = p_rows  # past the end of P and Q: TMA loads zeros for both
-        acc = _wgrad_step(acc, p_op, q_op, r, seg1, n0, N, m0, M, p_stride, q_stride, WN, WM, WK, USE_TMA, DOT_FP32,
-                          PRECISION)
-        r += WK
-        left -= 1
-        if left == 0:
+    Each tile sums its rows in order, WK rows a step, as weight_grad_kernel does: the same bits. A group with
+    no rows stores zeros."""
+    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, offsets_ptr, N, M, WN, WM)
+        acc = _wgrad_acc(p_op, p_stride, q_op, q_stride, seg0, seg1, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
+                         PRECISION)
+        if TMA_STORE:
+            out_desc.store([g * N + n0, m0], acc.to(out_desc.dtype))
+        else:
             _store_wgrad(acc, out_ptr + g.to(tl.int64) * N * M, M, n0, N, m0, M, WN, WM)
-            acc = tl.zeros((WN, WM), dtype=tl.float32)
 
 
 @triton.jit
