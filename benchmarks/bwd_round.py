@@ -22,7 +22,7 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
-from kittenmoe.bench import parse_config_overrides
+from kittenmoe.bench import measure_interleaved, parse_config_overrides
 from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
 from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -71,7 +71,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi-k2.7,qwen3.5-397b-a17b")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="time budget: reps x 20 ms of timed runs a variant")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds the budget is split over")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time subsets of the backward's phases (pull, +A, +B and push, +shared, all)")
     ap.add_argument("--trace", action="store_true",
@@ -107,10 +108,6 @@ def main() -> int:
         def mk(keep=cfg.keep_activations, c=cfg):
             f = megakernel_forward_multirank(*a, config=c, peers=peers, save_for_backward=keep)
             megakernel_backward_multirank(gos, *a, config=c, peers=peers, saved=f.saved())
-
-        # The replaying backward (keep_activations=False) in the same run, for the comparison.
-        row["ms_kittenmoe_replay"] = triton.testing.do_bench(lambda: mk(False), warmup=20, rep=args.reps * 20,
-                                                             return_mode="median")
 
         if args.breakdown:
             from kittenmoe.kernels import megakernel_bwd as mb
@@ -151,22 +148,28 @@ def main() -> int:
                     mk()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=25), flush=True)
-        torch.cuda.synchronize()
-        base_mem = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        row["ms_kittenmoe"] = triton.testing.do_bench(mk, warmup=50, rep=args.reps * 20, return_mode="median")
-        row["peak_mb_kittenmoe"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
-        # --config: other configs' forward+backward in the same run, each checked against the fp32 reference
+
+        def peak_mb(fn):  # the peak memory of one call above what was allocated before it
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+        # Everything timed is timed together: the heuristic config, the replaying backward
+        # (keep_activations=False), each --config and the baseline, in interleaved rounds (kittenmoe.bench.
+        # measure_interleaved: the GPU's clock falls under sustained load, so back-to-back timing favours
+        # whatever runs first).
+        fns = {"kittenmoe": mk, "replay": lambda: mk(False)}
         row["sweep_ms"] = {}
         for over in extra:
             key = ",".join(f"{k}={v}" for k, v in over.items())  # as asked, even where it equals the heuristic
             try:
                 c = cfg.with_(**over)  # (inside the try: an override invalid for this shape is reported, not fatal)
                 row.setdefault("sweep_check", {})[key] = check(f"{name} [{key}]", shape, 1, T, c, dev)["worst_rel_l1"]
-                row["sweep_ms"][key] = triton.testing.do_bench(lambda c=c: mk(keep=c.keep_activations, c=c),
-                                                               warmup=50, rep=args.reps * 20, return_mode="median")
-                print(f"  {name} [{key}]: {row['sweep_ms'][key]:.3f} ms against {row['ms_kittenmoe']:.3f}",
-                      flush=True)
+                fns[key] = lambda c=c: mk(keep=c.keep_activations, c=c)
+                fns[key]()  # compiled before the timed rounds
             except Exception as exc:  # reported in the row and on the terminal, not hidden
                 traceback.print_exc()
                 row.setdefault("sweep_error", {})[key] = repr(exc)
@@ -177,15 +180,27 @@ def main() -> int:
             torch.autograd.grad(out, lw, gos[0])
 
         try:
-            torch.cuda.synchronize()
-            base_mem = torch.cuda.memory_allocated()  # its own zero: kittenmoe's cached buffers may be gone
-            torch.cuda.reset_peak_memory_stats()
-            row["ms_grouped_mm"] = triton.testing.do_bench(bl, warmup=50, rep=args.reps * 20, return_mode="median")
-            row["peak_mb_grouped_mm"] = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
-            row["speedup"] = row["ms_grouped_mm"] / row["ms_kittenmoe"]
+            row["peak_mb_grouped_mm"] = peak_mb(bl)
+            fns["grouped_mm"] = bl
         except Exception as exc:  # reported in the row and on the terminal, not hidden
             traceback.print_exc()
             row["baseline_error"] = repr(exc)
+        mk()
+        row["peak_mb_kittenmoe"] = peak_mb(mk)
+        timed = measure_interleaved(fns, dev, rounds=args.rounds, rep_ms=args.reps * 20 / args.rounds,
+                                    warmup_ms=20)
+        row["timing"] = f"interleaved, {args.rounds} rounds of {args.reps * 20 / args.rounds:.0f} ms a variant"
+        row["round_ms"] = {k: list(v.round_ms) for k, v in timed.items()}
+        row["ms_kittenmoe"] = timed["kittenmoe"].ms
+        row["ms_kittenmoe_replay"] = timed["replay"].ms
+        for key in [k for k in fns if k not in ("kittenmoe", "replay", "grouped_mm")]:
+            row["sweep_ms"][key] = timed[key].ms
+            print(f"  {name} [{key}]: {timed[key].ms:.3f} ms against {row['ms_kittenmoe']:.3f} "
+                  f"(rounds {' '.join(f'{t:.3f}' for t in timed[key].round_ms)})", flush=True)
+        print(f"  {name} heuristic rounds: {' '.join(f'{t:.3f}' for t in timed['kittenmoe'].round_ms)}", flush=True)
+        if "grouped_mm" in timed:
+            row["ms_grouped_mm"] = timed["grouped_mm"].ms
+            row["speedup"] = row["ms_grouped_mm"] / row["ms_kittenmoe"]
         routed = 18 * T * shape.k * shape.h * shape.i
         row["routed_tflops"] = routed / row["ms_kittenmoe"] / 1e9
         if "ms_grouped_mm" in row:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -178,6 +178,23 @@ if [[ $what == epbench* ]]; then  # issue 8: kittenmoe bench, one process per GP
     --config num_comm_programs_fwd=24,num_comm_programs_bwd=24,copy_prefetch=True
   [[ $what == epbench || $what == epbench4096 ]] && step ep-4096 $run --model $all --tokens 4096
   [[ $what == epbench || $what == epbenchfp8 ]] && step ep-fp8 $run --model $all --tokens 2048 --fp8 128
+fi
+if [[ $what == ab ]]; then  # 2026-12-01 (7): the backward knobs that gained 1-3%, timed interleaved (~7 min)
+  # SM clock, power and the reasons the driver gives for a lowered clock, every 200 ms beside the runs (the
+  # timing probe saw the clock fall 1,980 -> ~1,650 MHz under load); the older field names if the driver wants them
+  q=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu
+  if nvidia-smi --query-gpu=clocks_event_reasons.active --format=csv > /dev/null 2>&1; then
+    q=$q,clocks_event_reasons.active,clocks_event_reasons.sw_power_cap,clocks_event_reasons.hw_slowdown
+  else
+    q=$q,clocks_throttle_reasons.active,clocks_throttle_reasons.sw_power_cap,clocks_throttle_reasons.hw_slowdown
+  fi
+  nvidia-smi --query-gpu=$q --format=csv -lms 200 > "$OUT/clocks.csv" 2>&1 &
+  smi=$!
+  trap 'kill "$smi" 2>/dev/null' EXIT  # also when the call is cut short
+  step abbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 \
+    --reps 5 --out "$OUT" --config "wgrad_persistent=True;wgrad_persistent=True,bwd_num_stages=4"
+  step abfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
+  kill "$smi"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

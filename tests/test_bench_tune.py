@@ -721,3 +721,51 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
         assert "out[0]" in r["rel_l1_per_tensor"] and "out[1]" in r["rel_l1_per_tensor"]
     assert "d_w13[1]" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
     assert proc.stdout.count("kmoe ms p50 [p20-p80]") == 1  # one table: rank 0's
+
+
+# ----------------------------------------------------------------------------- interleaved timing
+
+
+@pytest.mark.parametrize("n,rounds", [
+    (1, 3),  # one variant: every round times it alone
+    (3, 3),  # as many rounds as variants: each variant once in every slot
+    (3, 7),  # more rounds than variants: the rotation wraps
+])
+def test_interleaved_order_rotates(n, rounds):
+    from kittenmoe.bench import interleaved_order
+
+    names = [f"v{j}" for j in range(n)]
+    order = interleaved_order(names, rounds)
+    assert len(order) == rounds
+    for r, round_ in enumerate(order):
+        assert sorted(round_) == names  # every variant once a round
+        assert round_[0] == names[r % n]  # round r starts at variant r mod n
+    if rounds >= n:  # over n rounds each variant takes every slot once
+        for j in range(n):
+            assert sorted(order[r][j] for r in range(n)) == names
+
+
+def test_measure_interleaved_times_each_variant_every_round():
+    """On CPU: the calls go in the rotated order, each variant has one time a round, the median is theirs."""
+    from kittenmoe.bench import interleaved_order, measure_interleaved
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    got = measure_interleaved(fns, torch.device("cpu"), rounds=4)
+    # each slot is one warm-up call and one timed call
+    want = [name for round_ in interleaved_order(["a", "b", "c"], 4) for name in round_ for _ in range(2)]
+    assert calls == want
+    for t in got.values():
+        assert len(t.round_ms) == 4 and all(x >= 0 for x in t.round_ms)
+        assert min(t.round_ms) <= t.ms <= max(t.round_ms)
+
+
+@pytest.mark.parametrize("rounds,fns", [
+    (0, {"a": lambda: None}),  # no round
+    (3, {}),  # nothing to time
+])
+def test_measure_interleaved_refuses_empty(rounds, fns):
+    from kittenmoe.bench import measure_interleaved
+
+    with pytest.raises(ValueError, match="measure_interleaved needs"):
+        measure_interleaved(fns, torch.device("cpu"), rounds=rounds)

@@ -74,7 +74,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -399,6 +399,57 @@ def _quantiles(ts: list[float]) -> tuple[float, float, float]:
         return ts[0], ts[0], ts[0]
     qs = statistics.quantiles(ts, n=10, method="inclusive")  # deciles: qs[1] = p20, qs[7] = p80
     return qs[1], statistics.median(ts), qs[7]
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """One variant's latency from ``measure_interleaved``: the median of its rounds' medians, and each round's."""
+
+    ms: float
+    round_ms: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """(slowest round - fastest round) / median: how far apart the same variant's rounds fell."""
+        return (max(self.round_ms) - min(self.round_ms)) / self.ms
+
+
+def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order ``measure_interleaved`` times ``names`` in: round r starts at name r mod n, so over n rounds
+    each variant is timed once in every slot (first after a pause, last after the others' load)."""
+    n = len(names)
+    return [[names[(r + j) % n] for j in range(n)] for r in range(rounds)]
+
+
+def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device, rounds: int = 5,
+                        rep_ms: float = 50.0, warmup_ms: float = 25.0) -> dict[str, Interleaved]:
+    """Median latency in ms of each of ``fns``, timed in ``rounds`` interleaved rounds.
+
+    Why: under sustained load an H200's SM clock falls from 1,980 MHz to ~1,650 (nvidia-smi beside
+    ``benchmarks/timing_probe.py``, 2026-12-01: the Kimi forward megakernel went 3.02 -> 3.36 ms over 30 calls).
+    Timing variant A to the end and then variant B gives whichever runs later a slower GPU, a bias as large as
+    the 2-5% differences between knobs. Here every round times each variant for ``rep_ms`` (``do_bench``'s
+    median on CUDA, after ``warmup_ms``), in the rotated order of ``interleaved_order``, and the result is the
+    median over rounds. On CPU a round is ``time.perf_counter`` around one call after one warm-up call (tests).
+    Every callable must already have run once (compiled)."""
+    if rounds < 1 or not fns:
+        raise ValueError(f"measure_interleaved needs rounds >= 1 and at least one callable (rounds={rounds}, "
+                         f"{len(fns)} callables)")
+    per: dict[str, list[float]] = {name: [] for name in fns}
+    for order in interleaved_order(list(fns), rounds):
+        for name in order:
+            fn = fns[name]
+            if device.type == "cuda":
+                import triton
+
+                per[name].append(float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                                               return_mode="median")))
+            else:
+                fn()
+                t0 = time.perf_counter()
+                fn()
+                per[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: Interleaved(statistics.median(ts), tuple(ts)) for name, ts in per.items()}
 
 
 # ----------------------------------------------------------------------------- runner
