@@ -27,7 +27,8 @@ import torch
 import kittenmoe
 from kittenmoe import cli
 from kittenmoe.bench import parse_config_overrides, parse_routing, parse_shape
-from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes
+from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, bwd_phase_a_smem_bytes, default_config,
+                              gate_up_smem_bytes)
 from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key, cache_path, config_for,
                             expand_grid, lookup_config, parse_grid, store_config)
 
@@ -482,15 +483,18 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
     # a seed slice (Kimi EP8, R=1): the H200's measured best (I=2048: 12 forward comm programs)
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
                                                         num_comm_programs_fwd=12, num_comm_programs_bwd=16,
-                                                        macrobatch_size=None)),
+                                                        macrobatch_size=None, wgrad_persistent=True,
+                                                        bwd_num_stages=4)),
     # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 forward comm programs
     ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=16)),
     # wide experts (DeepSeek-V4-Pro EP8, I=3072): 8 forward comm programs
     ((2048, 7168, 3072, 48, 6), 1, torch.bfloat16, dict(num_comm_programs_fwd=8)),
     # fp32 operands: narrower K tiles, stages that still fit shared memory
-    ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4)),
-    # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows
-    ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512)),
+    # (the backward's 4 stages were timed with 2-byte operands only: fp32 keeps min(num_stages, 3))
+    ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0)),
+    # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
+    ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
+                                                       wgrad_persistent=True)),
     # a huge routed buffer (64 ranks x 8192 tokens x 8 routes x 2*7168+2048 wide): the ring window kicks in
     ((8192, 7168, 2048, 384, 8), 64, torch.bfloat16, dict(minibatch_size=2048)),
 ])
@@ -499,7 +503,9 @@ def test_default_config_on_a_gpu(monkeypatch, dims, ranks, dtype, expect):
     cfg = default_config(*dims, ranks=ranks, device="cuda", dtype=dtype)
     for k, v in expect.items():
         assert getattr(cfg, k) == v, (k, cfg)
-    assert gate_up_smem_bytes(cfg, torch.empty((), dtype=dtype).element_size()) <= SHARED_MEMORY_LIMIT
+    elem = torch.empty((), dtype=dtype).element_size()
+    assert gate_up_smem_bytes(cfg, elem) <= SHARED_MEMORY_LIMIT
+    assert bwd_phase_a_smem_bytes(cfg, elem) <= SHARED_MEMORY_LIMIT
     if ranks == 64:
         assert cfg.macrobatch_size is not None and cfg.macrobatch_size % cfg.minibatch_size == 0
 

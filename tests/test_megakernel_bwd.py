@@ -1041,7 +1041,8 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
     dict(wgrad_two_per_sm=True),  # 128 x 128 tiles from 4 warps, two programs an SM (wgmma N 128, not 256)
     dict(wgrad_two_per_sm=True, wgrad_persistent=True),  # both: two persistent programs an SM
     dict(bwd_num_stages=4),  # the megakernel's loops one stage deeper (229,408 B of shared memory on sm_90)
-], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4"])
+    dict(wgrad_persistent=True, bwd_num_stages=4),  # both: what default_config runs at block_m 128
+], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4", "heuristic-backward"])
 def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     """The weight-gradient launch's knobs (and the backward megakernel's pipeline depth) on the Kimi slice (512
     tokens): each output element is still summed by one program over its expert's rows in row order, 64 rows an

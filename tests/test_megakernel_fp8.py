@@ -768,6 +768,31 @@ def test_gpu_fp8_seed_slice(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_fp8_backward_heuristic_knobs_same_bits():
+    """The backward knobs default_config turns on at block_m 128 (wgrad_persistent, bwd_num_stages=4) in the FP8
+    backward, kept gate|up, on the Kimi slice (512 tokens): every gradient has the bits of the per-tile launch at
+    3 stages (the order of each sum is unchanged; only when operands arrive and which program stores a tile)."""
+    base = SEED_SHAPES["kimi-k2.7"]
+    shape = base.with_(e=base.e // 8)
+    w, xs, ids, ws, fp8 = _problem(1, 512, shape=shape, seed=9, device=torch.device("cuda"))
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
+    peers = LocalPeers(1, torch.device("cuda"))
+    d_out = torch.randn(512, shape.h, generator=torch.Generator().manual_seed(10)).to("cuda", torch.bfloat16)
+    plain = KernelConfig(minibatch_size=256)
+    grads = {}
+    for label, cfg in (("plain", plain), ("heuristic", plain.with_(wgrad_persistent=True, bwd_num_stages=4))):
+        f = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
+        b = megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved(), fp8=fp8)
+        b.check_errors()
+        grads[label] = {"d_x": b.d_x[0].clone(), "d_topk_weights": b.d_topk_weights[0].clone(),
+                        "d_w13": b.d_w13.clone(), "d_w2": b.d_w2.clone(), "d_shared_w13": b.d_shared_w13.clone(),
+                        "d_shared_w2": b.d_shared_w2.clone()}
+    for n, want in grads["plain"].items():
+        assert_bitwise_equal(grads["heuristic"][n], want, f"{n}: wgrad_persistent + bwd_num_stages=4 vs plain")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_layer_cuda_graph_and_compile():
     """MoELayer(fp8=FP8Config()) on the tensor cores: forward+backward captured in one CUDA graph (weights
     quantised inside the graph, no host sync) replays to the eager bits, and a fullgraph torch.compile of it

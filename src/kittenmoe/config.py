@@ -153,7 +153,10 @@ class KernelConfig:
         flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
         (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
         alone: Kimi's tiles have six 64-row steps, and the launch ran at ~450 TFLOP/s. The same bits.
-        Off: on the H200 it was slower (DeepSeek slice backward 11.50 ms against 10.71, 2026-12-01).
+        Off in the dataclass, on in ``default_config``'s CUDA configs: in its nested-loop form (each tile
+        stored through one TMA buffer that drains under the next tile's K loop) forward+backward was
+        0.3-2.7% faster on the four slices (H200, interleaved rounds, 2026-12-01); the earlier flat-loop
+        form had been slower (DeepSeek backward 11.50 ms against 10.71).
     wgrad_two_per_sm: weight-gradient tiles of block_n x block_n (not x 2 block_n) from 4 warps and at most 3
         stages (3 x 32 KB of operands at 128 x 128 x 64), so two programs share an SM and one's pipeline fill
         and 64 KB store overlap the other's MMAs. The default (128 x 256, 8 warps, 4 x 48 KB) holds a whole
@@ -173,7 +176,10 @@ class KernelConfig:
     bwd_num_stages: pipeline stages of the backward megakernel's GEMM loops; 0 (default): min(num_stages, 3),
         the build timed so far. 4 fits on sm_90 with the default tiles (229,408 B of shared memory, replaying,
         kept and FP8 builds alike; the loops share their buffers), for phase A's 112-step K loop over H
-        (Kimi), which runs at ~3.3 TFLOP/s a program against phase B's 5.6. Not yet timed.
+        (Kimi), which runs at ~3.3 TFLOP/s a program against phase B's 5.6. ``default_config`` sets 4 at
+        block_m 128 with 2-byte operands: with ``wgrad_persistent`` forward+backward went from 0.3-2.7% to
+        2.3-4.6% faster than without either (H200, 2026-12-01); alone, one earlier run gave -1.5% (Kimi) and
+        -0.4% (DeepSeek).
     half_tail_tiles: the forward gate|up GEMM's routed row tiles whose second half is padding (an expert's
         last tile with at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles: the tile of an even
         column computes its own and the next column's outputs, the next one only signals. Each expert wastes
@@ -353,6 +359,9 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
       most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
       memory (``gate_up_smem_bytes``);
+    - ``wgrad_persistent`` on, and ``bwd_num_stages`` 4 at ``block_m`` 128 with
+      2-byte operands when the backward's tiles fit (``bwd_phase_a_smem_bytes``):
+      forward+backward 2.3-4.6% faster on the four slices (H200, 2026-12-01);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
       (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
       holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
@@ -394,6 +403,12 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
                        block_n=bn, block_k=bk, num_stages=1)
     stages = next((s for s in (4, 3, 2) if gate_up_smem_bytes(cfg.with_(num_stages=s), elem) <= SHARED_MEMORY_LIMIT), 1)
     cfg = cfg.with_(num_stages=stages)
+    # The backward's weight gradients from persistent programs (the same bits), and its megakernel's loops at 4
+    # stages where they fit: together 2.3-4.6% off forward+backward on all four slices (H200, interleaved rounds,
+    # fwdbwd-20261201-211440.json). 4 stages were timed only at block_m 128 with 2-byte operands.
+    cfg = cfg.with_(wgrad_persistent=True)
+    if bm == 128 and elem == 2 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
+        cfg = cfg.with_(bwd_num_stages=4)
     cap = routed_capacity(ranks, t, k, local, bm)
     full = -(-cap // mb) * mb
     budget = min(8 << 30, props.total_memory // 8)
