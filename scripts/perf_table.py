@@ -80,7 +80,12 @@ def render(rows: list[dict]) -> str:
     lines.append("")
     lines.append("Conditions: one GPU, bf16, uniform routing (top-k of randn logits), one shared expert of width I, "
                  "median of CUDA-event timings after warm-up (`triton.testing.do_bench`), schedule construction and "
-                 "epilogue included, baseline timed in the same run; the kittenmoe figure is the best of the "
+                 "epilogue included, baseline timed in the same run"
+                 + ("; rows with a `timing` field time every variant and the baseline in interleaved rounds "
+                    "(median of the rounds' medians: the H200's clock falls under its 700 W power cap during "
+                    "sustained runs, which favoured whatever was timed first)"
+                    if any("timing" in r for r in rows) else "")
+                 + "; the kittenmoe figure is the best of the "
                  "KernelConfigs swept in that run (recorded in the row's `config`). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
                  "gradient's). "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
