@@ -187,7 +187,8 @@ class KernelConfig:
         2.5 tiles' work to 2.0, and this takes gate|up (2/3 of the routed FLOPs) to ~2.25. Same accumulator
         registers; each row's arithmetic unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16);
         elsewhere, and with FP8, the launchers raise NotImplementedError (the interpreter takes block_m >= 32).
-        The sm_90 build of this form alone: 220 registers, no stack. Not yet timed in this form.
+        The sm_90 build of this form alone: 220 registers, no stack. Off: on the H200 the forward was 3-14%
+        slower on all four slices in this form too (DeepSeek 5.35 ms against 4.69, 2026-12-01 (7)).
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
