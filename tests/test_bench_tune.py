@@ -260,6 +260,8 @@ def test_tune_end_to_end(tmp_path, capsys):
     assert rec["pruned"][0]["point"]["minibatch_size"] == 512
     assert rec["best"]["ms"] == min(t["ms"] for t in rec["trials"])
     assert rec["worst"]["ms"] == max(t["ms"] for t in rec["trials"])
+    # both trials are finalists (TUNE_FINALISTS = 3): re-timed interleaved, their sweep figures kept
+    assert all(t["ms_sweep"] > 0 for t in rec["trials"]) and text.count("interleaved (sweep") == 2
     assert "rel_l1" not in rec  # scripts/perf_table.py skips the record (no top-level rel_l1)
     # the cache: the file named by the key, the same config back from lookup_config
     best = KernelConfig(**rec["best"]["config"])
@@ -749,6 +751,25 @@ def test_interleaved_order_rotates(n, rounds):
     if rounds >= n:  # over n rounds each variant takes every slot once
         for j in range(n):
             assert sorted(order[r][j] for r in range(n)) == names
+
+
+def test_measure_rounds_on_cpu():
+    """kittenmoe bench's timing: warm-up calls once, then rounds (at most reps) of reps // rounds timed calls."""
+    from kittenmoe.bench import measure_rounds
+
+    calls = {"a": 0, "b": 0}
+
+    def bump(name):
+        calls[name] += 1
+
+    got = measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=10, warmup=2)
+    # 2 warm-up calls, then 5 rounds of one warm-up call and 10 // 5 = 2 timed calls
+    assert calls == {"a": 2 + 5 * 3, "b": 2 + 5 * 3}
+    for t in got.values():
+        assert t.runs == 10 and t.p20 <= t.p50 <= t.p80
+    calls = {"a": 0, "b": 0}
+    measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=2, warmup=0)
+    assert calls == {"a": 2 * 2, "b": 2 * 2}  # rounds capped at reps: 2 rounds of 1 + 1 calls
 
 
 def test_measure_interleaved_times_each_variant_every_round():

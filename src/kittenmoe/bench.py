@@ -16,9 +16,13 @@ benchmarks/fwd_round.py.
 
 Method on CUDA: the first call of each provider compiles and is checked (the
 megakernel's device error flag, relative L1 against the fp32 reference in
-``kittenmoe.reference``); then ``triton.testing.do_bench`` (CUDA events, L2
-flushed between runs) asked for about ``--warmup`` warm-up and ``--reps``
-timed runs, reporting p20 / p50 / p80. Schedule construction, the routing
+``kittenmoe.reference``); then kittenmoe and the baseline are timed together
+in interleaved rounds (``measure_rounds``: each round ``triton.testing.do_bench``
+of each, CUDA events, L2 flushed between runs, in rotated order; about
+``--warmup`` warm-up and ``--reps`` timed runs each over all rounds), reporting
+the medians over rounds of p20 / p50 / p80: the GPU's clock falls under its
+power cap during sustained runs, which would favour whichever provider ran
+first. Schedule construction, the routing
 all-gather and the epilogue are inside the timed call. ``backward`` times the
 forward and the backward megakernels together against grouped_mm forward +
 autograd backward.
@@ -403,15 +407,21 @@ def _quantiles(ts: list[float]) -> tuple[float, float, float]:
 
 @dataclass(frozen=True)
 class Interleaved:
-    """One variant's latency from ``measure_interleaved``: the median of its rounds' medians, and each round's."""
+    """One variant's latency from ``measure_interleaved``, in ms: the median over rounds of each round's median
+    (``ms``), p20 and p80; and each round's median."""
 
     ms: float
     round_ms: tuple[float, ...]
+    p20: float
+    p80: float
 
     @property
     def spread(self) -> float:
         """(slowest round - fastest round) / median: how far apart the same variant's rounds fell."""
         return (max(self.round_ms) - min(self.round_ms)) / self.ms
+
+
+DEFAULT_ROUNDS = 5  # interleaved rounds a timing is split over (kittenmoe bench, tune's finalists, the rounds)
 
 
 def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
@@ -421,35 +431,67 @@ def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
     return [[names[(r + j) % n] for j in range(n)] for r in range(rounds)]
 
 
-def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device, rounds: int = 5,
-                        rep_ms: float = 50.0, warmup_ms: float = 25.0) -> dict[str, Interleaved]:
-    """Median latency in ms of each of ``fns``, timed in ``rounds`` interleaved rounds.
+def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device, rounds: int = DEFAULT_ROUNDS,
+                        rep_ms: float = 50.0, warmup_ms: float = 25.0, calls: int = 1) -> dict[str, Interleaved]:
+    """Latency in ms of each of ``fns``, timed in ``rounds`` interleaved rounds.
 
-    Why: under sustained load an H200's SM clock falls from 1,980 MHz to ~1,650 (nvidia-smi beside
-    ``benchmarks/timing_probe.py``, 2026-12-01: the Kimi forward megakernel went 3.02 -> 3.36 ms over 30 calls).
-    Timing variant A to the end and then variant B gives whichever runs later a slower GPU, a bias as large as
-    the 2-5% differences between knobs. Here every round times each variant for ``rep_ms`` (``do_bench``'s
-    median on CUDA, after ``warmup_ms``), in the rotated order of ``interleaved_order``, and the result is the
-    median over rounds. On CPU a round is ``time.perf_counter`` around one call after one warm-up call (tests).
-    Every callable must already have run once (compiled)."""
-    if rounds < 1 or not fns:
-        raise ValueError(f"measure_interleaved needs rounds >= 1 and at least one callable (rounds={rounds}, "
-                         f"{len(fns)} callables)")
-    per: dict[str, list[float]] = {name: [] for name in fns}
+    Why: under sustained load an H200 holds its 700 W power cap by lowering the SM clock from 1,980 MHz to
+    1,400-1,750 (nvidia-smi's sw_power_cap reason, 2026-12-01: the Kimi forward megakernel went 3.02 -> 3.36 ms
+    over 30 calls). Timing variant A to the end and then variant B gives whichever runs later a slower GPU, a
+    bias as large as the 2-5% differences between knobs. Here every round times each variant for ``rep_ms``
+    (``do_bench``'s p20 / p50 / p80 on CUDA, after ``warmup_ms``), in the rotated order of
+    ``interleaved_order``, and each figure is the median over rounds. On CPU a round is one warm-up call and
+    ``calls`` timed ``time.perf_counter`` calls (tests). Every callable must already have run once (compiled)."""
+    if rounds < 1 or calls < 1 or not fns:
+        raise ValueError(f"measure_interleaved needs rounds >= 1, calls >= 1 and at least one callable "
+                         f"(rounds={rounds}, calls={calls}, {len(fns)} callables)")
+    per: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
     for order in interleaved_order(list(fns), rounds):
         for name in order:
             fn = fns[name]
             if device.type == "cuda":
                 import triton
 
-                per[name].append(float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
-                                                               return_mode="median")))
+                q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
+                per[name].append((float(q[0]), float(q[1]), float(q[2])))
             else:
                 fn()
-                t0 = time.perf_counter()
+                ts = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn()
+                    ts.append((time.perf_counter() - t0) * 1e3)
+                per[name].append(_quantiles(ts))
+    out = {}
+    for name, qs in per.items():
+        p20, p50, p80 = (statistics.median(q[j] for q in qs) for j in range(3))
+        out[name] = Interleaved(p50, tuple(q[1] for q in qs), p20, p80)
+    return out
+
+
+def measure_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device, reps: int, warmup: int,
+                   rounds: int = DEFAULT_ROUNDS) -> dict[str, Timing]:
+    """``measure``'s budget (about ``warmup`` + ``reps`` runs a callable) for several callables timed together
+    in interleaved rounds (``measure_interleaved``); each callable has already run once (compiled). On CUDA the
+    budget is set by the slowest callable's one-call time and split evenly over the rounds; on CPU each round
+    times ``reps // rounds`` calls (at least one), and there are at most ``reps`` rounds."""
+    rounds = max(1, min(rounds, reps))
+    if device.type == "cuda":
+        est = 1e-3
+        for fn in fns.values():
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            est = max(est, (time.perf_counter() - t0) * 1e3)
+        timed = measure_interleaved(fns, device, rounds, rep_ms=max(1.0, reps * est / rounds),
+                                    warmup_ms=max(1.0, warmup * est / rounds))
+    else:
+        for fn in fns.values():
+            for _ in range(warmup):
                 fn()
-                per[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: Interleaved(statistics.median(ts), tuple(ts)) for name, ts in per.items()}
+        timed = measure_interleaved(fns, device, rounds, calls=max(1, reps // rounds))
+    return {name: Timing(t.p20, t.ms, t.p80, reps) for name, t in timed.items()}
 
 
 # ----------------------------------------------------------------------------- runner
@@ -658,9 +700,9 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
         if not worst <= tol:
             log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
                 f"{tol:.0e}")
-        tk = measure(k_fn, device, reps, warmup)
         base_err = run.check_grouped_mm(mode, b_fn())
-        tb = measure(b_fn, device, reps, warmup)
+        timed = measure_rounds({"kittenmoe": k_fn, "grouped_mm": b_fn}, device, reps, warmup)
+        tk, tb = timed["kittenmoe"], timed["grouped_mm"]
         routed, total = flops(problem, mode)
         t, h, i, e, k = problem.dims
         rows.append(dict(
@@ -676,6 +718,7 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
             baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
+            timing=f"interleaved with the baseline, {max(1, min(DEFAULT_ROUNDS, reps))} rounds",
             config=dataclasses.asdict(config),
         ))
     del run
@@ -1083,6 +1126,7 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
             baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
+            timing=f"interleaved with the baseline, {max(1, min(DEFAULT_ROUNDS, reps))} rounds",
             config=dataclasses.asdict(config),
         ))
     return rows

@@ -24,7 +24,12 @@ Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
 configs that fail are reported and never win) and timed like ``kittenmoe
 bench`` (``triton.testing.do_bench`` p50 on CUDA). A progress line with an ETA
-follows the sweep. The winner goes to the cache, and best vs default vs worst
+follows the sweep. The sweep times one config after another, and a GPU's clock
+falls under sustained load (the H200's power cap), so the ``TUNE_FINALISTS``
+fastest, the default and the grouped_mm baseline are then timed again together
+in interleaved rounds (``kittenmoe.bench.measure_rounds``); the winner is the
+fastest of those, and their sweep figures stay in the record as ``ms_sweep``.
+The winner goes to the cache, and best vs default vs worst
 is printed; the whole sweep is written as one JSON record to ``--out``.
 
 Cache: one JSON file per key under ``$KITTENMOE_CACHE_DIR/tune/`` (default
@@ -61,6 +66,7 @@ from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, 
 ENV_CACHE_DIR = "KITTENMOE_CACHE_DIR"
 ENV_AUTOTUNE = "KITTENMOE_AUTOTUNE"
 CACHE_FORMAT = 1
+TUNE_FINALISTS = 3  # the sweep's fastest configs re-timed together (with the default and the baseline)
 
 
 class TuneCacheWarning(RuntimeWarning):
@@ -280,6 +286,7 @@ class Candidate:
     p80: float | None = None
     rel_l1: float | None = None
     error: str | None = None
+    ms_sweep: float | None = None  # a finalist's sweep figure; its ms is then the interleaved re-timing's
 
 
 def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, experts_local: int, ranks: int,
@@ -358,7 +365,7 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
                  log: Callable[[str], None] = print, progress: Callable[[str, bool], None] | None = None
                  ) -> TuneResult:
     """Time ``default`` and every kept grid point on ``base``; pick the fastest correct one."""
-    from kittenmoe.bench import Runner, measure
+    from kittenmoe.bench import Runner, measure, measure_rounds
 
     t, h, i, e, k = problem.dims
     elem = torch.empty((), dtype=problem.torch_dtype).element_size()
@@ -397,15 +404,31 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
         progress(f"[{n}/{len(cands)}] {describe(c.config)}{' (' + c.tag + ')' if c.tag else ''}: {what} | "
                  f"{best} | elapsed {_fmt_s(elapsed)}, ETA {_fmt_s(eta)}", n == len(cands))
     ok = [c for c in cands if c.ms is not None]
-    best_c = min(ok, key=lambda c: c.ms) if ok else None
-    worst_c = max(ok, key=lambda c: c.ms) if ok else None
-    ms_base = None
+    # The sweep timed one config after another, and the GPU's clock falls under sustained load (its power cap),
+    # so the fastest few, the default and the baseline are timed again together in interleaved rounds
+    # (kittenmoe.bench.measure_rounds); the winner is the fastest of those.
+    finalists = sorted(ok, key=lambda c: c.ms)[:TUNE_FINALISTS]
+    if cands[0].ms is not None and cands[0] not in finalists:
+        finalists.append(cands[0])
+    fns = {str(n): run.kittenmoe(mode, c.config) for n, c in enumerate(finalists)}
     try:
         b_fn = run.grouped_mm(mode)
         b_fn()
-        ms_base = measure(b_fn, device, reps, warmup).p50
+        fns["grouped_mm"] = b_fn
     except Exception as exc:  # the baseline is context, not the point: say so and carry on
         log(f"grouped_mm baseline failed: {type(exc).__name__}: {exc}")
+    ms_base = None
+    if finalists:
+        timed = measure_rounds(fns, device, reps, warmup)
+        for n, c in enumerate(finalists):
+            tm = timed[str(n)]
+            c.ms_sweep, c.ms, c.p20, c.p80 = c.ms, tm.p50, tm.p20, tm.p80
+            log(f"  finalist {describe(c.config)}{' (' + c.tag + ')' if c.tag else ''}: {c.ms:.3f} ms "
+                f"interleaved (sweep {c.ms_sweep:.3f})")
+        if "grouped_mm" in timed:
+            ms_base = timed["grouped_mm"].p50
+    best_c = min(finalists, key=lambda c: c.ms) if finalists else None
+    worst_c = max(ok, key=lambda c: c.ms) if ok else None  # (a finalist's figure is its re-timing's)
     del run
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -471,7 +494,7 @@ def run_tune(args: argparse.Namespace, argv: list[str] | None = None, log: Calla
 
     def cand_row(c: Candidate) -> dict:
         return dict(config=dataclasses.asdict(c.config), tag=c.tag, ms=c.ms, ms_p20=c.p20, ms_p80=c.p80,
-                    rel_l1=c.rel_l1, error=c.error)
+                    ms_sweep=c.ms_sweep, rel_l1=c.rel_l1, error=c.error)
 
     record = dict(kind="tune", mode=args.mode, shape=prob.label, tokens=t, h=h, i=i, e=e, k=k,
                   s=prob.shared_width, experts_local=prob.experts_local, ep_slice=prob.ep, ranks=prob.ranks,
