@@ -427,6 +427,16 @@ def test_half_tail_gpu_conditions(block_m, tma, ok, knob):
     ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False, False)  # the interpreter takes any size
 
 
+def test_half_tail_tiles_gpu_block_n():
+    """half_tail_tiles loads gate|up weights in 2 x block_n-row TMA boxes on a GPU: block_n 256 (512 rows, over
+    TMA's 256) is refused; half_tail_wide (separate column tiles) and the interpreter take it."""
+    cfg = KernelConfig(half_tail_tiles=True, block_n=256)
+    with pytest.raises(NotImplementedError, match="2 x block_n-row TMA boxes, at most 256 rows"):
+        ops._check_half_tail(cfg, torch.device("cuda"), True, False)
+    ops._check_half_tail(KernelConfig(half_tail_wide=True, block_n=256), torch.device("cuda"), True, False)
+    ops._check_half_tail(cfg, torch.device("cpu"), False, False)
+
+
 @pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])
 def test_half_tail_tiles_refuse_small_block_m(knob):
     """half_tail_tiles / half_tail_wide need block_m >= 32 (a 16-row half for tl.dot): a clear error at

@@ -187,8 +187,11 @@ class KernelConfig:
         2.5 tiles' work to 2.0, and this takes gate|up (2/3 of the routed FLOPs) to ~2.25. Same accumulator
         registers; each row's arithmetic unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16);
         elsewhere, and with FP8, the launchers raise NotImplementedError (the interpreter takes block_m >= 32).
-        The sm_90 build of this form alone: 220 registers, no stack. Off: on the H200 the forward was 3-14%
-        slower on all four slices in this form too (DeepSeek 5.35 ms against 4.69, 2026-12-01 (7)).
+        Off: on the H200 the forward was 3-14% slower on all four slices (DeepSeek 5.35 ms against 4.69,
+        2026-12-01 (7)) with half tiles of four BM/2 x BN accumulators, which the sm_90 build issued as
+        m64n64k16 wgmmas (8 warps split N at 64 rows); they are now two BM/2 x 2 BN accumulators from
+        2 BN-row weight boxes, issued as the full tiles' m64n128k16 (Kimi build: 218 registers, no stack),
+        not yet timed. On a GPU block_n <= 128 (TMA's 256-row box).
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,

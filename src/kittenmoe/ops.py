@@ -178,6 +178,10 @@ def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8
         raise NotImplementedError(
             f"KernelConfig.{knob} on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
             f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
+    if config.half_tail_tiles and 2 * config.block_n > 256:
+        raise NotImplementedError(
+            f"KernelConfig.half_tail_tiles on a GPU loads gate|up weights in 2 x block_n-row TMA boxes, at most "
+            f"256 rows; got block_n={config.block_n}")
 
 
 # KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
@@ -358,9 +362,12 @@ def launch_rank_forward(
         # KernelConfig.half_tail_tiles / half_tail_wide: the routed rows in half-height blocks (stand-ins without)
         descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk]))
                   if config.half_tails else (routed[0], routed[1]))
+        # half_tail_tiles: gate|up weights in 2 block_n-row boxes (one wide accumulator each for gate and up)
+        descs += ((TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [2 * bn, bk]),) if config.half_tail_tiles
+                  else (routed[2],))
     else:
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
-                 st.x_routed, st.hidden)
+                 st.x_routed, st.hidden, w13_rows)
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()

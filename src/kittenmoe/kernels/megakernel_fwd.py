@@ -322,10 +322,12 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
 # ----------------------------------------------------------------------------- half tail tiles
 # KernelConfig.half_tail_tiles (gate|up, HALF_GU) and half_tail_wide (down, HALF_DN): a routed row tile whose
 # second half is schedule padding (an expert's last tile with at most BM/2 rows) runs as a BM/2 x 2 BN tile
-# covering its column tile and the next; the next column tile of that row tile only signals. Same accumulator registers (BM/2 x 2 BN against BM x BN, twice for gate
-# and up), half the MMA rows. Through TMA the weight tiles of both column tiles are loaded separately (a
-# [2 BN2, BK] box passes TMA's 256 limit in the down GEMM) into two accumulators, at HALF_STAGES stages: a
-# stage holds BM/2 x BK of rows and 4 (gate|up) or 2 (down) BN-wide weight tiles, 72 KB at 128 x 128 x 64.
+# covering its column tile and the next; the next column tile of that row tile only signals. Same accumulator
+# registers (BM/2 x 2 BN against BM x BN, twice for gate and up), half the MMA rows. Through TMA gate|up loads
+# one [2 BN, BK] weight box each for gate and up into two BM/2 x 2 BN accumulators; the down GEMM loads its two
+# column tiles separately (a [2 BN2, BK] box passes TMA's 256 limit) into two accumulators. At HALF_STAGES
+# stages: a stage holds BM/2 x BK of rows and 2 BN-wide (gate|up) or 2 BN2-wide (down) weight tiles twice,
+# 72 KB at 128 x 128 x 64.
 
 
 @triton.jit
@@ -336,26 +338,25 @@ def _is_half_tail(peer_rank_ptr, tile_row0, num_rows, BM: tl.constexpr):
 
 
 @triton.jit
-def _gateup_half_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, BN: tl.constexpr, H,
-                     BMH: tl.constexpr, BNT: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """Gate and up of a BMH-row tile over two BNT-wide column tiles (gate rows wg_row0.., up rows wu_row0..
-    of the [L*2I, H] weight view, the second tile BNT further): four BMH x BNT accumulators. a_desc blocks
-    [BMH, BK], w_desc blocks [BNT, BK]."""
-    g0 = tl.zeros((BMH, BNT), dtype=tl.float32)
-    g1 = tl.zeros((BMH, BNT), dtype=tl.float32)
-    u0 = tl.zeros((BMH, BNT), dtype=tl.float32)
-    u1 = tl.zeros((BMH, BNT), dtype=tl.float32)
+def _gateup_half_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H, BMH: tl.constexpr, BNW: tl.constexpr,
+                     BK: tl.constexpr, NS: tl.constexpr):
+    """Gate and up of a BMH-row tile over BNW = 2 BN columns (gate rows wg_row0.., up rows wu_row0.. of the
+    [L*2I, H] weight view): two BMH x BNW accumulators, each from one [BNW, BK] weight box a K step. One wide
+    accumulator, not one per column tile: at BMH = 64 rows and 8 warps the two warp groups split N, so a BN-wide
+    accumulator gave each a 64 x 64 wgmma (the sm_90 build's m64n64k16, a quarter of m64n256's work per A
+    operand read), the BNW-wide one a 64 x 128 one, the instruction the full tiles issue. a_desc blocks
+    [BMH, BK], w_desc blocks [BNW, BK] (BNW <= 256, TMA's box limit)."""
+    g = tl.zeros((BMH, BNW), dtype=tl.float32)
+    u = tl.zeros((BMH, BNW), dtype=tl.float32)
     for k0 in tl.range(0, H, BK, num_stages=NS):
         a = a_desc.load([a_row0, k0])
-        g0 = tl.dot(a, w_desc.load([wg_row0, k0]).T, g0)
-        g1 = tl.dot(a, w_desc.load([wg_row0 + BN, k0]).T, g1)
-        u0 = tl.dot(a, w_desc.load([wu_row0, k0]).T, u0)
-        u1 = tl.dot(a, w_desc.load([wu_row0 + BN, k0]).T, u1)
-    return g0, g1, u0, u1
+        g = tl.dot(a, w_desc.load([wg_row0, k0]).T, g)
+        u = tl.dot(a, w_desc.load([wu_row0, k0]).T, u)
+    return g, u
 
 
 @triton.jit
-def _gateup_half(xrh_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
+def _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
                  HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
                  PRECISION: tl.constexpr):
@@ -364,20 +365,14 @@ def _gateup_half(xrh_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, 
     full tile computes from the pull's zero rows: the backward's weight gradients sum those rows)."""
     BMH: tl.constexpr = BM // 2
     if USE_TMA:
-        g0, g1, u0, u1 = _gateup_half_tma(xrh_desc, brow, w13_desc, e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN,
-                                          BN, H, BMH, BN, BK, NS)
-        _swiglu_store(g0, u0, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, BN)
-        _swiglu_store(g1, u1, hid_ptr, brow, BMH, (nt + 1) * BN, I, swiglu_limit, HAS_LIMIT, BMH, BN)
-        if SAVE_GU:
-            _store_gate_up(gu_ptr, brow, g0, u0, nt * BN, I, BMH, BN)
-            _store_gate_up(gu_ptr, brow, g1, u1, (nt + 1) * BN, I, BMH, BN)
+        acc_g, acc_u = _gateup_half_tma(xrh_desc, brow, w13w_desc, e * (2 * I) + nt * BN,
+                                        e * (2 * I) + I + nt * BN, H, BMH, 2 * BN, BK, NS)
     else:
         acc_g, acc_u = _gateup_acc(xr_ptr, brow, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BMH,
                                    2 * BN, BK, DOT_FP32, PRECISION)
-        _swiglu_store(acc_g, acc_u, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, 2 * BN)
-        if SAVE_GU:
-            _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BMH, 2 * BN)
+    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, 2 * BN)
     if SAVE_GU:
+        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BMH, 2 * BN)
         zero = tl.zeros((BMH, 2 * BN), dtype=tl.float32)
         _store_gate_up(gu_ptr, brow + BMH, zero, zero, nt * BN, I, BMH, 2 * BN)
 
@@ -627,6 +622,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
     xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
+    w13w_desc,  # w13 viewed [L*2I, H], blocks [2 BN, BK] (HALF_GU with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -804,7 +800,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             pair = half & (nt % 2 == 0) & (nt + 1 < n_gu_tiles_i)
                                             full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_gu_tiles_i))
                                             if pair:
-                                                _gateup_half(xrh_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr,
+                                                _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr,
                                                              gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
                                                              USE_TMA, BM, BN, BK, HALF_STAGES, DOT_FP32, PRECISION)
                                         if full:
