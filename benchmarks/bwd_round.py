@@ -81,6 +81,8 @@ def main() -> int:
     ap.add_argument("--config", default="", help="KernelConfig overrides (k=v,k=v); several separated by ';' are "
                     "each timed (forward+backward) beside the default in the same run")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     extra = [parse_config_overrides(c) for c in args.config.split(";") if c.strip()]
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
@@ -162,14 +164,16 @@ def main() -> int:
         # measure_interleaved: the GPU's clock falls under sustained load, so back-to-back timing favours
         # whatever runs first).
         fns = {"kittenmoe": mk, "replay": lambda: mk(False)}
+        fns["replay"]()  # compiled (its own backward build) before the timed rounds
         row["sweep_ms"] = {}
         for over in extra:
             key = ",".join(f"{k}={v}" for k, v in over.items())  # as asked, even where it equals the heuristic
             try:
                 c = cfg.with_(**over)  # (inside the try: an override invalid for this shape is reported, not fatal)
                 row.setdefault("sweep_check", {})[key] = check(f"{name} [{key}]", shape, 1, T, c, dev)["worst_rel_l1"]
-                fns[key] = lambda c=c: mk(keep=c.keep_activations, c=c)
-                fns[key]()  # compiled before the timed rounds
+                fn = lambda c=c: mk(keep=c.keep_activations, c=c)
+                fn()  # compiled before the timed rounds
+                fns[key] = fn
             except Exception as exc:  # reported in the row and on the terminal, not hidden
                 traceback.print_exc()
                 row.setdefault("sweep_error", {})[key] = repr(exc)
@@ -187,13 +191,23 @@ def main() -> int:
             row["baseline_error"] = repr(exc)
         mk()
         row["peak_mb_kittenmoe"] = peak_mb(mk)
+        errors = {}  # a variant failing in the rounds is dropped and reported (the heuristic's own failure raises)
         timed = measure_interleaved(fns, dev, rounds=args.rounds, rep_ms=args.reps * 20 / args.rounds,
-                                    warmup_ms=20)
+                                    warmup_ms=20, errors=errors)
+        for key in ("kittenmoe", "replay"):
+            if key in errors:
+                raise RuntimeError(f"{name}: the {key} forward+backward failed when timed: {errors[key]}")
+        for key, why in errors.items():
+            print(f"  {name} [{key}] failed when timed: {why}", flush=True)
+            if key == "grouped_mm":
+                row["baseline_error"] = why
+            else:
+                row.setdefault("sweep_error", {})[key] = why
         row["timing"] = f"interleaved, {args.rounds} rounds of {args.reps * 20 / args.rounds:.0f} ms a variant"
         row["round_ms"] = {k: list(v.round_ms) for k, v in timed.items()}
         row["ms_kittenmoe"] = timed["kittenmoe"].ms
         row["ms_kittenmoe_replay"] = timed["replay"].ms
-        for key in [k for k in fns if k not in ("kittenmoe", "replay", "grouped_mm")]:
+        for key in [k for k in timed if k not in ("kittenmoe", "replay", "grouped_mm")]:
             row["sweep_ms"][key] = timed[key].ms
             print(f"  {name} [{key}]: {timed[key].ms:.3f} ms against {row['ms_kittenmoe']:.3f} "
                   f"(rounds {' '.join(f'{t:.3f}' for t in timed[key].round_ms)})", flush=True)

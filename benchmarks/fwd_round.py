@@ -104,6 +104,8 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also run the best config's traced build once and print kittenmoe.trace's summary")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     env = dict(gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__, triton=triton.__version__,
@@ -161,9 +163,17 @@ def main() -> int:
                 continue
             fns[str(c.__dict__)] = lambda c=c: sl.run(c)
             shorts[str(c.__dict__)] = short
+        run_base()  # run once before the rounds (with --skip-check nothing has)
         fns["grouped_mm"] = run_base
+        errors = {}  # a variant failing in the rounds is dropped and reported in the row; the others go on
         timed = measure_interleaved(fns, dev, rounds=args.rounds, rep_ms=args.reps * 10 / args.rounds,
-                                    warmup_ms=20)
+                                    warmup_ms=20, errors=errors)
+        for k, why in errors.items():
+            print(f"  [{shorts.get(k, k)}] failed when timed: {why}", flush=True)
+            sweep_errors[shorts.get(k, k)] = why
+        if "grouped_mm" not in timed:
+            raise RuntimeError(f"{name}: the grouped_mm baseline failed when timed: {errors['grouped_mm']}")
+        shorts = {k: v for k, v in shorts.items() if k in timed}
         sweep = {k: timed[k].ms for k in shorts}
         round_ms = {shorts.get(k, k): list(v.round_ms) for k, v in timed.items()}
         for k, short in shorts.items():

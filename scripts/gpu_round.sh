@@ -191,9 +191,9 @@ if [[ $what == ab ]]; then  # 2026-12-01 (7): the backward knobs that gained 1-3
   nvidia-smi --query-gpu=$q --format=csv -lms 200 > "$OUT/clocks.csv" 2>&1 &
   smi=$!
   trap 'kill "$smi" 2>/dev/null' EXIT  # also when the call is cut short
-  step abbwd python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 \
+  step abbwd timeout 420 python3 benchmarks/bwd_round.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 \
     --reps 5 --out "$OUT" --config "wgrad_persistent=True;wgrad_persistent=True,bwd_num_stages=4"
-  step abfwd python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
+  step abfwd timeout 150 python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
   kill "$smi"
 fi
 if [[ $what == train || $what == all ]]; then

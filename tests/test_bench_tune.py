@@ -492,8 +492,9 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
     # wide experts (DeepSeek-V4-Pro EP8, I=3072): 8 forward comm programs
     ((2048, 7168, 3072, 48, 6), 1, torch.bfloat16, dict(num_comm_programs_fwd=8)),
     # fp32 operands: narrower K tiles, stages that still fit shared memory
-    # (the backward's 4 stages were timed with 2-byte operands only: fp32 keeps min(num_stages, 3))
-    ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0)),
+    # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages)
+    ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0,
+                                                       wgrad_persistent=False)),
     # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
     ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
                                                        wgrad_persistent=True)),
@@ -754,7 +755,8 @@ def test_interleaved_order_rotates(n, rounds):
 
 
 def test_measure_rounds_on_cpu():
-    """kittenmoe bench's timing: warm-up calls once, then rounds (at most reps) of reps // rounds timed calls."""
+    """kittenmoe bench's timing on CPU: warm-up calls once, then rounds (5, or fewer when reps are fewer, rounded
+    up to a multiple of the callables' count) of reps // rounds timed calls."""
     from kittenmoe.bench import measure_rounds
 
     calls = {"a": 0, "b": 0}
@@ -762,14 +764,35 @@ def test_measure_rounds_on_cpu():
     def bump(name):
         calls[name] += 1
 
-    got = measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=10, warmup=2)
-    # 2 warm-up calls, then 5 rounds of one warm-up call and 10 // 5 = 2 timed calls
-    assert calls == {"a": 2 + 5 * 3, "b": 2 + 5 * 3}
+    got = measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=12, warmup=2)
+    # 2 warm-up calls, then 6 rounds (5 rounded up to a multiple of 2) of 12 // 6 = 2 timed calls
+    assert calls == {"a": 2 + 6 * 2, "b": 2 + 6 * 2}
     for t in got.values():
-        assert t.runs == 10 and t.p20 <= t.p50 <= t.p80
+        assert t.runs == 12 and t.p20 <= t.p50 <= t.p80
     calls = {"a": 0, "b": 0}
-    measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=2, warmup=0)
-    assert calls == {"a": 2 * 2, "b": 2 * 2}  # rounds capped at reps: 2 rounds of 1 + 1 calls
+    got = measure_rounds({n: (lambda n=n: bump(n)) for n in calls}, torch.device("cpu"), reps=1, warmup=0)
+    assert calls == {"a": 2, "b": 2} and got["a"].runs == 2  # one rep: 2 rounds (one slot each) of one call
+
+
+def test_measure_interleaved_drops_a_failing_variant():
+    """With errors={}, a callable that raises in round 2 is dropped and reported; the others keep every round.
+    Without it, the exception propagates."""
+    from kittenmoe.bench import measure_interleaved
+
+    n = {"bad": 0}
+
+    def bad():
+        n["bad"] += 1
+        if n["bad"] > 1:  # round 0's call passes, round 1's fails
+            raise RuntimeError("out of memory")
+
+    errors = {}
+    got = measure_interleaved({"ok": lambda: None, "bad": bad}, torch.device("cpu"), rounds=4, errors=errors)
+    assert set(got) == {"ok"} and len(got["ok"].round_ms) == 4
+    assert errors == {"bad": "RuntimeError: out of memory"}
+    n["bad"] = 0
+    with pytest.raises(RuntimeError, match="out of memory"):
+        measure_interleaved({"ok": lambda: None, "bad": bad}, torch.device("cpu"), rounds=4)
 
 
 def test_measure_interleaved_times_each_variant_every_round():
@@ -779,8 +802,8 @@ def test_measure_interleaved_times_each_variant_every_round():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
     got = measure_interleaved(fns, torch.device("cpu"), rounds=4)
-    # each slot is one warm-up call and one timed call
-    want = [name for round_ in interleaved_order(["a", "b", "c"], 4) for name in round_ for _ in range(2)]
+    # each slot is one timed call
+    want = [name for round_ in interleaved_order(["a", "b", "c"], 4) for name in round_]
     assert calls == want
     for t in got.values():
         assert len(t.round_ms) == 4 and all(x >= 0 for x in t.round_ms)

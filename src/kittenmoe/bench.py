@@ -415,24 +415,21 @@ class Interleaved:
     p20: float
     p80: float
 
-    @property
-    def spread(self) -> float:
-        """(slowest round - fastest round) / median: how far apart the same variant's rounds fell."""
-        return (max(self.round_ms) - min(self.round_ms)) / self.ms
 
-
-DEFAULT_ROUNDS = 5  # interleaved rounds a timing is split over (kittenmoe bench, tune's finalists, the rounds)
+DEFAULT_ROUNDS = 5  # interleaved rounds of kittenmoe bench and tune's finalists (at least, see measure_rounds)
 
 
 def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
     """The order ``measure_interleaved`` times ``names`` in: round r starts at name r mod n, so over n rounds
-    each variant is timed once in every slot (first after a pause, last after the others' load)."""
+    (and any multiple of n) each variant is timed once in every slot, first after a pause as often as last
+    after the others' load. (Each variant still follows the same neighbour within a round.)"""
     n = len(names)
     return [[names[(r + j) % n] for j in range(n)] for r in range(rounds)]
 
 
 def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.device, rounds: int = DEFAULT_ROUNDS,
-                        rep_ms: float = 50.0, warmup_ms: float = 25.0, calls: int = 1) -> dict[str, Interleaved]:
+                        rep_ms: float = 50.0, warmup_ms: float = 25.0, calls: int = 1,
+                        errors: dict[str, str] | None = None) -> dict[str, Interleaved]:
     """Latency in ms of each of ``fns``, timed in ``rounds`` interleaved rounds.
 
     Why: under sustained load an H200 holds its 700 W power cap by lowering the SM clock from 1,980 MHz to
@@ -440,28 +437,38 @@ def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.d
     over 30 calls). Timing variant A to the end and then variant B gives whichever runs later a slower GPU, a
     bias as large as the 2-5% differences between knobs. Here every round times each variant for ``rep_ms``
     (``do_bench``'s p20 / p50 / p80 on CUDA, after ``warmup_ms``), in the rotated order of
-    ``interleaved_order``, and each figure is the median over rounds. On CPU a round is one warm-up call and
-    ``calls`` timed ``time.perf_counter`` calls (tests). Every callable must already have run once (compiled)."""
+    ``interleaved_order``, and each figure is the median over rounds. On CPU a round is ``calls`` timed
+    ``time.perf_counter`` calls (tests; no clock to wait out). Every callable should have run once (compiled).
+
+    A callable that raises propagates, unless ``errors`` is a dict: then the variant is dropped from this and
+    later rounds, ``errors[name]`` says why, and the result has no entry for it (the others' rounds go on)."""
     if rounds < 1 or calls < 1 or not fns:
         raise ValueError(f"measure_interleaved needs rounds >= 1, calls >= 1 and at least one callable "
                          f"(rounds={rounds}, calls={calls}, {len(fns)} callables)")
     per: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fns}
     for order in interleaved_order(list(fns), rounds):
         for name in order:
+            if name not in per:  # failed in an earlier round
+                continue
             fn = fns[name]
-            if device.type == "cuda":
-                import triton
+            try:
+                if device.type == "cuda":
+                    import triton
 
-                q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
-                per[name].append((float(q[0]), float(q[1]), float(q[2])))
-            else:
-                fn()
-                ts = []
-                for _ in range(calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    ts.append((time.perf_counter() - t0) * 1e3)
-                per[name].append(_quantiles(ts))
+                    q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
+                    per[name].append((float(q[0]), float(q[1]), float(q[2])))
+                else:
+                    ts = []
+                    for _ in range(calls):
+                        t0 = time.perf_counter()
+                        fn()
+                        ts.append((time.perf_counter() - t0) * 1e3)
+                    per[name].append(_quantiles(ts))
+            except Exception as exc:  # dropped and reported to the caller, who asked for that; else it propagates
+                if errors is None:
+                    raise
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                del per[name]
     out = {}
     for name, qs in per.items():
         p20, p50, p80 = (statistics.median(q[j] for q in qs) for j in range(3))
@@ -470,12 +477,17 @@ def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.d
 
 
 def measure_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device, reps: int, warmup: int,
-                   rounds: int = DEFAULT_ROUNDS) -> dict[str, Timing]:
-    """``measure``'s budget (about ``warmup`` + ``reps`` runs a callable) for several callables timed together
-    in interleaved rounds (``measure_interleaved``); each callable has already run once (compiled). On CUDA the
-    budget is set by the slowest callable's one-call time and split evenly over the rounds; on CPU each round
-    times ``reps // rounds`` calls (at least one), and there are at most ``reps`` rounds."""
-    rounds = max(1, min(rounds, reps))
+                   rounds: int = DEFAULT_ROUNDS, errors: dict[str, str] | None = None) -> dict[str, Timing]:
+    """Several callables timed together in interleaved rounds (``measure_interleaved``) on about ``measure``'s
+    budget each; every callable has already run once (compiled). The rounds are at least ``rounds`` and a
+    multiple of the callables' count, so each takes every slot equally often (with fewer ``reps`` than
+    ``rounds``, ``reps`` rounded up to that multiple). On CUDA each round gives every callable ``reps / rounds``
+    times the slowest one's single-call time (a faster callable gets more runs) and a ``warmup`` share
+    likewise; on CPU there are ``warmup`` warm-up calls, then each round ``max(1, reps // rounds)`` timed calls.
+    ``Timing.runs`` is the number of timed runs asked for (on CPU: those made). ``errors``: as
+    ``measure_interleaved``'s."""
+    n = max(1, len(fns))
+    rounds = -(-max(1, min(rounds, reps)) // n) * n
     if device.type == "cuda":
         est = 1e-3
         for fn in fns.values():
@@ -485,13 +497,16 @@ def measure_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device
             torch.cuda.synchronize(device)
             est = max(est, (time.perf_counter() - t0) * 1e3)
         timed = measure_interleaved(fns, device, rounds, rep_ms=max(1.0, reps * est / rounds),
-                                    warmup_ms=max(1.0, warmup * est / rounds))
+                                    warmup_ms=max(1.0, warmup * est / rounds), errors=errors)
+        runs = reps
     else:
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
-        timed = measure_interleaved(fns, device, rounds, calls=max(1, reps // rounds))
-    return {name: Timing(t.p20, t.ms, t.p80, reps) for name, t in timed.items()}
+        calls = max(1, reps // rounds)
+        timed = measure_interleaved(fns, device, rounds, calls=calls, errors=errors)
+        runs = rounds * calls
+    return {name: Timing(t.p20, t.ms, t.p80, runs) for name, t in timed.items()}
 
 
 # ----------------------------------------------------------------------------- runner
@@ -718,7 +733,7 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
             baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
-            timing=f"interleaved with the baseline, {max(1, min(DEFAULT_ROUNDS, reps))} rounds",
+            timing="interleaved with the baseline in rounds (kittenmoe.bench.measure_rounds)",
             config=dataclasses.asdict(config),
         ))
     del run
@@ -1126,7 +1141,7 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
             baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
-            timing=f"interleaved with the baseline, {max(1, min(DEFAULT_ROUNDS, reps))} rounds",
+            timing="sequential: kittenmoe's iterations, then the baseline's",
             config=dataclasses.asdict(config),
         ))
     return rows

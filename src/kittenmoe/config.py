@@ -363,8 +363,8 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
       most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
       memory (``gate_up_smem_bytes``);
-    - ``wgrad_persistent`` on, and ``bwd_num_stages`` 4 at ``block_m`` 128 with
-      2-byte operands when the backward's tiles fit (``bwd_phase_a_smem_bytes``):
+    - with 2-byte operands ``wgrad_persistent`` on, and ``bwd_num_stages`` 4 at
+      ``block_m`` 128 when the backward's tiles fit (``bwd_phase_a_smem_bytes``):
       forward+backward 2.3-4.6% faster on the four slices (H200, 2026-12-01);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
       (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
@@ -409,10 +409,12 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     cfg = cfg.with_(num_stages=stages)
     # The backward's weight gradients from persistent programs (the same bits), and its megakernel's loops at 4
     # stages where they fit: together 2.3-4.6% off forward+backward on all four slices (H200, interleaved rounds,
-    # fwdbwd-20261201-211440.json). 4 stages were timed only at block_m 128 with 2-byte operands.
-    cfg = cfg.with_(wgrad_persistent=True)
-    if bm == 128 and elem == 2 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
-        cfg = cfg.with_(bwd_num_stages=4)
+    # fwdbwd-20261201-211440.json: persistent alone 0.3-2.7%, the 4 stages 0.0-2.2% more). Both were timed with
+    # 2-byte operands (bf16 experts; FP8 experts' backward only checked for bits), the stages at block_m 128.
+    if elem == 2:
+        cfg = cfg.with_(wgrad_persistent=True)
+        if bm == 128 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
+            cfg = cfg.with_(bwd_num_stages=4)
     cap = routed_capacity(ranks, t, k, local, bm)
     full = -(-cap // mb) * mb
     budget = min(8 << 30, props.total_memory // 8)

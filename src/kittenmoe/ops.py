@@ -185,7 +185,8 @@ def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8
 
 
 # KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
-# block_m/2 x block_k of rows and four (gate|up) or two 2 block_n-wide (down, phase B) weight tiles: 72 KB at
+# block_m/2 x block_k of rows and two 2 block_n-wide weight tiles (gate|up: gate and up; down, phase B: two column
+# tiles of 2 block_n): 72 KB at
 # 128 x 128 x 64, so 3 stages (216 KB) fit beside nothing else; Triton reuses the buffers of loops not live
 # together (sm_90 builds: 221,304 B forward, 221,240 B backward). At 3 rather than 2 the builds also spill
 # less: backward with half_tail_wide 8 bytes of stack against 64 (the default build's 8), forward with both

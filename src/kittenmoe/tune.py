@@ -22,13 +22,14 @@ anything compiles:
 
 Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
-configs that fail are reported and never win) and timed like ``kittenmoe
-bench`` (``triton.testing.do_bench`` p50 on CUDA). A progress line with an ETA
+configs that fail are reported and never win) and timed on its own
+(``kittenmoe.bench.measure``: ``triton.testing.do_bench`` p50 on CUDA). A progress line with an ETA
 follows the sweep. The sweep times one config after another, and a GPU's clock
 falls under sustained load (the H200's power cap), so the ``TUNE_FINALISTS``
 fastest, the default and the grouped_mm baseline are then timed again together
 in interleaved rounds (``kittenmoe.bench.measure_rounds``); the winner is the
-fastest of those, and their sweep figures stay in the record as ``ms_sweep``.
+fastest of those, and their sweep figures stay in the record as ``ms_sweep`` (the
+other configs' ``ms``, the worst's among them, are their sweep figures).
 The winner goes to the cache, and best vs default vs worst
 is printed; the whole sweep is written as one JSON record to ``--out``.
 
@@ -418,15 +419,23 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
     except Exception as exc:  # the baseline is context, not the point: say so and carry on
         log(f"grouped_mm baseline failed: {type(exc).__name__}: {exc}")
     ms_base = None
-    if finalists:
-        timed = measure_rounds(fns, device, reps, warmup)
-        for n, c in enumerate(finalists):
-            tm = timed[str(n)]
-            c.ms_sweep, c.ms, c.p20, c.p80 = c.ms, tm.p50, tm.p20, tm.p80
-            log(f"  finalist {describe(c.config)}{' (' + c.tag + ')' if c.tag else ''}: {c.ms:.3f} ms "
-                f"interleaved (sweep {c.ms_sweep:.3f})")
-        if "grouped_mm" in timed:
-            ms_base = timed["grouped_mm"].p50
+    errors: dict[str, str] = {}
+    timed = measure_rounds(fns, device, reps, warmup, errors=errors) if fns else {}
+    for n, c in enumerate(finalists):
+        if str(n) in errors:  # it ran in the sweep but not here: reported, and it does not win
+            c.ms_sweep, c.ms, c.error = c.ms, None, f"failed when re-timed: {errors[str(n)]}"
+            log(f"  finalist {describe(c.config)}: {c.error}")
+            continue
+        tm = timed[str(n)]
+        c.ms_sweep, c.ms, c.p20, c.p80 = c.ms, tm.p50, tm.p20, tm.p80
+        log(f"  finalist {describe(c.config)}{' (' + c.tag + ')' if c.tag else ''}: {c.ms:.3f} ms "
+            f"interleaved (sweep {c.ms_sweep:.3f})")
+    if "grouped_mm" in timed:
+        ms_base = timed["grouped_mm"].p50
+    elif "grouped_mm" in errors:
+        log(f"grouped_mm baseline failed when timed: {errors['grouped_mm']}")
+    finalists = [c for c in finalists if c.ms is not None]
+    ok = [c for c in ok if c.ms is not None]
     best_c = min(finalists, key=lambda c: c.ms) if finalists else None
     worst_c = max(ok, key=lambda c: c.ms) if ok else None  # (a finalist's figure is its re-timing's)
     del run
