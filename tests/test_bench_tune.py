@@ -819,3 +819,27 @@ def test_measure_interleaved_refuses_empty(rounds, fns):
 
     with pytest.raises(ValueError, match="measure_interleaved needs"):
         measure_interleaved(fns, torch.device("cpu"), rounds=rounds)
+
+
+def test_measure_ranks_rounds_orchestration(monkeypatch):
+    """The torchrun path's interleaving, with measure_ranks (CUDA events, collectives) stood in for: every name in
+    every round in the rotated order, warm-up calls in the first round only, reps split over the rounds, and
+    each quantile the median of the rounds'."""
+    from kittenmoe import bench
+
+    seen = []
+
+    def fake_measure_ranks(fn, device, group, reps, warmup):
+        p50 = float(len(seen) ** 2)  # the call's position, squared: distinct medians for the two names
+        seen.append((fn(), reps, warmup))
+        return bench.Timing(p50 - 0.5, p50, p50 + 0.5, reps)
+
+    monkeypatch.setattr(bench, "measure_ranks", fake_measure_ranks)
+    fns = {"kittenmoe": lambda: "k", "baseline": lambda: "b"}
+    got = bench.measure_ranks_rounds(fns, torch.device("cpu"), None, reps=13, warmup=3, rounds=5)
+    # 5 rounds rounded up to 6 (a multiple of 2), rotated; 13 // 6 = 2 iterations a round; warm-up in round 0 only
+    assert [s[0] for s in seen] == ["k", "b", "b", "k", "k", "b", "b", "k", "k", "b", "b", "k"]
+    assert all(s[1] == 2 for s in seen) and [s[2] for s in seen] == [3, 3] + [0] * 10
+    # kittenmoe ran at positions 0, 3, 4, 7, 8, 11: p50s 0, 9, 16, 49, 64, 121, median 32.5; the baseline 30.5
+    assert got["kittenmoe"].p50 == 32.5 and got["baseline"].p50 == 30.5
+    assert got["kittenmoe"].p20 == 32.0 and got["kittenmoe"].p80 == 33.0 and got["kittenmoe"].runs == 12

@@ -40,7 +40,9 @@ baseline NCCL + PyTorch under EP (``--ep-baseline``: ``all-to-all``,
 ``baselines.all_to_all_forward``, the default; or ``distributed``,
 ``distributed.moe_forward_distributed``), same weights and routing. Each
 iteration starts after an L2 flush and a barrier; its latency is the slowest
-rank's (CUDA events, all-reduce MAX), p20 / p50 / p80 over ``--reps``. The
+rank's (CUDA events, all-reduce MAX); kittenmoe and the baseline run in
+interleaved rounds (``measure_ranks_rounds``), p20 / p50 / p80 the medians over
+rounds of each round's, about ``--reps`` iterations each in all. The
 check is against the fp32 semantic model across the same processes
 (``moe_forward_distributed`` on fp32 copies). ``--ranks``, if given, must
 equal the world size; CUDA only (no CPU symmetric memory). One GPU per rank
@@ -959,6 +961,24 @@ def measure_ranks(fn: Callable[[], object], device: torch.device, group, reps: i
     return Timing(*_quantiles(ms.tolist()), reps)
 
 
+def measure_ranks_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device, group, reps: int,
+                         warmup: int, rounds: int = DEFAULT_ROUNDS) -> dict[str, Timing]:
+    """``measure_ranks`` for several collective callables, timed together in interleaved rounds (as
+    ``measure_rounds``: at least ``rounds``, or ``reps`` when fewer, rounded up to a multiple of the callables'
+    count; ``interleaved_order``), each round ``max(1, reps // rounds)`` iterations of each, ``warmup`` warm-up
+    calls of each in the first round only; p20 / p50 / p80 are the medians over rounds of each round's (every
+    iteration the slowest rank's). Collective: every rank passes the same names in the same order."""
+    n = max(1, len(fns))
+    rounds = -(-max(1, min(rounds, reps)) // n) * n
+    per_round = max(1, reps // rounds)
+    per: dict[str, list[Timing]] = {name: [] for name in fns}
+    for r, order in enumerate(interleaved_order(list(fns), rounds)):
+        for name in order:
+            per[name].append(measure_ranks(fns[name], device, group, per_round, warmup if r == 0 else 0))
+    return {name: Timing(statistics.median(t.p20 for t in ts), statistics.median(t.p50 for t in ts),
+                         statistics.median(t.p80 for t in ts), rounds * per_round) for name, ts in per.items()}
+
+
 class EPRunner:
     """One rank's inputs of a problem under torchrun, the timed callables and their checks.
 
@@ -1123,11 +1143,14 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
         if not worst <= tol:
             log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
                 f"{tol:.0e}")
-        tk = measure_ranks(k_fn, device, group, reps, warmup)
         b_first = run.baseline(mode, baseline, config, checked=True)
         base_err = max(_gather_or_raise(group, f"the {EP_BASELINES[baseline]} baseline (first call and check)",
                                         lambda: run.check_baseline(mode, b_first())))
-        tb = measure_ranks(run.baseline(mode, baseline, config, checked=False), device, group, reps, warmup)
+        # both timed together in interleaved rounds: the GPUs' clocks fall under sustained load (power caps)
+        timed = measure_ranks_rounds({"kittenmoe": k_fn,
+                                      "baseline": run.baseline(mode, baseline, config, checked=False)},
+                                     device, group, reps, warmup)
+        tk, tb = timed["kittenmoe"], timed["baseline"]
         routed, total = flops(problem, mode)
         t, h, i, e, k = problem.dims
         rows.append(dict(
@@ -1141,7 +1164,7 @@ def _bench_modes_ep(run: EPRunner, config: KernelConfig, modes: list[str], basel
             baseline_routed_tflops=routed / tb.p50 / 1e9,
             rel_l1=worst, rel_l1_tolerance=tol, rel_l1_ok=bool(worst <= tol), rel_l1_per_tensor=errs,
             baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
-            timing="sequential: kittenmoe's iterations, then the baseline's",
+            timing="interleaved with the baseline in rounds (kittenmoe.bench.measure_ranks_rounds)",
             config=dataclasses.asdict(config),
         ))
     return rows
