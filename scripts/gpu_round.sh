@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -195,6 +195,15 @@ if [[ $what == ab ]]; then  # 2026-12-01 (7): the backward knobs that gained 1-3
     --reps 5 --out "$OUT" --config "wgrad_persistent=True;wgrad_persistent=True,bwd_num_stages=4"
   step abfwd timeout 150 python3 benchmarks/fwd_round.py --reps 10 --out "$OUT"
   kill "$smi"
+fi
+if [[ $what == next7 ]]; then  # what session (7) built after its device time ran out (~8 min)
+  # half_tail_tiles with 64 x 128 wgmmas: its bit tests (full tiles' bits), then the four slices interleaved
+  step httest timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "half_tail"
+  step htfwd timeout 200 python3 benchmarks/fwd_round.py --reps 10 --out "$OUT" --config ";half_tail_tiles=True"
+  # kittenmoe bench timed in interleaved rounds: the two-process GPU test (measure_ranks_rounds) and one real row
+  step benchgpu timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_bench_tune.py
+  step bench timeout 150 python3 -m kittenmoe.cli bench --model kimi-k2.7 --ep 8 --tokens 2048 --mode both \
+    --out "$OUT"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
