@@ -377,26 +377,38 @@ class Timing:
     runs: int  # timed runs (approximate on CUDA: do_bench picks the count from the time budget)
 
 
+def _one_call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one synchronised call of ``fn`` on a CUDA device, in ms (at least 1 us): what turns a run
+    count into do_bench's millisecond budgets."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return max((time.perf_counter() - t0) * 1e3, 1e-3)
+
+
+def _cpu_call_ms(fn: Callable[[], object], calls: int) -> list[float]:
+    """``time.perf_counter`` times in ms of ``calls`` calls of ``fn`` (the CPU timings, for tests)."""
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return ts
+
+
 def measure(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> Timing:
     """Latency quantiles of ``fn`` in ms (p20, p50, p80); ``fn`` has already run once (compiled)."""
     if device.type == "cuda":
         import triton
 
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(device)
-        est = max((time.perf_counter() - t0) * 1e3, 1e-3)
+        est = _one_call_ms(fn, device)
         q = triton.testing.do_bench(fn, warmup=max(1.0, warmup * est), rep=max(1.0, reps * est),
                                     quantiles=list(QUANTILES))
         return Timing(float(q[0]), float(q[1]), float(q[2]), reps)
     for _ in range(warmup):
         fn()
-    ts = []
-    for _ in range(max(1, reps)):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
+    ts = _cpu_call_ms(fn, max(1, reps))
     return Timing(*_quantiles(ts), len(ts))
 
 
@@ -460,12 +472,7 @@ def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.d
                     q = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
                     per[name].append((float(q[0]), float(q[1]), float(q[2])))
                 else:
-                    ts = []
-                    for _ in range(calls):
-                        t0 = time.perf_counter()
-                        fn()
-                        ts.append((time.perf_counter() - t0) * 1e3)
-                    per[name].append(_quantiles(ts))
+                    per[name].append(_quantiles(_cpu_call_ms(fn, calls)))
             except Exception as exc:  # dropped and reported to the caller, who asked for that; else it propagates
                 if errors is None:
                     raise
@@ -478,6 +485,14 @@ def measure_interleaved(fns: Mapping[str, Callable[[], object]], device: torch.d
     return out
 
 
+def _round_count(rounds: int, reps: int, n: int) -> int:
+    """The rounds of ``measure_rounds`` / ``measure_ranks_rounds``: ``rounds`` (``reps`` when fewer, at least 1)
+    rounded up to a multiple of the ``n`` callables, so each takes every slot of ``interleaved_order`` equally
+    often."""
+    n = max(1, n)
+    return -(-max(1, min(rounds, reps)) // n) * n
+
+
 def measure_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device, reps: int, warmup: int,
                    rounds: int = DEFAULT_ROUNDS, errors: dict[str, str] | None = None) -> dict[str, Timing]:
     """Several callables timed together in interleaved rounds (``measure_interleaved``) on about ``measure``'s
@@ -488,16 +503,9 @@ def measure_rounds(fns: Mapping[str, Callable[[], object]], device: torch.device
     likewise; on CPU there are ``warmup`` warm-up calls, then each round ``max(1, reps // rounds)`` timed calls.
     ``Timing.runs`` is the number of timed runs asked for (on CPU: those made). ``errors``: as
     ``measure_interleaved``'s."""
-    n = max(1, len(fns))
-    rounds = -(-max(1, min(rounds, reps)) // n) * n
+    rounds = _round_count(rounds, reps, len(fns))
     if device.type == "cuda":
-        est = 1e-3
-        for fn in fns.values():
-            torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device)
-            est = max(est, (time.perf_counter() - t0) * 1e3)
+        est = max(_one_call_ms(fn, device) for fn in fns.values())
         timed = measure_interleaved(fns, device, rounds, rep_ms=max(1.0, reps * est / rounds),
                                     warmup_ms=max(1.0, warmup * est / rounds), errors=errors)
         runs = reps
@@ -968,8 +976,7 @@ def measure_ranks_rounds(fns: Mapping[str, Callable[[], object]], device: torch.
     count; ``interleaved_order``), each round ``max(1, reps // rounds)`` iterations of each, ``warmup`` warm-up
     calls of each in the first round only; p20 / p50 / p80 are the medians over rounds of each round's (every
     iteration the slowest rank's). Collective: every rank passes the same names in the same order."""
-    n = max(1, len(fns))
-    rounds = -(-max(1, min(rounds, reps)) // n) * n
+    rounds = _round_count(rounds, reps, len(fns))
     per_round = max(1, reps // rounds)
     per: dict[str, list[Timing]] = {name: [] for name in fns}
     for r, order in enumerate(interleaved_order(list(fns), rounds)):
