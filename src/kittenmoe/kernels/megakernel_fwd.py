@@ -237,12 +237,13 @@ def _gateup_acc(a_ptr, a_row0, a_rows, w_ptr, n0, H, I,
 
 @triton.jit
 def _gateup_acc_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr = None):
     """As ``_gateup_acc`` through TMA descriptors: a_desc blocks [BM, BK], w_desc blocks [BN, BK]
-    of the [L*2I, H] weight view; out-of-bounds rows of A arrive as 0."""
+    of the [L*2I, H] weight view; out-of-bounds rows of A arrive as 0. NS: the K loop's pipeline stages
+    (None: the kernel's num_stages)."""
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in tl.range(0, H, BK, num_stages=NS):
         a = a_desc.load([a_row0, k0])
         wg = w_desc.load([wg_row0, k0])
         wu = w_desc.load([wu_row0, k0])
@@ -338,24 +339,6 @@ def _is_half_tail(peer_rank_ptr, tile_row0, num_rows, BM: tl.constexpr):
 
 
 @triton.jit
-def _gateup_half_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H, BMH: tl.constexpr, BNW: tl.constexpr,
-                     BK: tl.constexpr, NS: tl.constexpr):
-    """Gate and up of a BMH-row tile over BNW = 2 BN columns (gate rows wg_row0.., up rows wu_row0.. of the
-    [L*2I, H] weight view): two BMH x BNW accumulators, each from one [BNW, BK] weight box a K step. One wide
-    accumulator, not one per column tile: at BMH = 64 rows and 8 warps the two warp groups split N, so a BN-wide
-    accumulator gave each a 64 x 64 wgmma (the sm_90 build's m64n64k16, a quarter of m64n256's work per A
-    operand read), the BNW-wide one a 64 x 128 one, the instruction the full tiles issue. a_desc blocks
-    [BMH, BK], w_desc blocks [BNW, BK] (BNW <= 256, TMA's box limit)."""
-    g = tl.zeros((BMH, BNW), dtype=tl.float32)
-    u = tl.zeros((BMH, BNW), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=NS):
-        a = a_desc.load([a_row0, k0])
-        g = tl.dot(a, w_desc.load([wg_row0, k0]).T, g)
-        u = tl.dot(a, w_desc.load([wu_row0, k0]).T, u)
-    return g, u
-
-
-@triton.jit
 def _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
                  HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -365,8 +348,12 @@ def _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr, gu_ptr, e,
     full tile computes from the pull's zero rows: the backward's weight gradients sum those rows)."""
     BMH: tl.constexpr = BM // 2
     if USE_TMA:
-        acc_g, acc_u = _gateup_half_tma(xrh_desc, brow, w13w_desc, e * (2 * I) + nt * BN,
-                                        e * (2 * I) + I + nt * BN, H, BMH, 2 * BN, BK, NS)
+        # One BMH x 2 BN accumulator each for gate and up, not one per column tile: at BMH = 64 rows and 8 warps
+        # the two warp groups split N, so BN-wide accumulators gave each a 64 x 64 wgmma (m64n64k16 in the sm_90
+        # build), 2 BN-wide ones 64 x 128, the instruction the full tiles issue. w13w_desc blocks [2 BN, BK]
+        # (2 BN <= 256, TMA's box limit).
+        acc_g, acc_u = _gateup_acc_tma(xrh_desc, brow, w13w_desc, e * (2 * I) + nt * BN,
+                                       e * (2 * I) + I + nt * BN, H, BMH, 2 * BN, BK, NS)
     else:
         acc_g, acc_u = _gateup_acc(xr_ptr, brow, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BMH,
                                    2 * BN, BK, DOT_FP32, PRECISION)
