@@ -78,6 +78,9 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of three forward+backwards")
+    ap.add_argument("--shared-replay", action="store_true",
+                    help="also time the heuristic with the shared expert's gate|up replayed in the backward (the "
+                         "forward still keeps it): the kept shared gate|up's A/B")
     ap.add_argument("--config", default="", help="KernelConfig overrides (k=v,k=v); several separated by ';' are "
                     "each timed (forward+backward) beside the default in the same run")
     args = ap.parse_args()
@@ -107,9 +110,12 @@ def main() -> int:
         peers = LocalPeers(1, dev)
         a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, shape.swiglu_limit)
 
-        def mk(keep=cfg.keep_activations, c=cfg):
+        def mk(keep=cfg.keep_activations, c=cfg, shared_kept=True):
             f = megakernel_forward_multirank(*a, config=c, peers=peers, save_for_backward=keep)
-            megakernel_backward_multirank(gos, *a, config=c, peers=peers, saved=f.saved())
+            saved = f.saved()
+            if not shared_kept:  # (--shared-replay) the backward replays the shared expert's gate|up
+                saved = [None if s is None else (s[0], s[1], None) for s in saved]
+            megakernel_backward_multirank(gos, *a, config=c, peers=peers, saved=saved)
 
         if args.breakdown:
             from kittenmoe.kernels import megakernel_bwd as mb
@@ -165,6 +171,9 @@ def main() -> int:
         # whatever runs first).
         fns = {"kittenmoe": mk, "replay": lambda: mk(False)}
         fns["replay"]()  # compiled (its own backward build) before the timed rounds
+        if args.shared_replay:  # A/B of the kept shared gate|up: the same forward, the shared replay in the backward
+            fns["shared-replay"] = lambda: mk(shared_kept=False)
+            fns["shared-replay"]()
         row["sweep_ms"] = {}
         for over in extra:
             key = ",".join(f"{k}={v}" for k, v in over.items())  # as asked, even where it equals the heuristic

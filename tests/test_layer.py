@@ -244,13 +244,16 @@ def test_ops_fake_impls(shared):
     x, w13 = args[0], args[3]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out, x_routed, gate_up = fwd(*fargs, *cfg)
-        grads = bwd(mode.from_tensor(d_out), *fargs, x_routed, gate_up, *cfg)
+        out, x_routed, gate_up, shared_gu = fwd(*fargs, *cfg)
+        grads = bwd(mode.from_tensor(d_out), *fargs, x_routed, gate_up, shared_gu, *cfg)
     real = fwd(*args, *cfg)  # the kept activations' shapes come from shapes and config alone: compare
-    assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in (out, x_routed, gate_up)]
+    fake = (out, x_routed, gate_up, shared_gu)
+    assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]
     assert real[1].shape[0] > 0 and real[2].dtype == torch.float32  # CFG keeps them (resident ring)
     assert (tuple(out.shape), out.dtype, out.device) == (tuple(x.shape), x.dtype, x.device)
     assert gate_up.shape[1] == w13.shape[1]
+    # the shared expert's fp32 gate|up, every token's, or [0, 0] without a shared expert
+    assert tuple(shared_gu.shape) == ((x.shape[0], args[5].shape[0]) if shared else (0, 0))
     assert [(tuple(g.shape), g.dtype) for g in grads] == expect
     assert all(g.device == args[0].device for g in grads)
 

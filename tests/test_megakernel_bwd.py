@@ -476,6 +476,85 @@ def test_wrapping_ring_keeps_macrobatch_zero(t, monkeypatch):
         _assert_grad_close(gname, g, ref[gname], "fp32", rescale=False)
 
 
+@pytest.mark.parametrize("case", [
+    Case(TINY, r=1, t=24),  # S = 16 = one phase-A tile's width: the kept shared tiles stay narrow
+    Case(TINY_SIG, r=2, t=20, swiglu_limit=0.5),  # S = 24, not a multiple of 16: a partial column tile; T = 20
+    # S = 64: 32-wide kept shared tiles (two 16-wide halves each), bf16, T = 20 with a partial last row tile
+    Case(TINY.with_(i=64), r=2, t=20, dtype=torch.bfloat16),
+])
+def test_forward_keeps_the_shared_gate_up(case, monkeypatch):
+    """save_for_backward keeps the shared expert's fp32 gate|up pre-activations, every token's (scratch starts
+    NaN, so a row or column tile never stored shows), as x @ shared_w13^T computes them; the backward reads
+    them (its shared phase A then skips the replay) and gives the replaying backward's shared gradients (bit
+    for bit under the interpreter, within tolerance on a GPU)."""
+    inp = _make_inputs(case, seed=9)
+    cfg = case.config()
+    nan_scratch(monkeypatch)
+    fwd = _forward_saved(case, inp, cfg, LocalPeers(case.r, DEV))
+    monkeypatch.undo()
+    sw13 = inp.mw.shared_w13_2SH
+    for r, st in enumerate(fwd.states):
+        sgu = fwd.saved()[r][2]
+        assert sgu is st.shared_gate_up and sgu.dtype == torch.float32 and sgu.shape == (case.t, sw13.shape[0])
+        assert torch.isfinite(sgu).all(), f"rank {r}: shared gate|up rows or columns never stored"
+        want = inp.xs[r].double() @ sw13.double().T
+        assert_close(sgu.double(), want, "fp32" if case.dtype == torch.float32 else "bf16", f"shared gate|up[{r}]")
+    got = _named(megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(),
+                                               case.swiglu_limit, config=cfg, saved=fwd.saved()))
+    replay = _named(_backward(case, inp))
+    for gname in ("d_shared_w13", "d_shared_w2", *(n for n in got if n.startswith("d_x"))):
+        if not HAS_CUDA:
+            assert_bitwise_equal(got[gname], replay[gname], f"{gname}: kept vs replayed shared gate|up")
+        _assert_grad_close(gname, got[gname], replay[gname].double(), "fp32" if case.dtype == torch.float32
+                           else "bf16", rescale=case.dtype != torch.float32)
+    # The backward reads the kept tensor rather than replaying: zeroed, the shared hidden is silu(0) * 0 = 0,
+    # so d_shared_w2 = d_out^T h is exactly zero.
+    zeroed = [(xr, gu, torch.zeros_like(sgu)) for xr, gu, sgu in fwd.saved()]
+    z = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
+                                      config=cfg, saved=zeroed)
+    assert torch.all(z.d_shared_w2 == 0) and torch.any(replay["d_shared_w2"] != 0)
+
+
+def test_forward_without_a_shared_expert_keeps_no_shared_gate_up():
+    """No shared expert: nothing kept for it (None in saved()), and the backward takes that."""
+    case = Case(TINY, r=1, t=12, shared=False)
+    inp = _make_inputs(case, seed=10)
+    fwd = _forward_saved(case, inp, case.config(), LocalPeers(1, DEV))
+    assert fwd.states[0].shared_gate_up is None and fwd.saved()[0][2] is None
+    res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), None,
+                                        config=case.config(), saved=fwd.saved())
+    res.check_errors()
+    assert res.d_shared_w13 is None
+
+
+def test_saved_shared_gate_up_checked():
+    """The saved tuple's shared entry must be the forward's [T, 2S] fp32 tensor or None (the backward replays the
+    shared gate|up: the replaying backward's bits), and None without a shared expert; a 2-tuple of an older form
+    is refused by name."""
+    case = Case(TINY, r=1, t=24)
+    inp = _make_inputs(case, seed=7)
+    fwd = _forward_saved(case, inp, case.config(), LocalPeers(1, DEV))
+    x_routed, gate_up, sgu = fwd.saved()[0]
+    args = (inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), None)
+    for bad, match in (((x_routed, gate_up), r"saved must be the forward's \(x_routed, gate_up, shared_gate_up\)"),
+                       ((x_routed, gate_up, sgu[:12]), r"saved shared_gate_up must be None or a contiguous float32 "
+                                                       r"tensor of shape \(24, 32\).*got \(12, 32\)"),
+                       ((x_routed, gate_up, sgu.double()), r"got \(24, 32\) torch.float64")):
+        with pytest.raises(ValueError, match=match):
+            megakernel_backward_multirank(*args, config=case.config(), saved=[bad])
+    no_shared = Case(TINY, r=1, t=24, shared=False)
+    inp2 = _make_inputs(no_shared, seed=7)
+    half = megakernel_backward_multirank(*args, config=case.config(), saved=[(x_routed, gate_up, None)])
+    replay = _named(_backward(case, inp))
+    for gname, g in _named(half).items():
+        if not HAS_CUDA:
+            assert_bitwise_equal(g, replay[gname], f"{gname}: routed rows kept, shared replayed")
+        _assert_grad_close(gname, g, replay[gname].double(), "fp32", rescale=False)
+    with pytest.raises(ValueError, match="saved shared_gate_up must be None without a shared expert"):
+        megakernel_backward_multirank(inp2.d_outs, inp2.xs, inp2.ids, inp2.ws, *inp2.weights(), None,
+                                      config=case.config(), saved=[(x_routed, gate_up, sgu)])
+
+
 def test_saved_activations_of_another_config_rejected():
     """A forward run with a larger minibatch has a routed buffer taller than the backward's rows: refused, with
     the bound, instead of reading rows that do not line up."""

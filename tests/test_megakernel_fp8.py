@@ -172,7 +172,7 @@ def test_fp8_forward_keeps_unquantised_rows_for_the_backward():
     res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None,
                                        config=CFG, fp8=fp8, save_for_backward=True)
     st = res.states[0]
-    kept, gate_up = res.saved()[0]
+    kept, gate_up, shared_gu = res.saved()[0]
     assert kept.dtype == xs[0].dtype and kept.shape == (st.ring.macrobatch, xs[0].shape[1])
     assert st.x_routed.dtype == torch.uint8  # the GEMMs' ring stays e4m3
     n = int(st.schedule.num_rows.item())

@@ -7,16 +7,16 @@ Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
   swiglu_limit?, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?, fp8_pow2, <KernelConfig fields>)
-  -> (out_TH, x_routed, gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their 128 x 128
-  scales and transposes; None for x's dtype). With
+  -> (out_TH, x_routed, gate_up, shared_gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their
+  128 x 128 scales and transposes; None for x's dtype). With
   ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and fp32 gate|up
   pre-activations ``[MAC, 2I]`` for the backward (every routed row when the ring does not wrap, else
-  macrobatch 0); otherwise ``[0, H]`` / ``[0, 2I]`` (``moe_megakernel`` turns the knob off when no gradient
-  is needed).
-- ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, <KernelConfig fields>) -> (d_x_TH,
-  d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
+  macrobatch 0) and the shared expert's fp32 gate|up ``[T, 2S]``; otherwise ``[0, H]`` / ``[0, 2I]`` /
+  ``[0, 2S]`` (``moe_megakernel`` turns the knob off when no gradient is needed).
+- ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, shared_gate_up, <KernelConfig fields>) ->
+  (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
   megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold (in e4m3
-  under FP8). Without a shared expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
+  under FP8), and the shared expert's when ``shared_gate_up`` is empty. Without a shared expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
   autograd turns them into ``None``.
 
 The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
@@ -100,7 +100,8 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
          "Tensor d_shared_w13_2SH, Tensor d_shared_w2_HS)"
 
 # The forward also returns what it kept for the backward (KernelConfig.keep_activations): its ring's x_routed
-# [MAC, H] and fp32 gate_up [MAC, 2I], or [0, H] / [0, 2I] when it kept nothing (the backward replays).
+# [MAC, H] and fp32 gate_up [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S], or [0, H] / [0, 2I] /
+# [0, 2S] when it kept nothing (the backward replays; [0, 0] for the last without a shared expert).
 # FP8 (issue 7): the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
 # bf16) and whether the activation scales are powers of two. The bf16 master weights stay the differentiable
 # inputs: their gradients are computed from e4m3 data gradients and bf16 weight-gradient products.
@@ -109,9 +110,11 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 _FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
         "bool fp8_pow2")
 torch.library.define("kittenmoe::moe_forward",
-                     f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up)")
+                     f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
+                     "Tensor shared_gate_up)")
 torch.library.define("kittenmoe::moe_backward",
-                     f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, {_config_schema()}) "
+                     f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, Tensor shared_gate_up, "
+                     f"{_config_schema()}) "
                      f"-> {_GRADS}")
 
 
@@ -248,14 +251,17 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
     if kept is None:  # the fake impl's dtypes (an FP8 forward keeps its rows in x's dtype too)
         H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
         kept = (x_TH.new_empty(0, H, dtype=x_TH.dtype),
-                x_TH.new_empty(0, two_i, dtype=torch.float32))
-    return res.outputs[0], kept[0], kept[1]
+                x_TH.new_empty(0, two_i, dtype=torch.float32), None)
+    shared_gu = kept[2]
+    if shared_gu is None:
+        shared_gu = x_TH.new_empty(0, _shared_width(shared_w13_2SH), dtype=torch.float32)
+    return res.outputs[0], kept[0], kept[1], shared_gu
 
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                        shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2,
-                       x_routed, gate_up,
+                       x_routed, gate_up, shared_gate_up,
                        *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)
@@ -264,7 +270,8 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
         d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
-        saved=[(x_routed, gate_up) if x_routed.shape[0] else None],
+        saved=[(x_routed, gate_up, shared_gate_up if shared_gate_up.shape[0] else None)
+               if x_routed.shape[0] else None],
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
@@ -275,6 +282,11 @@ def _pack_grads(d_x, d_w, d_w13, d_w2, d_sw13, d_sw2, w13_E2IH):
     # Without a shared expert: two distinct empty placeholders (op outputs must not alias each other).
     return (d_x, d_w.float(), d_w13, d_w2,
             w13_E2IH.new_empty(0) if d_sw13 is None else d_sw13, w13_E2IH.new_empty(0) if d_sw2 is None else d_sw2)
+
+
+def _shared_width(shared_w13_2SH) -> int:
+    """2S, the shared expert's kept gate|up width (0 without one)."""
+    return 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0]
 
 
 def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
@@ -290,13 +302,15 @@ def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w
                   swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
     # (an FP8 forward keeps its routed rows in x's dtype, beside the e4m3 ring its GEMMs read)
+    two_s = _shared_width(shared_w13_2SH)
     return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype),
-            x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32))
+            x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32),
+            x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=torch.float32))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                    shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, x_routed,
-                   gate_up, *rest):
+                   gate_up, shared_gate_up, *rest):
     return (
         torch.empty_like(x_TH),
         topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
@@ -315,26 +329,26 @@ torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
-    _, x_routed, gate_up = output
+    _, x_routed, gate_up, shared_gate_up = output
     fp8_tensors = inputs[8:14]  # w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                          x_routed, gate_up, *fp8_tensors)
+                          x_routed, gate_up, shared_gate_up, *fp8_tensors)
     ctx.swiglu_limit, ctx.fp8_pow2 = inputs[7], inputs[14]
     ctx.config_args = tuple(inputs[15:])
     # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
     # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
-    ctx.mark_non_differentiable(x_routed, gate_up)
+    ctx.mark_non_differentiable(x_routed, gate_up, shared_gate_up)
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up):
+def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up, _d_shared_gate_up):
     (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
-     gate_up, *fp8_tensors) = ctx.saved_tensors
+     gate_up, shared_gate_up, *fp8_tensors) = ctx.saved_tensors
     if d_out_TH is None:  # the output did not reach the loss
         d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, ctx.fp8_pow2, x_routed, gate_up,
+        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, ctx.fp8_pow2, x_routed, gate_up, shared_gate_up,
         *ctx.config_args)
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None

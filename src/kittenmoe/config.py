@@ -133,7 +133,10 @@ class KernelConfig:
         of phase A's 6 FLOPs per element). A ring that does not wrap holds
         every row (the backward also skips the x pull); a wrapping ring
         ends holding macrobatch 0 (the forward runs macrobatches last to
-        first) and the backward replays only the rest. False: always replay.
+        first) and the backward replays only the rest. The shared expert's
+        fp32 gate|up (8 S bytes a token, 34 MB on Kimi) is kept too, ring or
+        not: the backward's shared phase A runs its down dgrad alone. False:
+        always replay.
     fp8_dx_high: with FP8 experts, the backward's routed d_x GEMM (d(gate|up) W13) runs on x's dtype, from
         the d(gate|up) rows as the backward stores them and the master weights, instead of on e4m3 (the
         rest of the FP8 path is unchanged). In e4m3 that GEMM promotes every 64 of its K (d(gate|up) is

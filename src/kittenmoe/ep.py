@@ -114,8 +114,8 @@ class EPForward:
     def check_errors(self) -> None:
         ops.check_errors(self.state.err)
 
-    def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x_routed, gate_up) when the forward kept them (``save_for_backward``), else None."""
+    def saved(self) -> ops.Saved | None:
+        """(x_routed, gate_up, shared_gate_up) when the forward kept them (``save_for_backward``), else None."""
         return self.state.saved()
 
 
@@ -138,8 +138,8 @@ def megakernel_forward_ep(
     """This rank's MoE forward under expert parallelism (collective: every rank of ``peers`` calls it).
 
     ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
-    whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and gate|up
-    pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
+    whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and the routed and
+    shared gate|up pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
     ``ops.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``). ``trace``:
     ``result.state.trace`` records what this rank's programs did and when (``kittenmoe.trace``)."""
     config = config or KernelConfig()
@@ -192,13 +192,13 @@ def megakernel_backward_ep(
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
     max_spin: int = ops.DEFAULT_MAX_SPIN,
-    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved: ops.Saved | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
     the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
-    routed x rows and gate|up pre-activations. ``fp8``: the forward's ``FP8ExpertWeights`` (data gradients in
+    routed x rows and gate|up pre-activations (and the shared expert's). ``fp8``: the forward's ``FP8ExpertWeights`` (data gradients in
     e4m3, as ``ops.launch_rank_backward``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
@@ -244,7 +244,7 @@ class _MoEEP(torch.autograd.Function):
                                     shared_w13_2SH, shared_w2_HS, swiglu_limit, peers, config,
                                     save_for_backward=keep, fp8=fp8)
         report_device_errors(x_TH.device, [res.state.err])
-        kept = res.saved() or (None, None)
+        kept = res.saved() or (None, None, None)
         ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                               *kept)
         ctx.swiglu_limit, ctx.peers, ctx.config, ctx.fp8 = swiglu_limit, peers, config, fp8
@@ -255,10 +255,11 @@ class _MoEEP(torch.autograd.Function):
         from kittenmoe.autograd import report_device_errors
 
         (x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, x_routed,
-         gate_up) = ctx.saved_tensors
+         gate_up, shared_gate_up) = ctx.saved_tensors
         g = megakernel_backward_ep(d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH,
                                    w2_LHI, shared_w13_2SH, shared_w2_HS, ctx.swiglu_limit, ctx.peers, ctx.config,
-                                   saved=None if gate_up is None else (x_routed, gate_up), fp8=ctx.fp8)
+                                   saved=None if gate_up is None else (x_routed, gate_up, shared_gate_up),
+                                   fp8=ctx.fp8)
         report_device_errors(x_TH.device, [g.err])
         return (g.d_x, None, g.d_topk_weights.to(topk_weights_TK.dtype), g.d_w13, g.d_w2, g.d_shared_w13,
                 g.d_shared_w2, None, None, None, None)

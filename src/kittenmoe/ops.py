@@ -103,6 +103,11 @@ class RingGeometry:
         return out
 
 
+# What a forward keeps for its backward (ForwardState.saved): the ring's x rows [MAC, H], their fp32 gate|up
+# [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S] (None without a shared expert).
+Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
 @dataclass
 class ForwardState:
     """What one rank's forward leaves behind (the backward will read it)."""
@@ -119,6 +124,9 @@ class ForwardState:
     # [MAC, 2I] fp32 gate|up pre-activations of the rows the ring holds at the end, kept for the backward
     # (save_for_backward), else None
     gate_up: torch.Tensor | None = None
+    # [T, 2S] fp32 the shared expert's gate|up pre-activations, kept beside them (save_for_backward with a
+    # shared expert), else None
+    shared_gate_up: torch.Tensor | None = None
     x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
     # [MAC, H] x's dtype under FP8 with save_for_backward: the routed rows unquantised, for the weight gradients
     x_kept: torch.Tensor | None = None
@@ -128,13 +136,13 @@ class ForwardState:
     # interpreter; unused slots -1) with trace=True, else None: kittenmoe.trace reads it
     trace: torch.Tensor | None = None
 
-    def saved(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up) when this forward kept them
-        (``save_for_backward``; under FP8 the rows in x's dtype, not the e4m3 ring), else None (the backward
-        replays)."""
+    def saved(self) -> Saved | None:
+        """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up, shared_gate_up) when this forward
+        kept them (``save_for_backward``; under FP8 the rows in x's dtype, not the e4m3 ring; shared_gate_up
+        None without a shared expert), else None (the backward replays)."""
         if self.gate_up is None:
             return None
-        return (self.x_routed if self.x_kept is None else self.x_kept), self.gate_up
+        return (self.x_routed if self.x_kept is None else self.x_kept), self.gate_up, self.shared_gate_up
 
 
 def _tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> bool:
@@ -276,7 +284,9 @@ def launch_rank_forward(
     rows in x's dtype, padding zeroed, into ``state.x_kept``), for ``launch_rank_backward(saved=...)``. A
     resident ring (``macrobatch_size`` None or at least the capacity) then holds every routed row: the
     backward skips the gate|up replay and the x pull. A wrapping ring ends holding macrobatch 0 (processed
-    last): the backward reads those rows' gate|up and replays the others.
+    last): the backward reads those rows' gate|up and replays the others. The shared expert's fp32 gate|up
+    (``state.shared_gate_up``, every token's) is kept either way: the backward's shared phase A then runs its
+    down dgrad alone.
 
     ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
     ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
@@ -316,6 +326,8 @@ def launch_rank_forward(
         # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
         # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
         st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=torch.float32, device=dev)
+        if S > 0:  # every token's, whatever the ring (34 MB on the Kimi slice)
+            st.shared_gate_up = torch.empty(T, 2 * S, dtype=torch.float32, device=dev)
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     if fp8 is not None:
         st.x_scale = torch.empty(ring.macrobatch, H // sb, dtype=torch.float32, device=dev)
@@ -400,6 +412,7 @@ def launch_rank_forward(
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
             st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
+            st.y_routed if st.shared_gate_up is None else st.shared_gate_up,
             st.y_routed if st.x_kept is None else st.x_kept, fp8_args[0], fp8_args[1],
             st.shared_hidden, st.y_shared, fp8_args[2], fp8_args[3], fp8_args[4], fp8_args[5], sw13, sw2, *descs,
             st.counters, st.err, st.err if st.trace is None else st.trace,
@@ -462,9 +475,9 @@ class MultirankForward:
         for st in self.states:
             check_errors(st.err)
 
-    def saved(self) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up) when this
-        forward kept them (``save_for_backward``), else None (the backward replays)."""
+    def saved(self) -> list[Saved | None]:
+        """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up,
+        shared_gate_up) when this forward kept them (``save_for_backward``), else None (the backward replays)."""
         return [st.saved() for st in self.states]
 
 
@@ -559,7 +572,7 @@ def launch_rank_backward(
     phases: int | None = None,
     dw13_out: torch.Tensor | None = None,
     dw2_out: torch.Tensor | None = None,
-    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved: Saved | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
 ) -> dict:
@@ -567,11 +580,12 @@ def launch_rank_backward(
 
     ``dw13_out`` / ``dw2_out`` ([L, 2I, H] / [L, H, I], contiguous): where to write this rank's expert weight
     gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice).
-    ``saved``: ``(x_routed, gate_up)`` of this rank's forward with the same routing and config
+    ``saved``: ``(x_routed, gate_up, shared_gate_up)`` of this rank's forward with the same routing and config
     (``launch_rank_forward(save_for_backward=True)``). From a resident ring (``[NR, H]``, ``[NR, 2I]`` fp32)
     phase A runs the down dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips
     x rows; from a wrapping ring (``[MAC, H]``, ``[MAC, 2I]``: macrobatch 0) the rows below MAC skip the
-    replay and the others replay it.
+    replay and the others replay it. ``shared_gate_up`` (``[T, 2S]`` fp32; always None without a shared
+    expert): the shared phase A runs its down dgrad alone, on tiles twice as wide; None replays it.
 
     ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
     gate|up dgrad) run on e4m3 operands: d_out rows quantised 1 x B in the pull, d(gate|up) 1 x
@@ -614,6 +628,9 @@ def launch_rank_backward(
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
+        if not isinstance(saved, tuple) or len(saved) != 3:
+            raise ValueError("saved must be the forward's (x_routed, gate_up, shared_gate_up) "
+                             f"(ForwardState.saved()), got {type(saved).__name__} of {len(saved)}")
         mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
         if not (0 < mac <= NR and mac % bm == 0):
             raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
@@ -626,11 +643,21 @@ def launch_rank_backward(
                                  f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
         # Mode 1 also reads the forward's x rows for the weight gradients.
         gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
+        sgu = saved[2]
+        if sgu is not None and (not has_shared or tuple(sgu.shape) != (T, 2 * S) or not sgu.is_contiguous()
+                                or sgu.dtype != torch.float32 or sgu.device != dev):
+            want = (f"None or a contiguous float32 tensor of shape {(T, 2 * S)} on {dev}" if has_shared
+                    else "None without a shared expert")
+            raise ValueError(f"saved shared_gate_up must be {want} (the forward's, same inputs), got "
+                             f"{tuple(sgu.shape)} {sgu.dtype} on {sgu.device}")
     # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
     # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
     # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
     # against phase B's 5.7 (H200 trace, 2026-12-01).
     bna = 2 * bn if gu_mode == 1 and I % (2 * bn) == 0 else bn
+    # The shared phase A with its gate|up kept likewise holds the down dgrad alone: tiles of 2 bn when S allows.
+    shared_kept = gu_mode > 0 and saved[2] is not None
+    bns = 2 * bn if shared_kept and S % (2 * bn) == 0 else bn
     NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
@@ -713,7 +740,7 @@ def launch_rank_backward(
                    TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
                    TD.from_tensor(peers.buffer("d_out", rank), [bm, bk]),
                    TD.from_tensor(peers.buffer("x", rank), [bm, bk]),
-                   TD.from_tensor(sw2.reshape(-1, sw2.shape[-1]), [bk, bn]),
+                   TD.from_tensor(sw2.reshape(-1, sw2.shape[-1]), [bk, bns]),
                    TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
     else:
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
@@ -737,7 +764,7 @@ def launch_rank_backward(
         n_a = triton.cdiv(I, bna)  # routed phase-A column tiles
         per_mb = (MB // bm) * (n_a + triton.cdiv(H, bn2))
         n_srt = triton.cdiv(T, bm)
-        n_gemm = (n_srt * (triton.cdiv(S, bn) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
+        n_gemm = (n_srt * (triton.cdiv(S, bns) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
         n_epi = (NMB + 1) * (MB // bm) * n_a if bna != bn else 0  # one per wide phase-A tile
         out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev, n_epi)
@@ -746,7 +773,7 @@ def launch_rank_backward(
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
-        HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES,
+        HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
@@ -767,7 +794,8 @@ def launch_rank_backward(
             peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
-            bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1], *fp8_bufs,
+            bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
+            saved[2] if shared_kept else bufs["dwp"], *fp8_bufs,
             w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
@@ -851,7 +879,7 @@ def megakernel_backward_multirank(
     peers: LocalPeers | None = None,
     max_spin: int = DEFAULT_MAX_SPIN,
     phases: int | None = None,
-    saved: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+    saved: list[Saved | None] | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
 ) -> MultirankBackward:

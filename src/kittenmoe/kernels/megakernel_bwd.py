@@ -45,7 +45,10 @@ and kept every routed row's x (padding zeroed) and fp32 gate|up: phase A is the
 down dgrad alone, reading g and u, and the pull skips x; 2, the ring wrapped:
 the forward, running its macrobatches last to first, left macrobatch 0 (routed
 rows [0, gu_rows)) in the ring, so those tiles read g and u and the others
-replay the gate|up GEMM from the pulled x rows; 0, replay everything.
+replay the gate|up GEMM from the pulled x rows; 0, replay everything. With
+GU_MODE > 0 the forward also kept the shared expert's fp32 gate|up (SHARED_KEPT):
+the shared phase A is its down dgrad alone, on BM x BNS tiles (2 BN when S
+allows, as the routed kept tiles), its SwiGLU backward BN columns at a time.
 """
 
 import triton
@@ -282,15 +285,18 @@ def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: t
 
 
 @triton.jit
-def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr):
+def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_rows=None):
     """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order;
     columns past I, in a last tile wider than what is left, read as 0). Cast to fp32 although the kept buffer is
     fp32: without kept rows the launcher passes a bf16 placeholder, and the FP8 phase A's runtime branch
     ``row0 < gu_rows`` still compiles this side, whose types must match the replay side's (Triton 3.6 refuses
-    the kernel otherwise; the interpreter does not check)."""
+    the kernel otherwise; the interpreter does not check). n_rows: the rows that exist (the shared expert's last
+    row tile of T; the others read as 0); None: all BM (routed row tiles are padded whole)."""
     rn = nt * BN + tl.arange(0, BN)
     g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
     n_ok = (rn < I)[None, :]
+    if n_rows is not None:
+        n_ok = n_ok & (tl.arange(0, BM) < n_rows)[:, None]
     return (tl.load(g_rows + rn[None, :], mask=n_ok, other=0.0).to(tl.float32),
             tl.load(g_rows + I + rn[None, :], mask=n_ok, other=0.0).to(tl.float32))
 
@@ -355,6 +361,29 @@ def _kept_half(acc_dh, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_p
                                swiglu_limit, HAS_LIMIT, True, BM, BN, DW_IN_ORDER)
     if FP8_B:
         _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
+
+
+@triton.jit
+def _shared_kept_epilogue(acc, row0, n_rows, nts, sgu_ptr, sdgu_ptr, sh_ptr, dummy_ptr, S, swiglu_limit,
+                          HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr):
+    """The SwiGLU backward of a BM x BNS shared phase-A tile (column tile nts) whose gate|up the forward kept
+    (sgu_ptr: [T, 2S] fp32), BN columns at a time as the routed kept tiles (``_kept_wide_epilogue``): d(gate|up)
+    into sdgu, the hidden into sh (w = 1), no d_w. BNS is BN or 2 BN."""
+    ones = tl.full((BM,), 1.0, dtype=tl.float32)
+    if BNS == BN:
+        acc_g, acc_u = _kept_gate_up(sgu_ptr, row0, nts, S, BM, BN, n_rows)
+        _bwd_a_epilogue(acc, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, dummy_ptr, row0, n_rows, nts * BN, nts, S, 1,
+                        swiglu_limit, HAS_LIMIT, False, BM, BN)
+    else:
+        acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN)), (0, 2, 1)))
+        nt = 2 * nts
+        acc_g, acc_u = _kept_gate_up(sgu_ptr, row0, nt, S, BM, BN, n_rows)
+        _bwd_a_epilogue(acc_lo, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, dummy_ptr, row0, n_rows, nt * BN, nt, S, 1,
+                        swiglu_limit, HAS_LIMIT, False, BM, BN)
+        if (nt + 1) * BN < S:  # (the launcher picks BNS = 2 BN only when S % (2 BN) == 0: always true)
+            acc_g, acc_u = _kept_gate_up(sgu_ptr, row0, nt + 1, S, BM, BN, n_rows)
+            _bwd_a_epilogue(acc_hi, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, dummy_ptr, row0, n_rows, (nt + 1) * BN,
+                            nt + 1, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
 
 
 @triton.jit
@@ -547,6 +576,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
     gu_ptr,  # [gu_rows, 2I] fp32, the forward's gate|up pre-activations of the leading routed rows (GU_MODE > 0)
+    sgu_ptr,  # [T, 2S] fp32, the forward's shared-expert gate|up pre-activations (SHARED_KEPT; else a placeholder)
     dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
     dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8_B: phase B on e4m3)
@@ -575,7 +605,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     w13a_desc,  # w13 viewed [L * 2I, H], blocks [BN, BK] (FP8: its e4m3 copy, blocks [BN, SB])
     dol_desc,  # dout_local [T, H], blocks [BM, BK]
     xl_desc,  # x_local [T, H], blocks [BM, BK]
-    sw2_desc,  # sw2 [H, S], blocks [BK, BN]
+    sw2_desc,  # sw2 [H, S], blocks [BK, BNS]
     sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
     dguh_desc,  # dgu [NR, 2I], blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
@@ -591,7 +621,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
     MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3,
+    HALF_STAGES: tl.constexpr = 3, SHARED_KEPT: tl.constexpr = False, BNS: tl.constexpr = 16,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -611,7 +641,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     per_b = (MB // BM) * n_b_h
     if TRACE:  # launch-independent slots (as the forward's): GEMM tiles of the whole backward, then comm
         n_srt_t = tl.cdiv(T, BM)
-        trace_sb0 = (n_srt_t * tl.cdiv(S, BN) if HAS_SHARED else 0) + (NMB + LAG) * (per_a + per_b)
+        trace_sb0 = (n_srt_t * tl.cdiv(S, BNS) if HAS_SHARED else 0) + (NMB + LAG) * (per_a + per_b)
         trace_comm0 = trace_sb0 + (n_srt_t * n_b_h if HAS_SHARED else 0)
         trace_epi0 = trace_comm0 + 2 * (2 * NMB + 1) * num_comm  # the wide kept phase A's epilogues
 
@@ -691,7 +721,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
         n_sa = 0
         n_sb = 0
         if HAS_SHARED:
-            n_sa = n_srt * tl.cdiv(S, BN)
+            n_sa = n_srt * tl.cdiv(S, BNS)  # shared phase-A tiles BM x BNS
             n_sb = n_srt * n_b_h
         per_mb = per_a + per_b
         r_lo = n_sa + p_lo * per_mb
@@ -704,16 +734,26 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         t_start = _now()
                     nt = tile // n_srt
                     rt = tile % n_srt
-                    if USE_TMA_A:
-                        acc_dh, acc_g, acc_u = _bwd_a_acc_tma(dol_desc, xl_desc, rt * BM, sw2_desc, 0, sw13a_desc,
-                                                              nt * BN, S + nt * BN, nt * BN, H, BM, BN, BK)
+                    if SHARED_KEPT:  # the down dgrad alone, BNS wide; g and u as the forward kept them
+                        if USE_TMA_A:
+                            acc = _mm_acc_tma(dol_desc, rt * BM, sw2_desc, 0, nt * BNS, H, BM, BNS, BK)
+                        else:
+                            acc = _mm_acc(dout_local_ptr, H, rt * BM, T - rt * BM, sw2_ptr, S, nt * BNS, S, H, BM,
+                                          BNS, BK, DOT_FP32, PRECISION)
+                        _shared_kept_epilogue(acc, rt * BM, T - rt * BM, nt, sgu_ptr, sdgu_ptr, sh_ptr, wr_ptr, S,
+                                              swiglu_limit, HAS_LIMIT, BM, BN, BNS)
                     else:
-                        acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM,
-                                                          sw2_ptr, sw13_ptr, nt * BN, H, S, BM, BN, BK, DOT_FP32,
-                                                          PRECISION)
-                    ones = tl.full((BM,), 1.0, dtype=tl.float32)
-                    _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM, T - rt * BM,
-                                    nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
+                        if USE_TMA_A:
+                            acc_dh, acc_g, acc_u = _bwd_a_acc_tma(dol_desc, xl_desc, rt * BM, sw2_desc, 0,
+                                                                  sw13a_desc, nt * BN, S + nt * BN, nt * BN, H, BM,
+                                                                  BN, BK)
+                        else:
+                            acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM,
+                                                              sw2_ptr, sw13_ptr, nt * BN, H, S, BM, BN, BK,
+                                                              DOT_FP32, PRECISION)
+                        ones = tl.full((BM,), 1.0, dtype=tl.float32)
+                        _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM,
+                                        T - rt * BM, nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
                     _signal(sa_ready)
                     if TRACE:
                         _trace_event(trace_ptr, tile, MAXE, TR_SHARED_GU, t_start, t_start, _now())

@@ -312,12 +312,18 @@ def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
 
 
 @triton.jit
-def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.constexpr):
+def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.constexpr, n_rows=None):
     """SAVE_GU: a tile's fp32 gate and up pre-activations into the kept [*, 2I] buffer (gate columns n0..,
-    up columns I + n0..), rows brow.. of the ring; the backward reads them instead of replaying the GEMM."""
+    up columns I + n0..), rows brow.. of the ring; the backward reads them instead of replaying the GEMM.
+    n_rows: the tile's rows that exist (the shared expert's last row tile of T); None: all BM (routed row
+    tiles are padded whole)."""
     rows = gu_ptr + (brow + tl.arange(0, BM)).to(tl.int64) * (2 * I)
-    _store_rows(rows, tl.arange(0, BM) >= 0, acc_g, n0, I, BN)
-    _store_rows(rows + I, tl.arange(0, BM) >= 0, acc_u, n0, I, BN)
+    if n_rows is None:
+        row_ok = tl.arange(0, BM) >= 0
+    else:
+        row_ok = tl.arange(0, BM) < n_rows
+    _store_rows(rows, row_ok, acc_g, n0, I, BN)
+    _store_rows(rows + I, row_ok, acc_u, n0, I, BN)
 
 
 # ----------------------------------------------------------------------------- half tail tiles
@@ -585,6 +591,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     hid_ptr,  # [MAC, I] routed hidden ring
     yr_ptr,  # [MAC, H] routed y ring
     gu_ptr,  # [MAC, 2I] fp32 gate|up pre-activations kept for the backward (SAVE_GU; else a placeholder)
+    sgu_ptr,  # [T, 2S] fp32 the shared expert's, kept too (SAVE_GU with HAS_SHARED; else a placeholder)
     xk_ptr,  # [MAC, H] x's dtype: the routed rows unquantised, kept for the backward (FP8 and SAVE_GU; else a
     #          placeholder): its weight gradients read them, and pulling x again cost it 1.5 ms (Kimi, H200)
     xs_ptr,  # [MAC, H // SB] fp32 row-block scales of x_routed (FP8; x_routed is then uint8 e4m3 bits)
@@ -740,6 +747,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                    BM, BN, BK, DOT_FP32, PRECISION)
                     _swiglu_store(acc_g, acc_u, sh_hid_ptr, rt * BM, T - rt * BM, nt * BN, S, swiglu_limit,
                                   HAS_LIMIT, BM, BN)
+                    if SAVE_GU:  # the backward's shared phase A then runs its down dgrad alone
+                        _store_gate_up(sgu_ptr, rt * BM, acc_g, acc_u, nt * BN, S, BM, BN, T - rt * BM)
                     _signal(shared_ready)
                     if TRACE:
                         _trace_event(trace_ptr, tile, MAXE, TR_SHARED_GU, t_start, t_start, _now())
