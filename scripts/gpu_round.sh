@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -204,6 +204,15 @@ if [[ $what == next7 ]]; then  # what session (7) built after its device time ra
   step benchgpu timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_bench_tune.py
   step bench timeout 150 python3 -m kittenmoe.cli bench --model kimi-k2.7 --ep 8 --tokens 2048 --mode both \
     --out "$OUT"
+fi
+if [[ $what == next8 ]]; then  # the kept shared gate|up (session 8/9, ~6 min)
+  # its bit promises on the GPU: FP8 kept == replayed (now the shared part too), the kept shared gate|up tests,
+  # the backward's and the layer's GPU tests
+  step keptgpu timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fp8.py \
+    tests/test_megakernel_bwd.py -k "replay_equals_kept or shared_gate_up or (gpu and saved)"
+  step layergpu timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_layer.py
+  # the A/B: the same forward, the backward with the shared gate|up kept vs replayed, interleaved
+  step sharedab timeout 250 python3 benchmarks/bwd_round.py --reps 5 --shared-replay --out "$OUT"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

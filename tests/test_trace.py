@@ -74,7 +74,9 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
 @pytest.mark.parametrize("r,t,keep,i", [
     (1, 24, True, 16),  # one rank reading the forward's kept activations (I = one half-width phase-A tile)
     (2, 20, False, 16),  # two ranks replaying gate|up
-    (1, 24, True, 64),  # kept, I = 64: phase A two 32-wide tiles a row tile, each with its epilogue event
+    # kept, I = 64: phase A two 32-wide tiles a row tile, each with its epilogue event; the shared expert's
+    # phase A (its gate|up kept) on 32-wide tiles too
+    (1, 24, True, 64),
 ])
 def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep, i):
     """The backward megakernel: one pull and one push per comm program and live minibatch, one event per
@@ -98,6 +100,8 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
     bm, bn_a, bn_b = CFG.block_m, max(16, CFG.block_n // 2), 2 * CFG.block_n
     wide = keep and i % (2 * bn_a) == 0  # the launcher's rule for 2 x wide routed phase-A tiles
     bn_ra = 2 * bn_a if wide else bn_a
+    s_w = shape.shared_width
+    bn_sa = 2 * bn_a if keep and s_w % (2 * bn_a) == 0 else bn_a  # the kept shared gate|up's 2 x wide tiles
     ncomm = CFG.num_comm_programs_bwd
     rows = [int(st.schedule.num_rows.item()) for st in fwd.states]
     for k, tr in enumerate(traced.traces):
@@ -107,7 +111,7 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
         expert_tiles = int((fwd.states[k].schedule.tile_expert[:live * mb_tiles] >= 0).sum())
         want = {"pull": ncomm * live, "push": ncomm * live,
                 "A": live * mb_tiles * triton.cdiv(i, bn_ra), "B": live * mb_tiles * triton.cdiv(TINY.h, bn_b),
-                "shared A": triton.cdiv(t, bm) * triton.cdiv(i, bn_a),
+                "shared A": triton.cdiv(t, bm) * triton.cdiv(s_w, bn_sa),
                 "shared B": triton.cdiv(t, bm) * triton.cdiv(TINY.h, bn_b)}
         want["A epilogue"] = expert_tiles * triton.cdiv(i, bn_ra) if wide else 0
         got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(BWD_KINDS)}
