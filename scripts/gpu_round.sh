@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -213,6 +213,28 @@ if [[ $what == next8 ]]; then  # the kept shared gate|up (session 8/9, ~6 min)
   step layergpu timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_layer.py
   # the A/B: the same forward, the backward with the shared gate|up kept vs replayed, interleaved
   step sharedab timeout 250 python3 benchmarks/bwd_round.py --reps 5 --shared-replay --out "$OUT"
+fi
+if [[ $what == next9 ]]; then  # phase A's kept down dgrad, two K steps an iteration (session 9, ~8 min)
+  step unrollgpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_bwd.py \
+    -k "gpu_phase_a_k_unroll"
+  # the kept shared gate|up's phase A in the trace (its tiles now 2 x wide, the down dgrad alone)
+  step bwdtrace timeout 150 python3 benchmarks/bwd_round.py --shapes kimi-k2.7 --trace --reps 2 --out "$OUT"
+  # chained (the same bits) against two accumulators (even / odd K steps), interleaved with the heuristic
+  step unrollab timeout 320 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "bwd_a_k_unroll=2;bwd_a_k_unroll=3"
+fi
+if [[ $what == next10 ]]; then  # what holds phase A and the half tiles back (session 9, ~4 min)
+  step phaseaprobe timeout 200 python3 benchmarks/phase_a_probe.py --out "$OUT"
+  # full tiles at the half tiles' 2 stages (and 3): is the half tiles' loss their pipeline depth?
+  step fwdstages timeout 240 python3 benchmarks/fwd_round.py --shapes kimi-k2.7,deepseek-v4-pro --reps 5 \
+    --out "$OUT" --config "num_stages=2;num_stages=3"
+fi
+if [[ $what == next11 ]]; then  # the kept phase-A loop deeper (session 9, ~7 min)
+  step aknobsgpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_bwd.py \
+    -k "gpu_phase_a_loop_knobs"
+  step phaseaprobe timeout 150 python3 benchmarks/phase_a_probe.py --out "$OUT"
+  step astages timeout 330 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "bwd_a_num_stages=6;bwd_a_num_stages=5"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

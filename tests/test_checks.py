@@ -395,6 +395,8 @@ BAD_CONFIGS = [
     pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),
     # negative backward stages (0 is the default: follow num_stages up to 3)
     pytest.param(dict(bwd_num_stages=-1), ValueError, r"bwd_num_stages must be >= 0", id="bwd-stages-negative"),
+    pytest.param(dict(bwd_a_k_unroll=3), ValueError, r"bwd_a_k_unroll must be 1 or 2", id="bwd-a-unroll-3"),
+    pytest.param(dict(bwd_a_num_stages=-1), ValueError, r"bwd_a_num_stages must be >= 0", id="bwd-a-stages-neg"),
     # num_warps not a power of two
     pytest.param(dict(num_warps=3), ValueError, r"num_warps must be one of 1, 2, 4, 8, 16, got 3", id="warps-3"),
     # num_warps too many
