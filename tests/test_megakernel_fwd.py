@@ -27,6 +27,7 @@ from kittenmoe.ops import (MegakernelError, RingGeometry, check_errors, megakern
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference, moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
+    nan_scratch,
     routing_few_experts,
     ROUTINGS,
     MoEWeights,
@@ -445,6 +446,81 @@ def test_half_tail_tiles_refuse_small_block_m(knob):
         KernelConfig(block_m=16, **{knob: True})
 
 
+def _tail_tiles(sched, bm: int, r: int) -> int:
+    """Row tiles of a schedule with real rows whose rows r.. are all padding (swap_tail_rows = r runs them
+    swapped)."""
+    n = int(sched.num_rows.item())
+    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
+    return int(((pr[:, r:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 are the interpreter's sizes; "
+                    "test_gpu_swap_tail_rows covers the GPU form")
+@pytest.mark.parametrize("name", list(HALF_TAIL_CASES))  # the half tail tiles' cases: most last tiles are tails
+def test_swap_tail_rows_match(name, monkeypatch):
+    """KernelConfig.swap_tail_rows = 16 at block_m 32: row tiles with at most 16 rows compute W x^T. The output
+    equals the full-tile run's bit for bit (the conftest's fp64-accumulated dot under the interpreter) and is
+    close to the fp64 reference with every scratch buffer NaN first; with the activations kept, gate|up equals
+    the full tiles' (its padding rows exact zeros) and so does every gradient of the backward from it."""
+    case = HALF_TAIL_CASES[name]
+    inp = _make_inputs(case, seed=21)  # the half tail tiles' inputs: each case has tails of <= 16 rows
+    cfg = case.config().with_(block_m=32)
+    swap = cfg.with_(swap_tail_rows=16)
+    full = _megakernel(case, inp, config=cfg)
+    nan_scratch(monkeypatch)
+    got = _megakernel(case, inp, config=swap)
+    monkeypatch.undo()
+    assert sum(_tail_tiles(st.schedule, 32, 16) for st in got.states) > 0, "no swapped tail tile in this case"
+    ref = _reference64(case, inp)
+    for r in range(case.r):
+        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
+        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
+    if case.macrobatch is not None:
+        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    kept = {}
+    for label, c in (("full", cfg), ("swap", swap)):
+        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
+        f.check_errors()
+        d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
+                 for _ in range(case.r)]
+        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
+        b.check_errors()
+        kept[label] = (f, b)
+    (ff, fb), (sf, sb) = kept["full"], kept["swap"]
+    for r in range(case.r):
+        n = int(ff.states[r].schedule.num_rows.item())
+        pad = ff.states[r].schedule.peer_rank[:n] < 0
+        assert torch.all(sf.states[r].gate_up[:n][pad] == 0), f"rank {r}: gate|up padding rows not zero"
+        assert_bitwise_equal(sf.states[r].gate_up[:n], ff.states[r].gate_up[:n], f"gate|up[{r}]")
+        assert_bitwise_equal(sb.d_x[r], fb.d_x[r], f"d_x[{r}]")
+        assert_bitwise_equal(sb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
+    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+        assert_bitwise_equal(getattr(sb, gname), getattr(fb, gname), gname)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(swap_tail_rows=24), "one of 16, 32, 64"),  # not a tl.dot width
+    (dict(swap_tail_rows=32, block_m=32), "below block_m=32"),  # as tall as the tile: nothing to save
+    (dict(swap_tail_rows=32, half_tail_tiles=True), "choose one"),  # two ways to run the same tail tiles
+])
+def test_swap_tail_rows_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KernelConfig(**kwargs)
+
+
+def test_swap_tail_rows_refuses_fp8():
+    """No FP8 form: a clear NotImplementedError from the forward launcher, not a silent full-tile run."""
+    from kittenmoe.fp8 import FP8ExpertWeights
+
+    case = Case(TINY.with_(h=128, i=128), r=1, t=8)
+    inp = _make_inputs(case, seed=3)
+    fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
+    with pytest.raises(NotImplementedError, match="swap_tail_rows has no FP8 form"):
+        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None,
+                                     config=case.config().with_(minibatch_size=32, block_m=32, swap_tail_rows=16), fp8=fp8)
+
+
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base = bitwise_base
@@ -696,6 +772,43 @@ def test_gpu_half_tail_tiles_same_bits(name, keep, knobs, cuda_cleanup):
             grads[label] = [b.d_x[0], b.d_topk_weights[0], b.d_w13, b.d_w2, b.d_shared_w13, b.d_shared_w2]
         for i, (g, f) in enumerate(zip(grads["half"], grads["full"], strict=True)):
             assert_bitwise_equal(g, f, f"{name}: gradient {i} (d_x, d_w, d_w13, d_w2, d_sw13, d_sw2)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,sn,keep", [
+    ("deepseek-v4-pro-T2048", 32, False),  # 256 rows an expert: about half the experts end in a tile of <= 32
+    ("deepseek-v4-pro-T2048", 64, True),  # tails of <= 64 rows, gate|up kept (padding rows stored as zeros)
+    ("glm-5.2-T2048", 32, False),  # 512 an expert: tails where an expert has 513-544 rows
+])
+def test_gpu_swap_tail_rows(name, sn, keep, cuda_cleanup):
+    """KernelConfig.swap_tail_rows at the default tiles (W x^T through TMA, the tile's rows on wgmma's N side):
+    the output passes the bf16 bar against the fp32 reference, repeats bit for bit, and equals the full tiles'
+    output to within bf16 rounding (each element the same dot product; whether the swapped wgmma sums its 16
+    products in the same order is not assumed, so the comparison is a tolerance); with gate|up kept the
+    padding rows are exact zeros and the backward's gradients pass their bars."""
+    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
+    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
+    cfg = KernelConfig(swap_tail_rows=sn)
+    full = megakernel_forward_multirank(*args, config=KernelConfig(), save_for_backward=keep)
+    got = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
+    got.check_errors()
+    again = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
+    assert _tail_tiles(got.states[0].schedule, 128, sn) > 0, "no swapped tail tile in this routing"
+    assert_bitwise_equal(again.outputs[0], got.outputs[0], f"{name}: out, two runs")
+    ref = moe_reference_multirank([x.float()], [ids], [w], *(t_.float() for t_ in mw.tensors()), shape.swiglu_limit,
+                                  compute_dtype=torch.float32)[0]
+    assert_close(got.outputs[0], ref, "bf16", f"{name}: out vs fp32 reference")
+    assert_close(got.outputs[0], full.outputs[0], "bf16", f"{name}: out vs full tiles")
+    if keep:
+        st = got.states[0]
+        n = int(st.schedule.num_rows.item())
+        assert torch.all(st.gate_up[:n][st.schedule.peer_rank[:n] < 0] == 0), "gate|up padding rows not zero"
+        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
+        b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=got.saved())
+        b.check_errors()
+        bf = megakernel_backward_multirank(d_out, *args, config=KernelConfig(), saved=full.saved())
+        for g, f, gname in zip([b.d_x[0], b.d_w13, b.d_w2], [bf.d_x[0], bf.d_w13, bf.d_w2], ["d_x", "d_w13", "d_w2"]):
+            assert_close(g, f, "bf16", f"{name}: {gname} vs full tiles")
 
 
 @pytest.mark.gpu

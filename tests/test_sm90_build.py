@@ -62,6 +62,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     # the wide GEMMs' half pairs too: the forward's down and the backward's phase B
     (dict(which="fwd", config=dict(half_tail_tiles=True, half_tail_wide=True)), FWD),
     (dict(which="bwd", resident=True, config=dict(half_tail_wide=True)), BWD),
+    # an expert's last tile with at most 32 / 64 rows as W x^T (KernelConfig.swap_tail_rows), plain and kept
+    (dict(which="fwd", config=dict(swap_tail_rows=32)), FWD),
+    (dict(which="fwd", resident=True, config=dict(swap_tail_rows=64)), FWD),
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),

@@ -214,6 +214,15 @@ class KernelConfig:
         m64n64k16 wgmmas (8 warps split N at 64 rows); they are now two BM/2 x 2 BN accumulators from
         2 BN-row weight boxes, issued as the full tiles' m64n128k16 (Kimi build: 218 registers, no stack),
         not yet timed. On a GPU block_n <= 128 (TMA's 256-row box).
+    swap_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: the forward's routed row tiles with at most
+        that many rows (an expert's last tile, the rest of it schedule padding) compute gate|up and down as
+        W x^T, the weight tile on the MMA's M side and the tile's rows on its N side (wgmma's N runs down to 8),
+        so their padding rows cost no MMA work; each output element is the same K-long dot product, the
+        schedule and the signals unchanged, and a K step stages the full tile's weight tiles with fewer x
+        rows. DeepSeek's slice (256 rows an expert under uniform routing) pads about half its experts from
+        257-288 rows to 384: at 32 their third tile costs a quarter of one (gate|up and down work ~2.5 ->
+        ~2.1 tiles an expert). Forward only (the backward keeps full tiles); no FP8 form
+        (``NotImplementedError``); not with the half tail tiles. Not yet timed on a GPU.
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
@@ -246,6 +255,7 @@ class KernelConfig:
     bwd_num_stages: int = 0
     bwd_a_k_unroll: int = 1
     bwd_a_num_stages: int = 0
+    swap_tail_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -280,6 +290,13 @@ class KernelConfig:
         if self.bwd_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
                              f"{self.bwd_num_stages}")
+        if self.swap_tail_rows:
+            if self.swap_tail_rows not in (16, 32, 64) or self.swap_tail_rows >= self.block_m:
+                raise ValueError(f"KernelConfig.swap_tail_rows must be 0 (off) or one of 16, 32, 64 below "
+                                 f"block_m={self.block_m}, got {self.swap_tail_rows}")
+            if self.half_tails:
+                raise ValueError("KernelConfig.swap_tail_rows and half_tail_tiles / half_tail_wide both change "
+                                 "the tail tiles: choose one")
         if self.bwd_a_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_a_num_stages must be >= 0 (0: bwd_stages), got "
                              f"{self.bwd_a_num_stages}")

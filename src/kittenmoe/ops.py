@@ -301,6 +301,9 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
+    if fp8 is not None and config.swap_tail_rows:
+        raise NotImplementedError("KernelConfig.swap_tail_rows has no FP8 form yet (the e4m3 GEMMs step one scale "
+                                  "block at a time with per-row scales): run FP8 without it")
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if dev.type == "cuda":
@@ -344,6 +347,7 @@ def launch_rank_forward(
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
     _check_half_tail(config, dev, use_tma, fp8 is not None)
+    sn = config.swap_tail_rows
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -378,9 +382,12 @@ def launch_rank_forward(
         # half_tail_tiles: gate|up weights in 2 block_n-row boxes (one wide accumulator each for gate and up)
         descs += ((TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [2 * bn, bk]),) if config.half_tail_tiles
                   else (routed[2],))
+        # swap_tail_rows: the routed rows in blocks of that many (stand-ins without)
+        descs += ((TD.from_tensor(st.x_routed, [sn, bk]), TD.from_tensor(st.hidden, [sn, bk])) if sn
+                  else (routed[0], routed[1]))
     else:
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
-                 st.x_routed, st.hidden, w13_rows)
+                 st.x_routed, st.hidden, w13_rows, st.x_routed, st.hidden)
     num_comm = config.num_comm_programs_fwd
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
@@ -399,7 +406,7 @@ def launch_rank_forward(
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
-        HALF_STAGES=HALF_TAIL_STAGES,
+        HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=sn,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )

@@ -341,7 +341,7 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
 def _is_half_tail(peer_rank_ptr, tile_row0, num_rows, BM: tl.constexpr):
     """Whether rows BM/2.. of the routed row tile at tile_row0 are all padding. Each tile lies inside one
     expert's segment, whose padding (peer rank -1) follows its rows, so row BM/2 alone tells."""
-    return tl.load(peer_rank_ptr + tile_row0 + BM // 2, mask=tile_row0 + BM // 2 < num_rows, other=-1) < 0
+    return _rows_padding_from(peer_rank_ptr, tile_row0, num_rows, BM // 2)
 
 
 @triton.jit
@@ -410,6 +410,125 @@ def _down_half_tma(a_desc, a_row0, w_desc, w_row0, I, BMH: tl.constexpr, BN2: tl
         acc0 = tl.dot(a, w_desc.load([w_row0, k0]).T, acc0)
         acc1 = tl.dot(a, w_desc.load([w_row0 + BN2, k0]).T, acc1)
     return acc0, acc1
+
+
+# ----------------------------------------------------------------------------- swapped tail tiles
+# KernelConfig.swap_tail_rows = SN (16, 32 or 64): a routed row tile with at most SN rows (an expert's last tile;
+# its rows SN.. are all schedule padding) computes its gate|up and down products with the operands swapped,
+# out^T = W x^T: the weight tile is the MMA's M side (BN or BN2 rows, wgmma's 64-row granule) and the tile's SN
+# rows its N side (wgmma N runs down to 8), so the padding rows cost nothing instead of BM - SN rows of MMA work.
+# Each output element is the same K-long dot product. Same tiles, column tile by column tile, as the full
+# tiles: the schedule, the signals and the wait counts do not change. A K step stages the same weight tiles
+# as a full tile and SN instead of BM rows of x, so its loop fits where the full tile's does.
+
+
+@triton.jit
+def _rows_padding_from(peer_rank_ptr, tile_row0, num_rows, R: tl.constexpr):
+    """Whether rows R.. of the routed row tile at tile_row0 are all padding. Each tile lies inside one expert's
+    segment, whose padding (peer rank -1) follows its rows, so row R alone tells."""
+    return tl.load(peer_rank_ptr + tile_row0 + R, mask=tile_row0 + R < num_rows, other=-1) < 0
+
+
+@triton.jit
+def _gateup_swap_acc_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H, SN: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
+    """fp32 (W_gate A^T, W_up A^T), [BN, SN] each, of SN rows: a_desc blocks [SN, BK] of x_routed, w_desc the
+    full tiles' [BN, BK] blocks of the [L*2I, H] weight view."""
+    acc_g = tl.zeros((BN, SN), dtype=tl.float32)
+    acc_u = tl.zeros((BN, SN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        a = a_desc.load([a_row0, k0])
+        acc_g = tl.dot(w_desc.load([wg_row0, k0]), a.T, acc_g)
+        acc_u = tl.dot(w_desc.load([wu_row0, k0]), a.T, acc_u)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gateup_swap_acc(a_ptr, a_row0, w_ptr, n0, H, I, SN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """As ``_gateup_swap_acc_tma`` through pointer loads: a_ptr [*, H] rows, w_ptr one expert's [2I, H]."""
+    rs = (a_row0 + tl.arange(0, SN)).to(tl.int64)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc_g = tl.zeros((BN, SN), dtype=tl.float32)
+    acc_u = tl.zeros((BN, SN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + rk
+        k_ok = kk < H
+        a = tl.load(a_ptr + rs[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
+        wm = (rn < I)[:, None] & k_ok[None, :]
+        wg = tl.load(w_ptr + rn[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (rn + I)[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=PRECISION)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gateup_swap(xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
+                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Gate|up of a row tile with at most SN rows (ring rows brow..), column tile nt, operands swapped: hidden
+    for the SN rows; with SAVE_GU the kept gate|up of all BM rows, rows SN.. as zeros (what a full tile computes
+    from the pull's zero padding rows: the backward's weight gradients sum those rows)."""
+    if USE_TMA:
+        gt, ut = _gateup_swap_acc_tma(xrs_desc, brow, w13_desc, e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN,
+                                      H, SN, BN, BK)
+    else:
+        gt, ut = _gateup_swap_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, SN, BN, BK,
+                                  DOT_FP32, PRECISION)
+    acc_g = tl.trans(gt)
+    acc_u = tl.trans(ut)
+    _swiglu_store(acc_g, acc_u, hid_ptr, brow, SN, nt * BN, I, swiglu_limit, HAS_LIMIT, SN, BN)
+    if SAVE_GU:
+        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, SN, BN)
+        zero = tl.zeros((SN, BN), dtype=tl.float32)
+        for r0 in tl.static_range(SN, BM, SN):
+            _store_gate_up(gu_ptr, brow + r0, zero, zero, nt * BN, I, SN, BN)
+
+
+@triton.jit
+def _down_swap(hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
+               srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr, DT: tl.constexpr,
+               BN2: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """The down GEMM of a row tile with at most SN rows (ring rows arow.., schedule rows srow..), column tile nt
+    of H, operands swapped (W2 tile x hidden^T); its rows stored to y_routed or pushed to their origins."""
+    acc_t = tl.zeros((BN2, SN), dtype=tl.float32)
+    if USE_TMA:
+        for k0 in range(0, I, BK):
+            a = hids_desc.load([arow, k0])
+            acc_t = tl.dot(w2_desc.load([e * H + nt * BN2, k0]), a.T, acc_t)
+    else:
+        rs = (arow + tl.arange(0, SN)).to(tl.int64)
+        rn = nt * BN2 + tl.arange(0, BN2)
+        w_rows = w2_ptr + e.to(tl.int64) * (H * I) + rn[:, None].to(tl.int64) * I
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < I
+            a = tl.load(hid_ptr + rs[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=(rn < H)[:, None] & k_ok[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc_t = tl.dot(w, tl.trans(a), acc_t, input_precision=PRECISION)
+    acc = tl.trans(acc_t)
+    if PUSH_IN_EPILOGUE:  # each row to its origin's combine buffer at t*K + j
+        r = srow + tl.arange(0, SN)
+        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+        ok = pr >= 0
+        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
+    else:
+        rows = arow + tl.arange(0, SN)
+        ok = rows >= 0
+        dst = yr_ptr + rows.to(tl.int64) * H
+    _store_rows(dst, ok, acc, nt * BN2, H, BN2)
 
 
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
@@ -617,6 +736,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     w13w_desc,  # w13 viewed [L*2I, H], blocks [2 BN, BK] (HALF_GU with TMA; else a placeholder)
+    xrs_desc,  # x_routed, blocks [SWAP_N, BK] (SWAP_N > 0 with TMA; else a placeholder)
+    hids_desc,  # hidden, blocks [SWAP_N, BK] (SWAP_N > 0 with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -632,7 +753,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
     COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3,
+    HALF_STAGES: tl.constexpr = 3, SWAP_N: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -799,6 +920,12 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                 _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr,
                                                              gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
                                                              USE_TMA, BM, BN, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                        if SWAP_N > 0:  # at most SWAP_N rows: W x^T, the rows on the MMA's N side
+                                            if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
+                                                full = False
+                                                _gateup_swap(xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr,
+                                                             gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
+                                                             USE_TMA, BM, BN, BK, SWAP_N, DOT_FP32, PRECISION)
                                         if full:
                                             if USE_TMA:
                                                 acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
@@ -842,6 +969,13 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                        w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
                                                        row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
                                                        USE_TMA, DT, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                    if SWAP_N > 0:  # at most SWAP_N rows: W2 hidden^T
+                                        if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
+                                            full = False
+                                            _down_swap(hids_desc, hid_ptr, (p % NSLOT) * MB + rt * BM, w2_desc, w2_ptr,
+                                                       yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
+                                                       row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
+                                                       USE_TMA, DT, BN2, BK, SWAP_N, DOT_FP32, PRECISION)
                                     if full:
                                         arow = (p % NSLOT) * MB + rt * BM
                                         if FP8_DOWN:
