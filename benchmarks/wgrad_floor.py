@@ -56,6 +56,7 @@ VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), 
 @triton.jit
 def wgrad_variant_kernel(
     offsets_ptr,  # [G + 1] int32, each expert's row segment
+    ends_ptr,  # [G] int32, the end of the rows summed (here the segment's end: every row real)
     p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
     q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
     out_ptr,  # [G, N, M]
@@ -63,7 +64,7 @@ def wgrad_variant_kernel(
     N, M, do_store,
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, MODE: tl.constexpr,
 ):
-    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), offsets_ptr, N, M, WN, WM)  # the library's tiles
+    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), offsets_ptr, ends_ptr, N, M, WN, WM)  # the library's
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     if MODE == 3:
         p = p_desc.load([seg0, n0])
@@ -88,6 +89,7 @@ def wgrad_variant_kernel(
 @triton.jit
 def wgrad_persistent_store_kernel(
     offsets_ptr,  # [G + 1] int32, each expert's row segment
+    ends_ptr,  # [G] int32, the end of the rows summed
     p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
     q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
     out_desc,  # [G * N, M] TMA descriptor, blocks [WN, WM]
@@ -95,7 +97,7 @@ def wgrad_persistent_store_kernel(
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
 ):
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(t, offsets_ptr, N, M, WN, WM)
+        g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(t, offsets_ptr, ends_ptr, N, M, WN, WM)
         acc = tl.zeros((WN, WM), dtype=tl.float32)
         for r0 in range(seg0, seg1, WK):
             p = p_desc.load([r0, n0])
@@ -135,8 +137,9 @@ def main() -> int:
         stored = float(L * N * M * 2)
 
         def lib():
-            mb.weight_grad_kernel[(tiles,)](offsets, pd, qd, out, N, M, N, M, WN=WN, WM=WM, WK=WK, USE_TMA=True,
-                                            DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=4)
+            mb.weight_grad_kernel[(tiles,)](offsets, offsets[1:], pd, qd, out, N, M, N, M, WN=WN, WM=WM, WK=WK,
+                                            USE_TMA=True, DOT_FP32=False, PRECISION="tf32", num_warps=8,
+                                            num_stages=4)
 
         ref = None
         times = {}
@@ -149,9 +152,9 @@ def main() -> int:
                 mode, wk, st = VARIANTS[label]
                 sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 fn = (lambda st=st: wgrad_persistent_store_kernel[(min(tiles, sms),)](
-                    offsets, *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
+                    offsets, offsets[1:], *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
                     num_stages=st)) if mode == 6 else (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
-                    offsets, *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m, num_warps=8,
+                    offsets, offsets[1:], *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m, num_warps=8,
                     num_stages=st))
             out.fill_(float("nan"))  # tiles this variant leaves unwritten show in its bit check
             fn()

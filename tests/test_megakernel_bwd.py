@@ -735,6 +735,33 @@ def test_bitwise_across_configs(bitwise_base, variant):
         assert_bitwise_equal(got[k], base[k], f"{k} with {variant}")
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+def test_wgrad_sums_rows_up_to_ends(persistent):
+    """The weight-gradient kernels sum group g's rows [offsets[g], ends[g]) and nothing past: the launcher sets
+    ends to each expert's real rows rounded up to the row step, so the padding past is never read. Rows past
+    the ends hold NaN here; group 1 has no rows (its gradient is zeros), group 2 ends mid-segment."""
+    wn, wm, wk, n, m = 16, 32, 16, 16, 32
+    offsets = torch.tensor([0, 48, 64, 112], dtype=torch.int32, device=DEV)  # padded segments of 48, 16, 48 rows
+    ends = torch.tensor([32, 48, 80], dtype=torch.int32, device=DEV)  # 2 steps, none, 1 step
+    g = torch.Generator().manual_seed(17)
+    p_op = torch.randn(112, n, generator=g).to(DEV)
+    q_op = torch.randn(112, m, generator=g).to(DEV)
+    for lo, hi in ((32, 48), (80, 112)):  # the rows past each end
+        p_op[lo:hi] = float("nan")
+        q_op[lo:hi] = float("nan")
+    out = torch.full((3, n, m), float("nan"), device=DEV)
+    meta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=False, DOT_FP32=True, PRECISION="ieee")
+    if persistent:
+        mb.weight_grad_persistent_kernel[(2,)](offsets, ends, p_op, q_op, out, out, n, m, n, m, 3, TMA_STORE=False,
+                                               **meta)
+    else:
+        mb.weight_grad_kernel[(3,)](offsets, ends, p_op, q_op, out, n, m, n, m, **meta)
+    for gi, (lo, hi) in enumerate(((0, 32), (48, 48), (64, 80))):
+        want = p_op[lo:hi].double().T @ q_op[lo:hi].double()
+        assert torch.isfinite(out[gi]).all(), f"group {gi} read a row past its end"
+        torch.testing.assert_close(out[gi].double(), want, rtol=1e-5, atol=1e-5)
+
+
 WGRAD_PERSISTENT_CASES = {
     # four ranks, experts 0..2 only: ranks 2 and 3 own no row, so every group of theirs is empty and its tiles
     # take one step of zeros; rank 1 mixes empty and full groups within one program's walk

@@ -830,14 +830,18 @@ def launch_rank_backward(
         if phases & mb.PB_SHARED_B:
             launch(mb.PB_SHARED_B, 0, 0, 0)
     # Weight gradients: same stream, after the megakernel, so every pulled row and phase-A output exists.
-    jobs = []  # (row offsets, groups, P, Q, out, N, M)
+    jobs = []  # (row offsets, ends of the rows summed, groups, P, Q, out, N, M)
     if phases & mb.PB_WGRAD:
-        jobs += [(sched.expert_offsets, L, "dgu", "xr", out["dw13"], 2 * I, H),
-                 (sched.expert_offsets, L, "dor", "hw", out["dw2"], H, I)]
+        # Each expert's rows up to its real count rounded up to wk: the padding rows past are zeros (the pull
+        # writes them so), whole wk-row steps of exact zeros, skipped (DeepSeek's slice: ~10% of the rows summed).
+        # On the device, from the schedule's counts (no host sync, capturable).
+        ends = (sched.expert_offsets[:-1] + (sched.expert_counts + wk - 1) // wk * wk).to(torch.int32)
+        jobs += [(sched.expert_offsets, ends, L, "dgu", "xr", out["dw13"], 2 * I, H),
+                 (sched.expert_offsets, ends, L, "dor", "hw", out["dw2"], H, I)]
     if phases & mb.PB_SHARED_WGRAD and has_shared:
         whole = torch.arange(2, dtype=torch.int32, device=dev) * T  # [0, T], built on the device (capturable)
-        jobs += [(whole, 1, "sdgu", "xl", dsw13, 2 * S, H), (whole, 1, "dol", "sh", dsw2, H, S)]
-    for offsets, groups, p_name, q_name, dst, n, m in jobs:
+        jobs += [(whole, whole[1:], 1, "sdgu", "xl", dsw13, 2 * S, H), (whole, whole[1:], 1, "dol", "sh", dsw2, H, S)]
+    for offsets, ends, groups, p_name, q_name, dst, n, m in jobs:
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
@@ -854,11 +858,11 @@ def launch_rank_backward(
             if tma_store and not interp:
                 pmeta["num_stages"] = min(config.num_stages, 3)
             out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
-                offsets, p_arg, q_arg, dst, out_desc, n, m, p_op.stride(0), q_op.stride(0), tiles,
+                offsets, ends, p_arg, q_arg, dst, out_desc, n, m, p_op.stride(0), q_op.stride(0), tiles,
                 TMA_STORE=tma_store, **pmeta)
         else:
             out["compiled_wgrad"] = mb.weight_grad_kernel[(tiles,)](
-                offsets, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)
+                offsets, ends, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)
     out["sdx"] = bufs["sdx"]
     return out
 

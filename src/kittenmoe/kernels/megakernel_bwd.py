@@ -931,21 +931,24 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
 
 
 @triton.jit
-def _wgrad_tile_at(tile, offsets_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
+def _wgrad_tile_at(tile, offsets_ptr, ends_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
     """Weight-gradient tile ``tile`` (groups after one another, each WN x WM output tiles row by row): its
-    group g, output origin (n0, m0) and the group's row segment [seg0, seg1) from offsets_ptr ([G + 1])."""
+    group g, output origin (n0, m0) and the rows it sums, [seg0, seg1): seg0 from offsets_ptr ([G + 1]), seg1
+    from ends_ptr ([G])."""
     n_n = tl.cdiv(N, WN)
     n_m = tl.cdiv(M, WM)
     g = tile // (n_n * n_m)
     q = tile % (n_n * n_m)
     n0 = (q // n_m) * WN
     m0 = (q % n_m) * WM
-    return g, n0, m0, tl.load(offsets_ptr + g), tl.load(offsets_ptr + g + 1)
+    return g, n0, m0, tl.load(offsets_ptr + g), tl.load(ends_ptr + g)
 
 
 @triton.jit
 def weight_grad_kernel(
-    offsets_ptr,  # [G + 1] int32, row segment of each group (an expert's padded rows; [0, T] for the shared one)
+    offsets_ptr,  # [G + 1] int32, first row of each group's segment (an expert's padded rows; [0, T] shared)
+    ends_ptr,  # [G] int32, end of the rows summed: an expert's real rows rounded up to WK (the padding past is
+    # whole zero steps, skipped); T for the shared one
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
@@ -960,7 +963,7 @@ def weight_grad_kernel(
     (4 stages x 48 KB) would not fit. Output sums run over rows in order inside one program: bitwise
     reproducible.
     """
-    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), offsets_ptr, N, M, WN, WM)
+    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), offsets_ptr, ends_ptr, N, M, WN, WM)
     out = out_ptr + g.to(tl.int64) * N * M
     _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                 PRECISION)
@@ -968,7 +971,8 @@ def weight_grad_kernel(
 
 @triton.jit
 def weight_grad_persistent_kernel(
-    offsets_ptr,  # [G + 1] int32, row segment of each group (as weight_grad_kernel's)
+    offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_kernel's)
+    ends_ptr,  # [G] int32, end of the rows summed (as weight_grad_kernel's)
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
@@ -986,7 +990,7 @@ def weight_grad_persistent_kernel(
     Each tile sums its rows in order, WK rows a step, as weight_grad_kernel does: the same bits. A group with
     no rows stores zeros."""
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, offsets_ptr, N, M, WN, WM)
+        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, offsets_ptr, ends_ptr, N, M, WN, WM)
         acc = _wgrad_acc(p_op, p_stride, q_op, q_stride, seg0, seg1, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                          PRECISION)
         if TMA_STORE:
