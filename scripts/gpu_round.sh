@@ -236,10 +236,12 @@ if [[ $what == next11 ]]; then  # the kept phase-A loop deeper (session 9, ~7 mi
   step astages timeout 330 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "bwd_a_num_stages=6;bwd_a_num_stages=5"
 fi
-if [[ $what == swaptail ]]; then  # KernelConfig.swap_tail_rows, first GPU run (~5 min)
+if [[ $what == swaptail ]]; then  # KernelConfig.swap_tail_rows, first GPU run (~9 min)
   step swapgpu timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "swap_tail"
-  step swapfwd timeout 300 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" \
+  step swapfwd timeout 200 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" \
     --config ";swap_tail_rows=32;swap_tail_rows=64"
+  step swapbwd timeout 300 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "swap_tail_rows=32;swap_tail_rows=64"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

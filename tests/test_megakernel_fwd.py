@@ -458,10 +458,11 @@ def _tail_tiles(sched, bm: int, r: int) -> int:
                     "test_gpu_swap_tail_rows covers the GPU form")
 @pytest.mark.parametrize("name", list(HALF_TAIL_CASES))  # the half tail tiles' cases: most last tiles are tails
 def test_swap_tail_rows_match(name, monkeypatch):
-    """KernelConfig.swap_tail_rows = 16 at block_m 32: row tiles with at most 16 rows compute W x^T. The output
-    equals the full-tile run's bit for bit (the conftest's fp64-accumulated dot under the interpreter) and is
-    close to the fp64 reference with every scratch buffer NaN first; with the activations kept, gate|up equals
-    the full tiles' (its padding rows exact zeros) and so does every gradient of the backward from it."""
+    """KernelConfig.swap_tail_rows = 16 at block_m 32: row tiles with at most 16 rows compute W x^T (forward
+    gate|up and down, the backward's phase B). The output equals the full-tile run's bit for bit (the conftest's
+    fp64-accumulated dot under the interpreter) and is close to the fp64 reference with every scratch buffer
+    NaN first; with the activations kept, gate|up equals the full tiles' (its padding rows exact zeros) and so
+    does every gradient of the backward (itself with swapped phase-B tiles) from it."""
     case = HALF_TAIL_CASES[name]
     inp = _make_inputs(case, seed=21)  # the half tail tiles' inputs: each case has tails of <= 16 rows
     cfg = case.config().with_(block_m=32)
@@ -480,12 +481,15 @@ def test_swap_tail_rows_match(name, monkeypatch):
     a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
     kept = {}
     for label, c in (("full", cfg), ("swap", swap)):
-        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
-        f.check_errors()
         d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
                  for _ in range(case.r)]
+        if label == "swap":  # the swapped run's scratch starts NaN: a row read before it is written shows
+            nan_scratch(monkeypatch)
+        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
+        f.check_errors()
         b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
         b.check_errors()
+        monkeypatch.undo()
         kept[label] = (f, b)
     (ff, fb), (sf, sb) = kept["full"], kept["swap"]
     for r in range(case.r):
@@ -510,15 +514,18 @@ def test_swap_tail_rows_checked(kwargs, match):
 
 
 def test_swap_tail_rows_refuses_fp8():
-    """No FP8 form: a clear NotImplementedError from the forward launcher, not a silent full-tile run."""
+    """No FP8 form: a clear NotImplementedError from both launchers, not a silent full-tile run."""
     from kittenmoe.fp8 import FP8ExpertWeights
 
     case = Case(TINY.with_(h=128, i=128), r=1, t=8)
     inp = _make_inputs(case, seed=3)
     fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
+    cfg = case.config().with_(minibatch_size=32, block_m=32, swap_tail_rows=16)
     with pytest.raises(NotImplementedError, match="swap_tail_rows has no FP8 form"):
-        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None,
-                                     config=case.config().with_(minibatch_size=32, block_m=32, swap_tail_rows=16), fp8=fp8)
+        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
+    d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(1)).to(DEV, case.dtype)]
+    with pytest.raises(NotImplementedError, match="swap_tail_rows has no FP8 form"):
+        megakernel_backward_multirank(d_out, inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
 
 
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))

@@ -65,6 +65,7 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     # an expert's last tile with at most 32 / 64 rows as W x^T (KernelConfig.swap_tail_rows), plain and kept
     (dict(which="fwd", config=dict(swap_tail_rows=32)), FWD),
     (dict(which="fwd", resident=True, config=dict(swap_tail_rows=64)), FWD),
+    (dict(which="bwd", resident=True, config=dict(swap_tail_rows=32)), BWD),  # the backward's phase B likewise
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),

@@ -221,8 +221,9 @@ class KernelConfig:
         schedule and the signals unchanged, and a K step stages the full tile's weight tiles with fewer x
         rows. DeepSeek's slice (256 rows an expert under uniform routing) pads about half its experts from
         257-288 rows to 384: at 32 their third tile costs a quarter of one (gate|up and down work ~2.5 ->
-        ~2.1 tiles an expert). Forward only (the backward keeps full tiles); no FP8 form
-        (``NotImplementedError``); not with the half tail tiles. Not yet timed on a GPU.
+        ~2.1 tiles an expert). The forward's gate|up and down tiles and the backward's phase B (d_x); phase
+        A keeps full tiles. No FP8 form (``NotImplementedError``); not with the half tail tiles. Not yet timed
+        on a GPU.
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,

@@ -192,6 +192,13 @@ def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8
             f"256 rows; got block_n={config.block_n}")
 
 
+def _check_swap_tail(config: KernelConfig, fp8: bool) -> None:
+    """KernelConfig.swap_tail_rows, for both launchers: no FP8 form yet."""
+    if fp8 and config.swap_tail_rows:
+        raise NotImplementedError("KernelConfig.swap_tail_rows has no FP8 form yet (the e4m3 GEMMs step one scale "
+                                  "block at a time with per-row scales): run FP8 without it")
+
+
 # KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
 # block_m/2 x block_k of rows and two 2 block_n-wide weight tiles (gate|up: gate and up; down, phase B: two column
 # tiles of 2 block_n): 72 KB at
@@ -301,9 +308,7 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
-    if fp8 is not None and config.swap_tail_rows:
-        raise NotImplementedError("KernelConfig.swap_tail_rows has no FP8 form yet (the e4m3 GEMMs step one scale "
-                                  "block at a time with per-row scales): run FP8 without it")
+    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if dev.type == "cuda":
@@ -632,6 +637,7 @@ def launch_rank_backward(
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
+    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
@@ -743,6 +749,9 @@ def launch_rank_backward(
     # KernelConfig.half_tail_wide: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
     dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_wide
                  else b_descs[0])
+    # KernelConfig.swap_tail_rows: phase B's d(gate|up) rows in blocks of that many (a stand-in without it)
+    sn = config.swap_tail_rows
+    dgusn_desc = TD.from_tensor(bufs["dgu"], [sn, config.block_k]) if use_tma and sn else b_descs[0]
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
     if use_tma_a:
@@ -788,6 +797,7 @@ def launch_rank_backward(
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
         HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
         KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
+        SWAP_N=sn,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
@@ -810,7 +820,7 @@ def launch_rank_backward(
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
             saved[2] if shared_kept else bufs["dwp"], *fp8_bufs,
-            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, cnt, out["err"],
+            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, dgusn_desc, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
