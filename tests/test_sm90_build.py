@@ -11,6 +11,7 @@ does). Without either the tests skip and say how to get it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -32,15 +33,47 @@ def _triton_dir() -> str:
     return d
 
 
-def _build(spec: dict) -> dict:
+def _run_build(spec: dict, triton_dir: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([_triton_dir(), os.path.join(ROOT, "src")])
-    r = subprocess.run([sys.executable, "-m", "kittenmoe.sm90_build", json.dumps(spec)], capture_output=True,
-                       text=True, env=env, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src")])
+    return subprocess.run([sys.executable, "-m", "kittenmoe.sm90_build", json.dumps(spec)], capture_output=True,
+                          text=True, env=env, timeout=900)
+
+
+# Builds run in subprocesses, two at a time (CI has 2 cores; each build is one mostly single-threaded
+# compile): ``prefetch_builds`` submits every selected case's build when the first of them starts, and each
+# test waits for its own. 30 builds of ~12 s each were ~6 minutes of CI one after another.
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+_FUTURES: dict[str, concurrent.futures.Future] = {}
+
+
+def _submit(spec: dict) -> concurrent.futures.Future:
+    key = json.dumps(spec, sort_keys=True)
+    if key not in _FUTURES:
+        _FUTURES[key] = _POOL.submit(_run_build, spec, _triton_dir())
+    return _FUTURES[key]
+
+
+def _build(spec: dict) -> dict:
+    _triton_dir()  # skips here, in the test, when the device's Triton is missing
+    r = _submit(spec).result()
     assert r.returncode == 0, f"sm_90 build of {spec} failed:\n{r.stderr[-3000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["triton"].startswith(DEVICE_TRITON), f"built with Triton {out['triton']}, not {DEVICE_TRITON}"
     return out
+
+
+@pytest.fixture(scope="module")
+def prefetch_builds(request):
+    """Submit the builds of every selected test_megakernel_builds_for_sm90 case at once (in the order pytest
+    will run them), so the pool's two workers keep compiling while the tests before them check their output."""
+    _triton_dir()
+    for item in request.session.items:
+        if getattr(item, "originalname", None) == "test_megakernel_builds_for_sm90":
+            _submit(item.callspec.params["spec"])
+    yield
+    for f in _FUTURES.values():  # a run stopped early (-x, ^C) does not wait for builds nobody will read
+        f.cancel()
 
 
 FWD = ["dispatch_mlp_swiglu_combine_kernel", "combine_epilogue_kernel"]
@@ -85,7 +118,7 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="fwd", fp8_block=32, config=dict(block_m=64)), FWD),  # MXFP8 32-blocks
     (dict(which="bwd", fp8_block=32, replay=True, config=dict(block_m=64)), BWD),  # MXFP8 backward, replay
 ], ids=lambda v: json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else "")
-def test_megakernel_builds_for_sm90(spec, expected):
+def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
     """Compiles; every launch of the variant is there; shared memory fits a Hopper SM; the GEMM kernels
     use wgmma and TMA (a change that loses either compiles and runs, only slower)."""
     out = _build(spec)
