@@ -371,6 +371,25 @@ def _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr, gu_ptr, e,
 
 
 @triton.jit
+def _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
+               PUSH_IN_EPILOGUE: tl.constexpr, DT: tl.constexpr, R: tl.constexpr):
+    """Where a down tile's R rows go (schedule rows srow.., ring rows arow..): with PUSH_IN_EPILOGUE straight to
+    each row's origin combine buffer at t*K + j (padding rows masked off), else to y_routed. Returns the
+    [R] row pointers and the row mask for ``_store_rows``."""
+    if PUSH_IN_EPILOGUE:
+        r = srow + tl.arange(0, R)
+        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+        ok = pr >= 0
+        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
+    else:
+        rows = arow + tl.arange(0, R)
+        ok = rows >= 0
+        dst = yr_ptr + rows.to(tl.int64) * H
+    return dst, ok
+
+
+@triton.jit
 def _down_half(hidh_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
                srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr, DT: tl.constexpr,
                BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -378,16 +397,8 @@ def _down_half(hidh_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr,
     """The down GEMM of a half tail tile (ring rows arow.., schedule rows srow.., BM/2 of them real) over column
     tiles nt and nt + 1 of H, its rows stored to y_routed or pushed to their origins' combine buffers."""
     BMH: tl.constexpr = BM // 2
-    if PUSH_IN_EPILOGUE:  # each row to its origin's combine buffer at t*K + j
-        r = srow + tl.arange(0, BMH)
-        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-        ok = pr >= 0
-        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-    else:
-        rows = arow + tl.arange(0, BMH)
-        ok = rows >= 0
-        dst = yr_ptr + rows.to(tl.int64) * H
+    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
+                         PUSH_IN_EPILOGUE, DT, BMH)
     if USE_TMA:
         acc0, acc1 = _down_half_tma(hidh_desc, arow, w2_desc, e * H + nt * BN2, I, BMH, BN2, BK, NS)
         _store_rows(dst, ok, acc0, nt * BN2, H, BN2)
@@ -518,16 +529,8 @@ def _down_swap(hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr,
                 w = w.to(tl.float32)
             acc_t = tl.dot(w, tl.trans(a), acc_t, input_precision=PRECISION)
     acc = tl.trans(acc_t)
-    if PUSH_IN_EPILOGUE:  # each row to its origin's combine buffer at t*K + j
-        r = srow + tl.arange(0, SN)
-        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-        ok = pr >= 0
-        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-    else:
-        rows = arow + tl.arange(0, SN)
-        ok = rows >= 0
-        dst = yr_ptr + rows.to(tl.int64) * H
+    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
+                         PUSH_IN_EPILOGUE, DT, SN)
     _store_rows(dst, ok, acc, nt * BN2, H, BN2)
 
 
@@ -994,19 +997,10 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         else:
                                             acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I),
                                                             nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
-                                        if PUSH_IN_EPILOGUE:
-                                            # Push combine straight from the accumulators: each row goes
-                                            # to its origin's combine buffer at t*K + j.
-                                            r = row0 + rt * BM + tl.arange(0, BM)
-                                            pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-                                            pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-                                            ok = pr >= 0
-                                            dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-                                            _store_rows(dst, ok, acc, nt * BN2, H, BN2)
-                                        else:
-                                            rows = (p % NSLOT) * MB + rt * BM + tl.arange(0, BM)
-                                            _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2,
-                                                        H, BN2)
+                                        dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr,
+                                                             row0 + rt * BM, arow, num_rows, H, PUSH_IN_EPILOGUE,
+                                                             DT, BM)
+                                        _store_rows(dst, ok, acc, nt * BN2, H, BN2)
                                 _signal(y_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
