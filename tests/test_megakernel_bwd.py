@@ -417,6 +417,17 @@ def _forward_saved(case: Case, inp: Inputs, config: KernelConfig, peers: LocalPe
     return f
 
 
+def _kept_grads(case: Case, inp: Inputs, config: KernelConfig) -> dict[str, torch.Tensor]:
+    """Every gradient (named, cloned) of the backward that reads the forward's kept activations, both on fresh
+    peers on the inputs' device."""
+    peers = LocalPeers(case.r, inp.xs[0].device)
+    saved = _forward_saved(case, inp, config, peers).saved()
+    res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
+                                        config=config, peers=peers, saved=saved)
+    res.check_errors()
+    return {k: v.clone() for k, v in _named(res).items()}
+
+
 @pytest.mark.parametrize("name", list(RESIDENT_CASES))
 def test_resident_backward_matches_replay(name, monkeypatch):
     """forward(save_for_backward=True) then backward(saved=forward.saved()) reads the forward's routed x rows and gate|up
@@ -699,17 +710,9 @@ def test_phase_a_k_unroll_same_bits(shape, knobs, monkeypatch):
     inp = _make_inputs(case, seed=14)
     cfg = case.config()
 
-    def run(c):
-        peers = LocalPeers(case.r, DEV)
-        saved = _forward_saved(case, inp, c, peers).saved()
-        res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
-                                            config=c, peers=peers, saved=saved)
-        res.check_errors()
-        return {k: v.clone() for k, v in _named(res).items()}
-
-    base = run(cfg)
+    base = _kept_grads(case, inp, cfg)
     nan_scratch(monkeypatch)
-    got = run(cfg.with_(**knobs))
+    got = _kept_grads(case, inp, cfg.with_(**knobs))
     monkeypatch.undo()
     for k in base:
         assert torch.isfinite(got[k]).all(), k
@@ -1196,16 +1199,8 @@ def test_gpu_phase_a_loop_knobs_same_bits(name, knobs, cuda_cleanup):
     # the slice's heuristic at its 2,048 tokens (block_m 128, 4 stages: the unrolled loop at 3), on 512 of them
     cfg = default_config(2048, case.shape.h, case.shape.i, case.shape.e, case.shape.k, dtype=torch.bfloat16)
 
-    def run(c):
-        peers = LocalPeers(1, torch.device("cuda"))
-        saved = _forward_saved(case, inp, c, peers).saved()
-        res = megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
-                                            config=c, peers=peers, saved=saved)
-        res.check_errors()
-        return {k: v.clone() for k, v in _named(res).items()}
-
-    plain = run(cfg)
-    got = run(cfg.with_(**knobs))
+    plain = _kept_grads(case, inp, cfg)
+    got = _kept_grads(case, inp, cfg.with_(**knobs))
     ref = _reference_grads32(case, inp)
     for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
         _assert_rel_l1_cosine(f"{knobs} {gname}", got[gname], ref[gname])

@@ -359,6 +359,41 @@ def _half_tail_tiles(sched, bm: int) -> int:
     return int(((pr[:, bm // 2:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
 
 
+def _assert_kept_backward_equal(case: Case, inp: Inputs, base: KernelConfig, variant: KernelConfig,
+                                monkeypatch=None) -> None:
+    """The forward with its activations kept, then the backward from them, under ``base`` and under ``variant``
+    (a tail-tile knob): each run's kept gate|up is finite with exact-zero padding rows (the backward's weight
+    gradients sum them), and the variant's gate|up, d_x, d_w and weight gradients equal the base's bit for bit.
+    With ``monkeypatch`` the variant's scratch starts NaN, so a row read before it is written shows."""
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    runs = []
+    for label, c in (("base", base), ("variant", variant)):
+        d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
+                 for _ in range(case.r)]
+        if monkeypatch is not None and label == "variant":
+            nan_scratch(monkeypatch)
+        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
+        f.check_errors()
+        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
+        b.check_errors()
+        if monkeypatch is not None:
+            monkeypatch.undo()
+        for r, st in enumerate(f.states):
+            n = int(st.schedule.num_rows.item())
+            pad = st.schedule.peer_rank[:n] < 0
+            assert torch.all(st.gate_up[:n][pad] == 0), f"{label}: rank {r} gate|up padding rows not zero"
+            assert torch.isfinite(st.gate_up[:n]).all(), f"{label}: rank {r} gate|up rows unwritten"
+        runs.append((f, b))
+    (ff, fb), (vf, vb) = runs
+    for r in range(case.r):
+        n = int(ff.states[r].schedule.num_rows.item())
+        assert_bitwise_equal(vf.states[r].gate_up[:n], ff.states[r].gate_up[:n], f"gate|up[{r}]")
+        assert_bitwise_equal(vb.d_x[r], fb.d_x[r], f"d_x[{r}]")
+        assert_bitwise_equal(vb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
+    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+        assert_bitwise_equal(getattr(vb, gname), getattr(fb, gname), gname)
+
+
 # the knobs: gate|up half tiles alone (the spill-free sm_90 form), and with the wide GEMMs' half pairs (the
 # forward's down, the backward's phase B) too
 HALF_KNOBS = {"gate-up": dict(half_tail_tiles=True), "all": dict(half_tail_tiles=True, half_tail_wide=True)}
@@ -389,29 +424,7 @@ def test_half_tail_tiles_match(name, knobs):
         assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
     if case.macrobatch is not None:
         return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
-    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
-    kept = {}
-    for label, c in (("full", cfg), ("half", cfg.with_(**HALF_KNOBS[knobs]))):
-        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
-        f.check_errors()
-        for r, st in enumerate(f.states):
-            n = int(st.schedule.num_rows.item())
-            pad = (st.schedule.peer_rank[:n] < 0)
-            assert torch.all(st.gate_up[:n][pad] == 0), f"{label}: rank {r} gate|up padding rows not zero"
-            assert torch.isfinite(st.gate_up[:n]).all(), f"{label}: rank {r} gate|up rows unwritten"
-        d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
-                 for _ in range(case.r)]
-        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
-        b.check_errors()
-        kept[label] = (f, b)
-    (ff, fb), (hf, hb) = kept["full"], kept["half"]
-    for r in range(case.r):
-        n = int(ff.states[r].schedule.num_rows.item())
-        assert_bitwise_equal(hf.states[r].gate_up[:n], ff.states[r].gate_up[:n], f"gate|up[{r}]")
-        assert_bitwise_equal(hb.d_x[r], fb.d_x[r], f"d_x[{r}]")
-        assert_bitwise_equal(hb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
-    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-        assert_bitwise_equal(getattr(hb, gname), getattr(fb, gname), gname)
+    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(**HALF_KNOBS[knobs]))
 
 
 @pytest.mark.parametrize("block_m,tma,ok", [
@@ -483,29 +496,7 @@ def test_swap_tail_rows_match(name, monkeypatch):
         assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
     if case.macrobatch is not None:
         return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
-    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
-    kept = {}
-    for label, c in (("full", cfg), ("swap", swap)):
-        d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(5)).to(DEV, case.dtype)
-                 for _ in range(case.r)]
-        if label == "swap":  # the swapped run's scratch starts NaN: a row read before it is written shows
-            nan_scratch(monkeypatch)
-        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
-        f.check_errors()
-        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
-        b.check_errors()
-        monkeypatch.undo()
-        kept[label] = (f, b)
-    (ff, fb), (sf, sb) = kept["full"], kept["swap"]
-    for r in range(case.r):
-        n = int(ff.states[r].schedule.num_rows.item())
-        pad = ff.states[r].schedule.peer_rank[:n] < 0
-        assert torch.all(sf.states[r].gate_up[:n][pad] == 0), f"rank {r}: gate|up padding rows not zero"
-        assert_bitwise_equal(sf.states[r].gate_up[:n], ff.states[r].gate_up[:n], f"gate|up[{r}]")
-        assert_bitwise_equal(sb.d_x[r], fb.d_x[r], f"d_x[{r}]")
-        assert_bitwise_equal(sb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
-    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-        assert_bitwise_equal(getattr(sb, gname), getattr(fb, gname), gname)
+    _assert_kept_backward_equal(case, inp, cfg, swap, monkeypatch)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -16,8 +16,9 @@ Ops (namespace ``kittenmoe``):
 - ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, shared_gate_up, <KernelConfig fields>) ->
   (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
   megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold (in e4m3
-  under FP8), and the shared expert's when ``shared_gate_up`` is empty. Without a shared expert the last two are empty ``[0]`` placeholders (a custom op cannot return an optional tensor);
-  autograd turns them into ``None``.
+  under FP8), and the shared expert's when ``shared_gate_up`` is empty. Without a shared expert the last two
+  are empty ``[0]`` placeholders (a custom op cannot return an optional tensor); autograd turns them into
+  ``None``.
 
 The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
 assert under ``torch.compile``, ``kittenmoe.checks.raise_if_invalid_routes``).

@@ -198,8 +198,8 @@ def megakernel_backward_ep(
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
     the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
-    routed x rows and gate|up pre-activations (and the shared expert's). ``fp8``: the forward's ``FP8ExpertWeights`` (data gradients in
-    e4m3, as ``ops.launch_rank_backward``)."""
+    routed x rows and gate|up pre-activations (and the shared expert's). ``fp8``: the forward's
+    ``FP8ExpertWeights`` (data gradients in e4m3, as ``ops.launch_rank_backward``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)

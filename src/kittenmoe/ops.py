@@ -642,8 +642,9 @@ def launch_rank_backward(
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
         if not isinstance(saved, tuple) or len(saved) != 3:
+            n = f" of {len(saved)}" if isinstance(saved, (tuple, list)) else ""
             raise ValueError("saved must be the forward's (x_routed, gate_up, shared_gate_up) "
-                             f"(ForwardState.saved()), got {type(saved).__name__} of {len(saved)}")
+                             f"(ForwardState.saved()), got a {type(saved).__name__}{n}")
         mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
         if not (0 < mac <= NR and mac % bm == 0):
             raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "

@@ -58,8 +58,8 @@ TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue i
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma,
-                                              _is_half_tail, _now, _peer_rows, _rows_padding_from, _signal, _store_rows, _tile_rc,
-                                              _trace_event, _wait_geq, store_chunk_fp8)
+                                              _is_half_tail, _now, _peer_rows, _rows_padding_from, _signal, _store_rows,
+                                              _tile_rc, _trace_event, _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
