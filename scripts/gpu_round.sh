@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -236,12 +236,20 @@ if [[ $what == next11 ]]; then  # the kept phase-A loop deeper (session 9, ~7 mi
   step astages timeout 330 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "bwd_a_num_stages=6;bwd_a_num_stages=5"
 fi
-if [[ $what == swaptail ]]; then  # KernelConfig.swap_tail_rows, first GPU run (~9 min)
+if [[ $what == swaptail ]]; then  # KernelConfig.swap_tail_rows, first GPU run: tests and forward (~5 min)
   step swapgpu timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "swap_tail"
   step swapfwd timeout 200 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" \
     --config ";swap_tail_rows=32;swap_tail_rows=64"
+fi
+if [[ $what == swapbwd ]]; then  # the backward half of swaptail (the two do not fit one 600 s call)
   step swapbwd timeout 300 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "swap_tail_rows=32;swap_tail_rows=64"
+fi
+if [[ $what == swaptrace ]]; then  # why swapped tail tiles lose: DeepSeek traces without and with them (~2 min)
+  step trace0 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
+    --out "$OUT/plain" --config ""
+  step trace64 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
+    --out "$OUT/swap64" --config "swap_tail_rows=64"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
