@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -250,6 +250,12 @@ if [[ $what == swaptrace ]]; then  # why swapped tail tiles lose: DeepSeek trace
     --out "$OUT/plain" --config ""
   step trace64 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
     --out "$OUT/swap64" --config "swap_tail_rows=64"
+fi
+if [[ $what == commsweep ]]; then  # comm programs again, on today's kernels (last swept 2026-11-29, bwd v5) (~8 min)
+  step commfwd timeout 150 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --shapes deepseek-v4-pro,kimi-k2.7 \
+    --config ";num_comm_programs_fwd=6;num_comm_programs_fwd=10"
+  step commbwd timeout 380 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "num_comm_programs_bwd=8;num_comm_programs_bwd=12"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
