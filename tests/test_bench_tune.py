@@ -482,13 +482,15 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
 
 
 @pytest.mark.parametrize("dims,ranks,dtype,expect", [
-    # a seed slice (Kimi EP8, R=1): the H200's measured best (I=2048: 12 forward comm programs)
+    # a seed slice (Kimi EP8, R=1): the H200's measured best (I=2048: 12 comm programs forward and backward)
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
-                                                        num_comm_programs_fwd=12, num_comm_programs_bwd=16,
+                                                        num_comm_programs_fwd=12, num_comm_programs_bwd=12,
                                                         macrobatch_size=None, wgrad_persistent=True,
                                                         bwd_num_stages=4)),
-    # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 forward comm programs
-    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=16)),
+    # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 comm programs forward and backward
+    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=16, num_comm_programs_bwd=16)),
+    # the Kimi slice's widths over 8 ranks: the backward's pull crosses NVLink, 16 comm programs (timed there)
+    ((2048, 7168, 2048, 384, 8), 8, torch.bfloat16, dict(num_comm_programs_fwd=12, num_comm_programs_bwd=16)),
     # wide experts (DeepSeek-V4-Pro EP8, I=3072): 8 forward comm programs
     ((2048, 7168, 3072, 48, 6), 1, torch.bfloat16, dict(num_comm_programs_fwd=8)),
     # fp32 operands: narrower K tiles, stages that still fit shared memory

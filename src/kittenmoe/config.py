@@ -420,8 +420,11 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       routed row moves ``H`` elements for ``6*H*I`` FLOPs): 16 for ``I`` <= 1024,
       12 up to 2048, 8 above (H200 sweep after the vectorised copies, 2026-11-29:
       Qwen I=1024 best at 16, Kimi/GLM I=2048 at 12, DeepSeek I=3072 at 8);
-      ``num_comm_programs_bwd`` 16 (the backward moves x and d_out, flat between
-      8 and 16). An eighth of the SMs for both on GPUs with fewer than 100 SMs;
+      ``num_comm_programs_bwd`` 16, or 12 with one rank and ``I`` > 1024 (the
+      backward moves x and d_out; H200 sweep of 8/12/16 on today's backward,
+      2026-12-02: Kimi/GLM best at 12 by ~3%, DeepSeek ~1%, Qwen at 16; with
+      several ranks the pull crosses NVLink and only 16 was timed). An eighth
+      of the SMs for both on GPUs with fewer than 100 SMs;
     - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
       most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
       memory (``gate_up_smem_bytes``);
@@ -462,10 +465,13 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     sms = props.multi_processor_count
     comm = 16 if sms >= 100 else max(1, sms // 8)
     comm_fwd = (16 if i <= 1024 else 12 if i <= 2048 else 8) if sms >= 100 else comm
+    # R=1 and I > 1024: 12 (H200 2026-12-02, paired rounds: Kimi/GLM -3%, DeepSeek -1%, Qwen I=1024 +3%);
+    # with ranks > 1 the backward's pull crosses NVLink and was timed at 16 only.
+    comm_bwd = 12 if (sms >= 100 and ranks == 1 and i > 1024) else comm
     bm = 128 if n * ranks / e >= 96 else 64
     mb = 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4))
     bn, bk = 128, (64 if elem <= 2 else 32)
-    cfg = KernelConfig(num_comm_programs_fwd=comm_fwd, num_comm_programs_bwd=comm, minibatch_size=mb, block_m=bm,
+    cfg = KernelConfig(num_comm_programs_fwd=comm_fwd, num_comm_programs_bwd=comm_bwd, minibatch_size=mb, block_m=bm,
                        block_n=bn, block_k=bk, num_stages=1)
     stages = next((s for s in (4, 3, 2) if gate_up_smem_bytes(cfg.with_(num_stages=s), elem) <= SHARED_MEMORY_LIMIT), 1)
     cfg = cfg.with_(num_stages=stages)
