@@ -465,8 +465,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     sms = props.multi_processor_count
     comm = 16 if sms >= 100 else max(1, sms // 8)
     comm_fwd = (16 if i <= 1024 else 12 if i <= 2048 else 8) if sms >= 100 else comm
-    # R=1 and I > 1024: 12 (H200 2026-12-02, paired rounds: Kimi/GLM -3%, DeepSeek -1%, Qwen I=1024 +3%);
-    # with ranks > 1 the backward's pull crosses NVLink and was timed at 16 only.
+    # 12 only where it was timed (one rank, I > 1024: the docstring's sweep); over NVLink only 16 was timed.
     comm_bwd = 12 if (sms >= 100 and ranks == 1 and i > 1024) else comm
     bm = 128 if n * ranks / e >= 96 else 64
     mb = 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4))
