@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -256,6 +256,20 @@ if [[ $what == commsweep ]]; then  # comm programs again, on today's kernels (la
     --config ";num_comm_programs_fwd=6;num_comm_programs_fwd=10"
   step commbwd timeout 380 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "num_comm_programs_bwd=8;num_comm_programs_bwd=12"
+fi
+if [[ $what == s11a ]]; then  # session 11: block_m 64 x block_n 256 forward again (last timed 2026-12-01 (4)), half-build trace (~5 min)
+  step bm64fwd timeout 240 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" \
+    --config ";block_m=64,block_n=256,num_stages=3"
+  step trace0 timeout 100 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
+    --out "$OUT/plain" --config ""
+  step tracehalf timeout 100 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
+    --out "$OUT/half" --config "half_tail_tiles=True"
+fi
+if [[ $what == s11b ]]; then  # session 11: backward comm programs 12 (the heuristic since session 10) against 16 (~6 min)
+  step comm16 timeout 320 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "num_comm_programs_bwd=16"
+  step bm64bwd timeout 220 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes deepseek-v4-pro,glm-5.2 --config "block_m=64,block_n=256,num_stages=3"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
