@@ -265,11 +265,9 @@ if [[ $what == s11a ]]; then  # session 11: block_m 64 x block_n 256 forward aga
   step tracehalf timeout 100 python3 benchmarks/fwd_round.py --shapes deepseek-v4-pro --skip-check --trace --reps 2 \
     --out "$OUT/half" --config "half_tail_tiles=True"
 fi
-if [[ $what == s11b ]]; then  # session 11: backward comm programs 12 (the heuristic since session 10) against 16 (~6 min)
+if [[ $what == s11b ]]; then  # session 11: backward comm programs 12 (the heuristic since session 10) against 16 (~5 min)
   step comm16 timeout 320 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b,glm-5.2 --config "num_comm_programs_bwd=16"
-  step bm64bwd timeout 220 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
-    --shapes deepseek-v4-pro,glm-5.2 --config "block_m=64,block_n=256,num_stages=3"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
