@@ -213,7 +213,10 @@ class KernelConfig:
         2026-12-01 (7)) with half tiles of four BM/2 x BN accumulators, which the sm_90 build issued as
         m64n64k16 wgmmas (8 warps split N at 64 rows); they are now two BM/2 x 2 BN accumulators from
         2 BN-row weight boxes, issued as the full tiles' m64n128k16 (Kimi build: 218 registers, no stack),
-        not yet timed. On a GPU block_n <= 128 (TMA's 256-row box).
+        and still slower on every slice (DeepSeek 5.22 ms against 4.34, Kimi 3.46 against 3.26, 2026-12-01
+        (8)): a half tile reads 72 KB of operands a K step for a full tile's FLOPs, at 3 stages, and the
+        build's 221 KB of shared memory slows the full tiles beside it. On a GPU block_n <= 128 (TMA's
+        256-row box).
     swap_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: the forward's routed row tiles with at most
         that many rows (an expert's last tile, the rest of it schedule padding) compute gate|up and down as
         W x^T, the weight tile on the MMA's M side and the tile's rows on its N side (wgmma's N runs down to 8),
@@ -222,8 +225,10 @@ class KernelConfig:
         rows. DeepSeek's slice (256 rows an expert under uniform routing) pads about half its experts from
         257-288 rows to 384: at 32 their third tile costs a quarter of one (gate|up and down work ~2.5 ->
         ~2.1 tiles an expert). The forward's gate|up and down tiles and the backward's phase B (d_x); phase
-        A keeps full tiles. No FP8 form (``NotImplementedError``); not with the half tail tiles. Not yet timed
-        on a GPU.
+        A keeps full tiles. No FP8 form (``NotImplementedError``); not with the half tail tiles. Off: on the
+        H200 slower on every slice (forward at 32 / 64: DeepSeek 4.76 / 4.91 ms against 4.54, Kimi 3.50 /
+        3.63 against 3.41; forward+backward no gain, 2026-12-02): a tile's time follows the weight column
+        tile it streams, which a swapped tile reads in full, not its MMA work.
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
