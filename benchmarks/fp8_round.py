@@ -24,6 +24,7 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
+from kittenmoe.bench import measure_interleaved
 from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
@@ -57,7 +58,8 @@ def a_args(x, ids, wts, w, shape):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SLICES))
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="time budget: reps x 20 ms of timed runs a variant")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds the budget is split over")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--comm", default="",
                     help="communication program counts to try for the FP8 forward (e.g. 12,16,24; default: the BF16 "
@@ -93,23 +95,20 @@ def main() -> int:
         comms = [int(v) for v in args.comm.split(",")] if args.comm else [cfg.num_comm_programs_fwd]
         cands = {f"bm{bm}-comm{nc}": cfg8.with_(block_m=bm, num_comm_programs_fwd=nc)
                  for bm in (128, 64) for nc in comms}
-        ms_alt = {}
-        for label, c in cands.items():
+        # The candidates, fp8_down_high at both row tiles (without the down GEMM's promotions block_m 128
+        # spills far less: Triton 3.6 sm_90 build, a 64-byte stack against 256, so it may win where it lost
+        # before), timed together in interleaved rounds.
+        cand_fns = {}
+        for label, c in list(cands.items()) + [(f"down_high-bm{bm}", cfg8.with_(block_m=bm, fp8_down_high=True))
+                                               for bm in (128, 64)]:
             megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)  # compile outside the timing
-            ms_alt[label] = triton.testing.do_bench(
-                lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8), warmup=20,
-                rep=args.reps * 10, return_mode="median")
+            cand_fns[label] = lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)
+        cand_ms = {k: t.ms for k, t in measure_interleaved(cand_fns, dev, rounds=args.rounds,
+                                                           rep_ms=args.reps * 10 / args.rounds).items()}
+        ms_alt = {k: v for k, v in cand_ms.items() if k in cands}
         print(f"  fp8 forward by config: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
         cfg8 = cands[min(ms_alt, key=ms_alt.get)]
-        # fp8_down_high at both row tiles: without the down GEMM's promotions block_m 128 spills far less
-        # (Triton 3.6 sm_90 build: a 64-byte stack against 256), so it may win where it lost before
-        down_ms = {}
-        for bm in (128, 64):
-            c = cfg8.with_(block_m=bm, fp8_down_high=True)
-            megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)
-            down_ms[bm] = triton.testing.do_bench(
-                lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8), warmup=20,
-                rep=args.reps * 10, return_mode="median")
+        down_ms = {bm: cand_ms[f"down_high-bm{bm}"] for bm in (128, 64)}
         print(f"  fp8_down_high forward by block_m: { {k: round(v, 3) for k, v in down_ms.items()} }", flush=True)
         down_bm = min(down_ms, key=down_ms.get)
         phase_ms = {}
@@ -224,8 +223,15 @@ def main() -> int:
                      fp8_fwd_bwd=run_fp8_fb, bf16_fwd_bwd=run_bf16_fb, fp8_fwd_bwd_replay=run_fp8_fb_replay,
                      fp8_fwd_bwd_dx_high=run_fp8_fb_dx_high, fp8_down_high=run_fp8_down_high,
                      fp8_fwd_bwd_both_high=run_fp8_fb_both_high)
-        for label, fn in bench.items():
-            row[f"ms_{label}"] = triton.testing.do_bench(fn, warmup=50, rep=args.reps * 10, return_mode="median")
+        for fn in bench.values():  # compiled (and caches warm) before any round
+            fn()
+        # Interleaved rounds (kittenmoe.bench.measure_interleaved): under the 700 W power cap the clock falls
+        # over a long loop, so timing the variants back to back favoured whichever ran first after a pause.
+        timed = measure_interleaved(bench, dev, rounds=args.rounds, rep_ms=args.reps * 20 / args.rounds)
+        for label, t in timed.items():
+            row[f"ms_{label}"] = t.ms
+        row["round_ms"] = {label: list(t.round_ms) for label, t in timed.items()}
+        row["timing"] = f"measure_interleaved, {args.rounds} rounds"
         routed = 6 * T * shape.k * shape.h * shape.i
         row["speedup_vs_bf16"] = row["ms_bf16"] / row["ms_fp8"]
         row["fwd_bwd_speedup_vs_bf16"] = row["ms_bf16_fwd_bwd"] / row["ms_fp8_fwd_bwd"]
