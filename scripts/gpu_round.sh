@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -271,6 +271,23 @@ if [[ $what == s11b ]]; then  # session 11: backward comm programs 12 (the heuri
 fi
 if [[ $what == s11c ]]; then  # session 11: FP8 against BF16 on today's kernels, interleaved (last timed 2026-12-01 (5))
   step fp8kimi timeout 560 python3 benchmarks/fp8_round.py --reps 5 --out "$OUT" --shapes kimi-k2.7
+fi
+if [[ $what == ncu* ]]; then  # hardware counters (Nsight Compute) of one forward+backward, ours and grouped_mm's (~4 min)
+  # ncu:SHAPE[:fwd] (default kimi-k2.7); ncu reads counters on this runtime (firecracker, KINDS.md); clocks left alone
+  IFS=: read -r _ shape mode <<< "$what"
+  shape=${shape:-kimi-k2.7}
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+  extra=(); [[ ${mode:-} == fwd ]] && extra=(--forward-only)
+  step ncuquery timeout 60 bash -c "'$ncu_bin' --version; '$ncu_bin' --query-metrics --chip gh100 > '$OUT/ncu-metrics.txt' 2>&1; grep -c . '$OUT/ncu-metrics.txt'"
+  rep="$OUT/ncu-$shape${mode:+-$mode}"
+  step ncu timeout 420 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
+    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|cutlass|gemm|grouped" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section LaunchStats --section Occupancy \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
+    python3 benchmarks/ncu_probe.py --shape "$shape" "${extra[@]}"
+  step ncucsv timeout 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --page raw > '$rep-raw.csv' && \
+    '$ncu_bin' --import '$rep.ncu-rep' --csv --page details > '$rep-details.csv' && wc -l '$rep-raw.csv' '$rep-details.csv'"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
