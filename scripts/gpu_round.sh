@@ -286,8 +286,8 @@ if [[ $what == ncu* ]]; then  # hardware counters (Nsight Compute) of one forwar
     --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
     python3 benchmarks/ncu_probe.py --shape "$shape" "${extra[@]}"
-  step ncucsv timeout 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --page raw > '$rep-raw.csv' && \
-    '$ncu_bin' --import '$rep.ncu-rep' --csv --page details > '$rep-details.csv' && wc -l '$rep-raw.csv' '$rep-details.csv'"
+  step ncucsv timeout 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page raw > '$rep-raw.csv' && \
+    '$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page details > '$rep-details.csv' && wc -l '$rep-raw.csv' '$rep-details.csv'"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
