@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -288,6 +288,15 @@ if [[ $what == ncu* ]]; then  # hardware counters (Nsight Compute) of one forwar
     python3 benchmarks/ncu_probe.py --shape "$shape" "${extra[@]}"
   step ncucsv timeout 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page raw > '$rep-raw.csv' && \
     '$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page details > '$rep-details.csv' && wc -l '$rep-raw.csv' '$rep-details.csv'"
+fi
+if [[ $what == fold ]]; then  # session 11: KernelConfig.fold_tail_rows, first GPU run: tests and forward (~6 min)
+  step foldgpu timeout 200 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "gpu_fold_tail"
+  step foldfwd timeout 330 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" \
+    --config ";fold_tail_rows=32;fold_tail_rows=64"
+fi
+if [[ $what == foldbwd ]]; then  # the forward+backward half of fold (~6 min)
+  step foldbwd timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b,kimi-k2.7 --config "fold_tail_rows=32;fold_tail_rows=64"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

@@ -524,6 +524,81 @@ def test_swap_tail_rows_refuses_fp8():
         megakernel_backward_multirank(d_out, inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
 
 
+def _carried_tiles(sched, bm: int, r: int, mb: int) -> int:
+    """Row tiles that fold_tail_rows = r folds into the tile before them: real rows, rows r.. all padding, and the
+    previous row tile in the same minibatch (of mb rows) the same expert's."""
+    n = int(sched.num_rows.item())
+    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
+    te = sched.tile_expert[: n // bm].cpu()
+    tail = (pr[:, r:] < 0).all(dim=1) & (pr[:, 0] >= 0)
+    idx = torch.arange(n // bm)
+    prev_same = torch.zeros_like(tail)
+    prev_same[1:] = te[1:] == te[:-1]
+    return int((tail & prev_same & (idx % (mb // bm) != 0)).sum())
+
+
+FOLD_CASES = {
+    # ~40 rows an expert (2 ranks x 80 tokens x K 2 / 8 experts): many experts end in a tile of <= 16 rows after
+    # a full one; minibatches of two row tiles, so some tails sit in the next minibatch and stay on their own
+    "fold": Case(TINY.with_(h=64, i=64), r=2, t=80, minibatch=64),
+    # rows pushed from the down epilogue through a ring that wraps (macrobatch = minibatch = 64)
+    "fold-push-ring": Case(TINY.with_(h=64, i=64), r=2, t=80, minibatch=64, macrobatch=64, push_in_epilogue=True),
+    # K = 4 with the clamp, ~36 rows an expert, four row tiles a minibatch; I = 32 is one column tile
+    "fold-limit": Case(TINY_SIG.with_(h=64, i=32), r=2, t=72, minibatch=128, swiglu_limit=0.5),
+}
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 are the interpreter's sizes; "
+                    "test_gpu_fold_tail_rows covers the GPU form")
+@pytest.mark.parametrize("name", list(FOLD_CASES))
+def test_fold_tail_rows_match(name, monkeypatch):
+    """KernelConfig.fold_tail_rows = 16 at block_m 32: a tail tile of at most 16 rows after a full tile of the same
+    expert in the same minibatch is computed by that tile's program (swapped, from the same weight tiles), its
+    own tile only signalling. The output equals the full-tile run's bit for bit (the conftest's fp64-accumulated
+    dot under the interpreter) with every scratch buffer NaN first, and is close to the fp64 reference; with the
+    activations kept, gate|up (padding rows exact zeros) and every gradient equal the full tiles'."""
+    case = FOLD_CASES[name]
+    inp = _make_inputs(case, seed=23)
+    cfg = case.config().with_(block_m=32)
+    fold = cfg.with_(fold_tail_rows=16)
+    full = _megakernel(case, inp, config=cfg)
+    nan_scratch(monkeypatch)
+    got = _megakernel(case, inp, config=fold)
+    monkeypatch.undo()
+    assert sum(_carried_tiles(st.schedule, 32, 16, st.ring.minibatch) for st in got.states) > 0, \
+        "no carried tail tile in this case"
+    ref = _reference64(case, inp)
+    for r in range(case.r):
+        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
+        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
+    if case.macrobatch is not None:
+        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
+    _assert_kept_backward_equal(case, inp, cfg, fold, monkeypatch)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(fold_tail_rows=48), "one of 16, 32, 64"),  # not a tl.dot width
+    (dict(fold_tail_rows=64, block_m=64), "below block_m=64"),  # as tall as the tile: no tail to carry
+    (dict(fold_tail_rows=32, swap_tail_rows=32), "choose one"),  # two ways to run the same tail tiles
+    (dict(fold_tail_rows=32, half_tail_wide=True), "choose one"),
+])
+def test_fold_tail_rows_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KernelConfig(**kwargs)
+
+
+def test_fold_tail_rows_refuses_fp8():
+    """No FP8 form: a clear NotImplementedError, not a silent full-tile run."""
+    from kittenmoe.fp8 import FP8ExpertWeights
+
+    case = Case(TINY.with_(h=128, i=128), r=1, t=8)
+    inp = _make_inputs(case, seed=3)
+    fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
+    cfg = case.config().with_(minibatch_size=32, block_m=32, fold_tail_rows=16)
+    with pytest.raises(NotImplementedError, match="fold_tail_rows has no FP8 form"):
+        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
+
+
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base = bitwise_base
@@ -804,6 +879,43 @@ def test_gpu_swap_tail_rows(name, sn, keep, cuda_cleanup):
     assert_close(got.outputs[0], full.outputs[0], "bf16", f"{name}: out vs full tiles")
     if keep:
         st = got.states[0]
+        n = int(st.schedule.num_rows.item())
+        assert torch.all(st.gate_up[:n][st.schedule.peer_rank[:n] < 0] == 0), "gate|up padding rows not zero"
+        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
+        b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=got.saved())
+        b.check_errors()
+        bf = megakernel_backward_multirank(d_out, *args, config=KernelConfig(), saved=full.saved())
+        for g, f, gname in zip([b.d_x[0], b.d_w13, b.d_w2], [bf.d_x[0], bf.d_w13, bf.d_w2], ["d_x", "d_w13", "d_w2"]):
+            assert_close(g, f, "bf16", f"{name}: {gname} vs full tiles")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,fn,keep", [
+    ("deepseek-v4-pro-T2048", 32, False),  # 256 rows an expert: about half the experts end in a tile of <= 32
+    ("deepseek-v4-pro-T2048", 64, True),  # tails of <= 64 rows, gate|up kept (padding rows stored as zeros)
+    ("glm-5.2-T2048", 32, False),  # 512 an expert: tails where an expert has 513-544 rows
+])
+def test_gpu_fold_tail_rows(name, fn, keep, cuda_cleanup):
+    """KernelConfig.fold_tail_rows at the default tiles (the tail's rows multiplied through TMA from the
+    carrier's weight tiles, on wgmma's N side): the output passes the bf16 bar against the fp32 reference,
+    repeats bit for bit, and equals the full tiles' output to within bf16 rounding (whether the swapped wgmma
+    sums in the same order is not assumed); with gate|up kept the padding rows are exact zeros and the
+    backward's gradients match the full tiles' within bf16 rounding."""
+    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
+    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
+    cfg = KernelConfig(fold_tail_rows=fn)
+    full = megakernel_forward_multirank(*args, config=KernelConfig(), save_for_backward=keep)
+    got = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
+    got.check_errors()
+    again = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
+    st = got.states[0]
+    assert _carried_tiles(st.schedule, 128, fn, st.ring.minibatch) > 0, "no carried tail tile in this routing"
+    assert_bitwise_equal(again.outputs[0], got.outputs[0], f"{name}: out, two runs")
+    ref = moe_reference_multirank([x.float()], [ids], [w], *(t_.float() for t_ in mw.tensors()), shape.swiglu_limit,
+                                  compute_dtype=torch.float32)[0]
+    assert_close(got.outputs[0], ref, "bf16", f"{name}: out vs fp32 reference")
+    assert_close(got.outputs[0], full.outputs[0], "bf16", f"{name}: out vs full tiles")
+    if keep:
         n = int(st.schedule.num_rows.item())
         assert torch.all(st.gate_up[:n][st.schedule.peer_rank[:n] < 0] == 0), "gate|up padding rows not zero"
         d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]

@@ -229,6 +229,15 @@ class KernelConfig:
         H200 slower on every slice (forward at 32 / 64: DeepSeek 4.76 / 4.91 ms against 4.54, Kimi 3.50 /
         3.63 against 3.41; forward+backward no gain, 2026-12-02): a tile's time follows the weight column
         tile it streams, which a swapped tile reads in full, not its MMA work.
+    fold_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: a routed row tile with at most that many
+        rows (an expert's last, the rest schedule padding) is computed by the program of the row tile before
+        it when that one, in the same minibatch, is the same expert's: each K step multiplies the weight tiles
+        it stages for its own rows by the tail's rows too, swapped (W x^T, as swap_tail_rows), and the tail's
+        tile only signals. The forward's gate|up and down tiles; the backward keeps full tiles. Why: a tile's
+        time follows the weight tiles it streams (swap_tail_rows' traces), so a tail tile of its own costs
+        about a full one; carried, it adds a quarter of the carrier's MMA work at 32 (and 52 KB stages
+        against 48). DeepSeek's slice (256 rows an expert under uniform routing) has about half its experts
+        ending in such a tail. No FP8 form (``NotImplementedError``); not with the other tail knobs.
     half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
         phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
         phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
@@ -262,6 +271,7 @@ class KernelConfig:
     bwd_a_k_unroll: int = 1
     bwd_a_num_stages: int = 0
     swap_tail_rows: int = 0
+    fold_tail_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -303,6 +313,13 @@ class KernelConfig:
             if self.half_tails:
                 raise ValueError("KernelConfig.swap_tail_rows and half_tail_tiles / half_tail_wide both change "
                                  "the tail tiles: choose one")
+        if self.fold_tail_rows:
+            if self.fold_tail_rows not in (16, 32, 64) or self.fold_tail_rows >= self.block_m:
+                raise ValueError(f"KernelConfig.fold_tail_rows must be 0 (off) or one of 16, 32, 64 below "
+                                 f"block_m={self.block_m}, got {self.fold_tail_rows}")
+            if self.half_tails or self.swap_tail_rows:
+                raise ValueError("KernelConfig.fold_tail_rows and swap_tail_rows / half_tail_tiles / half_tail_wide "
+                                 "all change the tail tiles: choose one")
         if self.bwd_a_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_a_num_stages must be >= 0 (0: bwd_stages), got "
                              f"{self.bwd_a_num_stages}")

@@ -193,10 +193,11 @@ def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8
 
 
 def _check_swap_tail(config: KernelConfig, fp8: bool) -> None:
-    """KernelConfig.swap_tail_rows, for both launchers: no FP8 form yet."""
-    if fp8 and config.swap_tail_rows:
-        raise NotImplementedError("KernelConfig.swap_tail_rows has no FP8 form yet (the e4m3 GEMMs step one scale "
-                                  "block at a time with per-row scales): run FP8 without it")
+    """KernelConfig.swap_tail_rows and fold_tail_rows, for both launchers: no FP8 form yet."""
+    for knob in ("swap_tail_rows", "fold_tail_rows"):
+        if fp8 and getattr(config, knob):
+            raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one scale "
+                                      "block at a time with per-row scales): run FP8 without it")
 
 
 # KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
@@ -352,7 +353,7 @@ def launch_rank_forward(
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
     _check_half_tail(config, dev, use_tma, fp8 is not None)
-    sn = config.swap_tail_rows
+    sn = config.swap_tail_rows or config.fold_tail_rows  # the rows of a swapped or carried tail's TMA blocks
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -387,7 +388,7 @@ def launch_rank_forward(
         # half_tail_tiles: gate|up weights in 2 block_n-row boxes (one wide accumulator each for gate and up)
         descs += ((TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [2 * bn, bk]),) if config.half_tail_tiles
                   else (routed[2],))
-        # swap_tail_rows: the routed rows in blocks of that many (stand-ins without)
+        # swap_tail_rows / fold_tail_rows: the routed rows in blocks of that many (stand-ins without)
         descs += ((TD.from_tensor(st.x_routed, [sn, bk]), TD.from_tensor(st.hidden, [sn, bk])) if sn
                   else (routed[0], routed[1]))
     else:
@@ -411,7 +412,7 @@ def launch_rank_forward(
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
-        HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=sn,
+        HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
         POW2=fp8 is not None and fp8.cfg.pow2_scales,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )

@@ -534,6 +534,155 @@ def _down_swap(hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr,
     _store_rows(dst, ok, acc, nt * BN2, H, BN2)
 
 
+# ----------------------------------------------------------------------------- folded tail tiles
+# KernelConfig.fold_tail_rows = FN (16, 32 or 64): a routed row tile with at most FN rows (an expert's last, the rest
+# of it schedule padding) whose previous row tile, in the same minibatch, is the same expert's (so a full one) is
+# carried by that previous tile: each K step's weight tiles, staged for the full tile's BM rows anyway, also
+# multiply the tail's FN rows with the operands swapped (W x^T, the rows on the MMA's N side, as swap_tail_rows
+# computes them), and the tail's own tile only signals, so the wait counts do not change. Why: a tile's time is
+# set by the weight tiles it streams, not by its MMA work (session 10's DeepSeek traces: ~0.84 us a K step with
+# 128 rows or 64), so a separate tail tile cost about a full one, swapped or not. Carried, its FN rows add FN / BM
+# of the carrier's MMA work and FN x BK of x to each stage (52 KB against 48 at 128 x 128 x 64 and FN 32).
+
+
+@triton.jit
+def _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt, e, num_rows, BM: tl.constexpr, MB: tl.constexpr,
+                FN: tl.constexpr):
+    """(carries, carried) for routed row tile rt of the minibatch at schedule row row0 (expert e): whether it
+    computes the next row tile's rows too, and whether the previous row tile computes its rows. A row tile with
+    at most FN rows is carried when the previous row tile of its minibatch is the same expert's."""
+    t0 = row0 + rt * BM
+    nxt = (rt + 1 < MB // BM) & (t0 + BM < num_rows)
+    e_next = tl.load(tile_expert_ptr + (t0 + BM) // BM, mask=nxt, other=-1)
+    carries = (e_next == e) & _rows_padding_from(peer_rank_ptr, t0 + BM, num_rows, FN)
+    e_prev = tl.load(tile_expert_ptr + (t0 - BM) // BM, mask=rt > 0, other=-1)
+    carried = (e_prev == e) & _rows_padding_from(peer_rank_ptr, t0, num_rows, FN)
+    return carries, carried
+
+
+@triton.jit
+def _gateup_fold_acc_tma(a_desc, a_row0, t_desc, w_desc, wg_row0, wu_row0, H, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr):
+    """A full tile's fp32 (A W_gate^T, A W_up^T), [BM, BN] each, and the next FN rows' (W_gate T^T, W_up T^T),
+    [BN, FN] each, from the same weight tiles a K step. a_desc blocks [BM, BK] of x_routed (rows a_row0..),
+    t_desc blocks [FN, BK] of it (rows a_row0 + BM..), w_desc [BN, BK] blocks of the [L*2I, H] weight view."""
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    tail_g = tl.zeros((BN, FN), dtype=tl.float32)
+    tail_u = tl.zeros((BN, FN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        a = a_desc.load([a_row0, k0])
+        t = t_desc.load([a_row0 + BM, k0])
+        wg = w_desc.load([wg_row0, k0])
+        wu = w_desc.load([wu_row0, k0])
+        acc_g = tl.dot(a, wg.T, acc_g)
+        acc_u = tl.dot(a, wu.T, acc_u)
+        tail_g = tl.dot(wg, t.T, tail_g)
+        tail_u = tl.dot(wu, t.T, tail_u)
+    return acc_g, acc_u, tail_g, tail_u
+
+
+@triton.jit
+def _gateup_fold_acc(a_ptr, a_row0, w_ptr, n0, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     FN: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """As ``_gateup_fold_acc_tma`` through pointer loads: a_ptr [*, H] rows, w_ptr one expert's [2I, H]."""
+    rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
+    trows = (a_row0 + BM + tl.arange(0, FN)).to(tl.int64)
+    rn = n0 + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    tail_g = tl.zeros((BN, FN), dtype=tl.float32)
+    tail_u = tl.zeros((BN, FN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        kk = k0 + rk
+        k_ok = kk < H
+        a = tl.load(a_ptr + rows[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
+        t = tl.load(a_ptr + trows[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
+        wm = (rn < I)[:, None] & k_ok[None, :]
+        wg = tl.load(w_ptr + rn[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
+        wu = tl.load(w_ptr + (rn + I)[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            t = t.to(tl.float32)
+            wg = wg.to(tl.float32)
+            wu = wu.to(tl.float32)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
+        tail_g = tl.dot(wg, tl.trans(t), tail_g, input_precision=PRECISION)
+        tail_u = tl.dot(wu, tl.trans(t), tail_u, input_precision=PRECISION)
+    return acc_g, acc_u, tail_g, tail_u
+
+
+@triton.jit
+def _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
+                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, DOT_FP32: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """Gate|up of a full row tile (ring rows brow..) and of the tail it carries (rows brow + BM.., at most FN
+    real), column tile nt: hidden for the BM + FN rows; with SAVE_GU the kept gate|up of both tiles, the tail's
+    rows FN.. as zeros (what a full tile computes from the pull's zero padding rows)."""
+    if USE_TMA:
+        acc_g, acc_u, tg, tu = _gateup_fold_acc_tma(xr_desc, brow, xrs_desc, w13_desc, e * (2 * I) + nt * BN,
+                                                    e * (2 * I) + I + nt * BN, H, BM, BN, BK, FN)
+    else:
+        acc_g, acc_u, tg, tu = _gateup_fold_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H,
+                                                I, BM, BN, BK, FN, DOT_FP32, PRECISION)
+    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit, HAS_LIMIT, BM, BN)
+    if SAVE_GU:
+        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
+    tail_g = tl.trans(tg)
+    tail_u = tl.trans(tu)
+    _swiglu_store(tail_g, tail_u, hid_ptr, brow + BM, FN, nt * BN, I, swiglu_limit, HAS_LIMIT, FN, BN)
+    if SAVE_GU:
+        _store_gate_up(gu_ptr, brow + BM, tail_g, tail_u, nt * BN, I, FN, BN)
+        zero = tl.zeros((FN, BN), dtype=tl.float32)
+        for r0 in tl.static_range(FN, BM, FN):
+            _store_gate_up(gu_ptr, brow + BM + r0, zero, zero, nt * BN, I, FN, BN)
+
+
+@triton.jit
+def _down_fold(hid_desc, hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
+               combine_ptrs_ptr, srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
+               DT: tl.constexpr, BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr,
+               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """The down GEMM of a full row tile (ring rows arow.., schedule rows srow..) and of the tail it carries (the
+    next FN rows, swapped: W2 tile x hidden^T), column tile nt of H, from the same W2 tiles a K step; the rows
+    stored to y_routed or pushed to their origins."""
+    acc = tl.zeros((BM, BN2), dtype=tl.float32)
+    acc_t = tl.zeros((BN2, FN), dtype=tl.float32)
+    if USE_TMA:
+        for k0 in range(0, I, BK):
+            a = hid_desc.load([arow, k0])
+            t = hids_desc.load([arow + BM, k0])
+            w = w2_desc.load([e * H + nt * BN2, k0])
+            acc = tl.dot(a, w.T, acc)
+            acc_t = tl.dot(w, t.T, acc_t)
+    else:
+        rows = (arow + tl.arange(0, BM)).to(tl.int64)
+        trows = (arow + BM + tl.arange(0, FN)).to(tl.int64)
+        rn = nt * BN2 + tl.arange(0, BN2)
+        w_rows = w2_ptr + e.to(tl.int64) * (H * I) + rn[:, None].to(tl.int64) * I
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            k_ok = kk < I
+            a = tl.load(hid_ptr + rows[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
+            t = tl.load(hid_ptr + trows[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=(rn < H)[:, None] & k_ok[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                t = t.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+            acc_t = tl.dot(w, tl.trans(t), acc_t, input_precision=PRECISION)
+    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
+                         PUSH_IN_EPILOGUE, DT, BM)
+    _store_rows(dst, ok, acc, nt * BN2, H, BN2)
+    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow + BM, arow + BM, num_rows, H,
+                         PUSH_IN_EPILOGUE, DT, FN)
+    _store_rows(dst, ok, tl.trans(acc_t), nt * BN2, H, BN2)
+
+
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
 # Routed GEMMs on e4m3 operands, one K step per scale block (SB: 128, or MXFP8's 32): each step's fp32 product
 # is scaled by the row's activation scale and the weight block's scale and added to the fp32 accumulator
@@ -739,8 +888,8 @@ def dispatch_mlp_swiglu_combine_kernel(
     xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
     w13w_desc,  # w13 viewed [L*2I, H], blocks [2 BN, BK] (HALF_GU with TMA; else a placeholder)
-    xrs_desc,  # x_routed, blocks [SWAP_N, BK] (SWAP_N > 0 with TMA; else a placeholder)
-    hids_desc,  # hidden, blocks [SWAP_N, BK] (SWAP_N > 0 with TMA; else a placeholder)
+    xrs_desc,  # x_routed, blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
+    hids_desc,  # hidden, blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -756,7 +905,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
     COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3, SWAP_N: tl.constexpr = 0,
+    HALF_STAGES: tl.constexpr = 3, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -923,6 +1072,17 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                 _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr,
                                                              gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
                                                              USE_TMA, BM, BN, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                        if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
+                                            carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt,
+                                                                           e, num_rows, BM, MB, FOLD_N)
+                                            if carried:
+                                                full = False
+                                            elif carries:
+                                                full = False
+                                                _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr,
+                                                             hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT,
+                                                             SAVE_GU, USE_TMA, BM, BN, BK, FOLD_N, DOT_FP32,
+                                                             PRECISION)
                                         if SWAP_N > 0:  # at most SWAP_N rows: W x^T, the rows on the MMA's N side
                                             if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
                                                 full = False
@@ -972,6 +1132,18 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                        w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
                                                        row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
                                                        USE_TMA, DT, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
+                                    if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
+                                        carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt, e,
+                                                                       num_rows, BM, MB, FOLD_N)
+                                        if carried:
+                                            full = False
+                                        elif carries:
+                                            full = False
+                                            _down_fold(hid_desc, hids_desc, hid_ptr, (p % NSLOT) * MB + rt * BM,
+                                                       w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
+                                                       combine_ptrs_ptr, row0 + rt * BM, num_rows, e, nt, H, I,
+                                                       PUSH_IN_EPILOGUE, USE_TMA, DT, BM, BN2, BK, FOLD_N, DOT_FP32,
+                                                       PRECISION)
                                     if SWAP_N > 0:  # at most SWAP_N rows: W2 hidden^T
                                         if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
                                             full = False
