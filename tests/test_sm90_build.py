@@ -102,6 +102,7 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     # an expert's tail of at most 32 rows carried by the tile before it (KernelConfig.fold_tail_rows), plain, kept
     (dict(which="fwd", config=dict(fold_tail_rows=32)), FWD),
     (dict(which="fwd", resident=True, config=dict(fold_tail_rows=32)), FWD),
+    (dict(which="bwd", resident=True, config=dict(fold_tail_rows=32)), BWD),  # the backward's phase B likewise
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),

@@ -233,7 +233,8 @@ class KernelConfig:
         rows (an expert's last, the rest schedule padding) is computed by the program of the row tile before
         it when that one, in the same minibatch, is the same expert's: each K step multiplies the weight tiles
         it stages for its own rows by the tail's rows too, swapped (W x^T, as swap_tail_rows), and the tail's
-        tile only signals. The forward's gate|up and down tiles; the backward keeps full tiles. Why: a tile's
+        tile only signals. The forward's gate|up and down tiles and the backward's phase B (d_x); phase A
+        keeps full tiles. Why: a tile's
         time follows the weight tiles it streams (swap_tail_rows' traces), so a tail tile of its own costs
         about a full one; carried, it adds a quarter of the carrier's MMA work at 32 (and 52 KB stages
         against 48). DeepSeek's slice (256 rows an expert under uniform routing) has about half its experts

@@ -751,8 +751,9 @@ def launch_rank_backward(
     # KernelConfig.half_tail_wide: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
     dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_wide
                  else b_descs[0])
-    # KernelConfig.swap_tail_rows: phase B's d(gate|up) rows in blocks of that many (a stand-in without it)
-    sn = config.swap_tail_rows
+    # KernelConfig.swap_tail_rows / fold_tail_rows: phase B's d(gate|up) rows in blocks of that many (a stand-in
+    # without either)
+    sn = config.swap_tail_rows or config.fold_tail_rows
     dgusn_desc = TD.from_tensor(bufs["dgu"], [sn, config.block_k]) if use_tma and sn else b_descs[0]
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
@@ -799,7 +800,7 @@ def launch_rank_backward(
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
         HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
         KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
-        SWAP_N=sn,
+        SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
