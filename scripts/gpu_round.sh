@@ -279,13 +279,13 @@ if [[ $what == ncu* ]]; then  # hardware counters (Nsight Compute) of one forwar
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
   extra=(); [[ ${mode:-} == fwd ]] && extra=(--forward-only)
   step ncuquery timeout 60 bash -c "'$ncu_bin' --version; '$ncu_bin' --query-metrics --chip gh100 > '$OUT/ncu-metrics.txt' 2>&1; grep -c . '$OUT/ncu-metrics.txt'"
-  rep="$OUT/ncu-$shape${mode:+-$mode}"
+  rep="$OUT/ncu-$shape${mode:+-$mode}${NCU_TAG:+-$NCU_TAG}"
   step ncu timeout 420 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
-    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|cutlass|gemm|grouped" \
+    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|cutlass|gemm|grouped|device_kernel" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
-    python3 benchmarks/ncu_probe.py --shape "$shape" "${extra[@]}"
+    python3 benchmarks/ncu_probe.py --shape "$shape" --config "${NCU_CONFIG:-}" "${extra[@]}"
   step ncucsv timeout 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page raw > '$rep-raw.csv' && \
     '$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page details > '$rep-details.csv' && wc -l '$rep-raw.csv' '$rep-details.csv'"
 fi
