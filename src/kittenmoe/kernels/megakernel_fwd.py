@@ -542,7 +542,10 @@ def _down_swap(hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr,
 # computes them), and the tail's own tile only signals, so the wait counts do not change. Why: a tile's time is
 # set by the weight tiles it streams, not by its MMA work (session 10's DeepSeek traces: ~0.84 us a K step with
 # 128 rows or 64), so a separate tail tile cost about a full one, swapped or not. Carried, its FN rows add FN / BM
-# of the carrier's MMA work and FN x BK of x to each stage (52 KB against 48 at 128 x 128 x 64 and FN 32).
+# of the carrier's MMA work and FN x BK of x to each stage (52 KB against 48 at 128 x 128 x 64 and FN 32). Its
+# loops run at HALF_STAGES (3): at 4 the build took 213 KB of shared memory and every tile slowed, carried or
+# not (Kimi, 0.1% of its tiles carried: 3.44 ms against 3.17, H200 2026-12-02), as the half tiles' 221 KB
+# builds did.
 
 
 @triton.jit
@@ -562,7 +565,7 @@ def _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt, e, num_rows, BM: tl.co
 
 @triton.jit
 def _gateup_fold_acc_tma(a_desc, a_row0, t_desc, w_desc, wg_row0, wu_row0, H, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr):
+                         BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, NS: tl.constexpr):
     """A full tile's fp32 (A W_gate^T, A W_up^T), [BM, BN] each, and the next FN rows' (W_gate T^T, W_up T^T),
     [BN, FN] each, from the same weight tiles a K step. a_desc blocks [BM, BK] of x_routed (rows a_row0..),
     t_desc blocks [FN, BK] of it (rows a_row0 + BM..), w_desc [BN, BK] blocks of the [L*2I, H] weight view."""
@@ -570,7 +573,7 @@ def _gateup_fold_acc_tma(a_desc, a_row0, t_desc, w_desc, wg_row0, wu_row0, H, BM
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     tail_g = tl.zeros((BN, FN), dtype=tl.float32)
     tail_u = tl.zeros((BN, FN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
+    for k0 in tl.range(0, H, BK, num_stages=NS):
         a = a_desc.load([a_row0, k0])
         t = t_desc.load([a_row0 + BM, k0])
         wg = w_desc.load([wg_row0, k0])
@@ -617,14 +620,14 @@ def _gateup_fold_acc(a_ptr, a_row0, w_ptr, n0, H, I, BM: tl.constexpr, BN: tl.co
 @triton.jit
 def _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
                  HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, DOT_FP32: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
                  PRECISION: tl.constexpr):
     """Gate|up of a full row tile (ring rows brow..) and of the tail it carries (rows brow + BM.., at most FN
     real), column tile nt: hidden for the BM + FN rows; with SAVE_GU the kept gate|up of both tiles, the tail's
     rows FN.. as zeros (what a full tile computes from the pull's zero padding rows)."""
     if USE_TMA:
         acc_g, acc_u, tg, tu = _gateup_fold_acc_tma(xr_desc, brow, xrs_desc, w13_desc, e * (2 * I) + nt * BN,
-                                                    e * (2 * I) + I + nt * BN, H, BM, BN, BK, FN)
+                                                    e * (2 * I) + I + nt * BN, H, BM, BN, BK, FN, NS)
     else:
         acc_g, acc_u, tg, tu = _gateup_fold_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H,
                                                 I, BM, BN, BK, FN, DOT_FP32, PRECISION)
@@ -645,14 +648,14 @@ def _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu
 def _down_fold(hid_desc, hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
                combine_ptrs_ptr, srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
                DT: tl.constexpr, BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr,
-               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+               NS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """The down GEMM of a full row tile (ring rows arow.., schedule rows srow..) and of the tail it carries (the
     next FN rows, swapped: W2 tile x hidden^T), column tile nt of H, from the same W2 tiles a K step; the rows
     stored to y_routed or pushed to their origins."""
     acc = tl.zeros((BM, BN2), dtype=tl.float32)
     acc_t = tl.zeros((BN2, FN), dtype=tl.float32)
     if USE_TMA:
-        for k0 in range(0, I, BK):
+        for k0 in tl.range(0, I, BK, num_stages=NS):
             a = hid_desc.load([arow, k0])
             t = hids_desc.load([arow + BM, k0])
             w = w2_desc.load([e * H + nt * BN2, k0])
@@ -1081,8 +1084,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                                 full = False
                                                 _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr,
                                                              hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT,
-                                                             SAVE_GU, USE_TMA, BM, BN, BK, FOLD_N, DOT_FP32,
-                                                             PRECISION)
+                                                             SAVE_GU, USE_TMA, BM, BN, BK, FOLD_N, HALF_STAGES,
+                                                             DOT_FP32, PRECISION)
                                         if SWAP_N > 0:  # at most SWAP_N rows: W x^T, the rows on the MMA's N side
                                             if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
                                                 full = False
@@ -1142,8 +1145,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                             _down_fold(hid_desc, hids_desc, hid_ptr, (p % NSLOT) * MB + rt * BM,
                                                        w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
                                                        combine_ptrs_ptr, row0 + rt * BM, num_rows, e, nt, H, I,
-                                                       PUSH_IN_EPILOGUE, USE_TMA, DT, BM, BN2, BK, FOLD_N, DOT_FP32,
-                                                       PRECISION)
+                                                       PUSH_IN_EPILOGUE, USE_TMA, DT, BM, BN2, BK, FOLD_N, HALF_STAGES,
+                                                       DOT_FP32, PRECISION)
                                     if SWAP_N > 0:  # at most SWAP_N rows: W2 hidden^T
                                         if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
                                             full = False
