@@ -672,6 +672,8 @@ def test_bitwise_repeatable(bitwise_base):
     (1, False),  # one row tile at a time; phase A replays (three 16-wide tiles of I = 48)
     (2, True),  # a group of two row tiles and a last one of one; phase A kept (I = 48 is not 2 x 16-wide: narrow)
     (2, False),  # the same order with replay
+    (-1, True),  # each expert's run of row tiles a group; phase A kept
+    (-1, False),  # the same order with replay
 ])
 def test_tile_group_order_same_bits(group, keep):
     """KernelConfig.tile_group_m: the backward's gradients do not depend on the order of a minibatch's phase-A

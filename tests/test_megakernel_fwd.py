@@ -324,17 +324,26 @@ TILE_GROUP_CASE = Case(TINY.with_(h=64, i=64), r=2, t=24)
     1,  # one row tile at a time, across every column tile
     2,  # a full group of two row tiles, then a last group of one
     3,  # the whole minibatch in one group: the default order written another way
+    -1,  # each expert's run of row tiles a group (runs of 1-2 tiles here, cut at the minibatch's edges)
 ])
-def test_tile_group_order_same_bits(group):
-    """The forward's output does not depend on the order of a minibatch's GEMM tiles."""
+def test_tile_group_order_same_bits(group, monkeypatch):
+    """The forward's output does not depend on the order of a minibatch's GEMM tiles; the scratch starts NaN,
+    so a tile the order skipped would show."""
     case = TILE_GROUP_CASE
     inp = _make_inputs(case, seed=11)
     cfg = case.config().with_(minibatch_size=48)
     base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    nan_scratch(monkeypatch)
     got = _megakernel(case, inp, config=cfg.with_(tile_group_m=group)).outputs
     for r in range(case.r):
         assert torch.isfinite(got[r]).all()
         assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
+
+
+def test_tile_group_m_checked():
+    """-1 (expert runs), 0 (the whole minibatch) and G > 0 are orders; anything below -1 is refused."""
+    with pytest.raises(ValueError, match="must be >= -1"):
+        KernelConfig(tile_group_m=-2)
 
 
 # KernelConfig.half_tail_tiles: block_m 32, so an expert whose last tile holds 1-16 rows runs it as a 16-row
@@ -1075,6 +1084,8 @@ GPU_BITWISE_VARIANTS = {
     "mb64-mac256": dict(minibatch_size=64, macrobatch_size=256),
     # minibatch 256 walked in groups of 3 row tiles (3 + 1; KernelConfig.tile_group_m)
     "tile-group-3-mb256": dict(minibatch_size=256, macrobatch_size=None, tile_group_m=3),
+    # minibatch 256 walked expert by expert (tile_group_m = -1)
+    "tile-group-expert-mb256": dict(minibatch_size=256, macrobatch_size=None, tile_group_m=-1),
 }
 if HAS_PUSH_KNOB:
     # the other combine path

@@ -104,6 +104,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="fwd", resident=True, config=dict(fold_tail_rows=32)), FWD),
     (dict(which="bwd", resident=True, config=dict(fold_tail_rows=32)), BWD),  # the backward's phase B likewise
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
+    # each expert's row tiles of a minibatch walked together (tile_group_m = -1), forward and kept backward
+    (dict(which="fwd", config=dict(tile_group_m=-1)), FWD),
+    (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
     # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)

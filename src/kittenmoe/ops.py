@@ -422,7 +422,8 @@ def launch_rank_forward(
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
         return mk.dispatch_mlp_swiglu_combine_kernel[grid](
-            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows, sched.num_invalid,
+            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
+            sched.num_invalid,
             peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
             st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
             st.y_routed if st.shared_gate_up is None else st.shared_gate_up,
@@ -817,7 +818,7 @@ def launch_rank_backward(
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
         return mb.combine_mlp_swiglu_dispatch_bwd_kernel[grid](
-            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.num_rows,
+            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
             peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],

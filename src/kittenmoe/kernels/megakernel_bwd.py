@@ -647,6 +647,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
     peer_tok_ptr,  # [C] int32, t*K + j on the source rank
     tile_expert_ptr,  # [C // BM] int32
+    expert_offsets_ptr,  # [L + 1] int32, first row of each expert's padded segment (tile_group_m = -1)
     num_rows_ptr,  # [1] int32
     # peers
     x_ptrs_ptr,  # [R] int64 -> x [T, H] of every rank
@@ -861,7 +862,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         if ((phase & 4) != 0) & (p < p_hi) & (p * MB < num_rows):  # PB_A
                             if TRACE:
                                 t_start = _now()
-                            rt, nt = _tile_rc(i, NIA, MB // BM, TGM)
+                            rt, nt = _tile_rc(i, NIA, MB // BM, TGM, p * (MB // BM), tile_expert_ptr,
+                                              expert_offsets_ptr, num_rows // BM, BM)
                             row0 = p * MB + rt * BM
                             _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
                             if TRACE:
@@ -941,7 +943,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             if TRACE:
                                 t_start = _now()
                             j = i - per_a
-                            rt, nt = _tile_rc(j, n_b_h, MB // BM, TGM)
+                            rt, nt = _tile_rc(j, n_b_h, MB // BM, TGM, p * (MB // BM), tile_expert_ptr,
+                                              expert_offsets_ptr, num_rows // BM, BM)
                             row0 = p * MB + rt * BM
                             _wait_geq(a_ready + p, per_a, err_ptr, max_spin)
                             if TRACE:

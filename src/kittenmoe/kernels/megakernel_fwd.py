@@ -138,11 +138,28 @@ def _peer_rows(ptrs_ptr, pr, ok, DT: tl.constexpr):
 
 
 @triton.jit
-def _tile_rc(i, NT, RT: tl.constexpr, G: tl.constexpr):
+def _tile_rc(i, NT, RT: tl.constexpr, G: tl.constexpr, mb_tile0, tile_expert_ptr, expert_offsets_ptr, n_tiles,
+             BM: tl.constexpr):
     """(row tile, column tile) of a minibatch's i-th GEMM tile, i < RT * NT (RT row tiles, NT column tiles):
     groups of G row tiles, each walked column tile by column tile (G = 0 or >= RT: the whole minibatch is one
-    group, KernelConfig.tile_group_m's default). A smaller last group when G does not divide RT."""
-    if (G == 0) or (G >= RT):
+    group, KernelConfig.tile_group_m's default; a smaller last group when G does not divide RT). G = -1: each
+    expert's run of row tiles in the minibatch is a group, so a wave of programs reads few experts' rows many
+    times while they are in L2 and every weight tile still serves all its expert's row tiles at once. A run of
+    n row tiles takes n * NT consecutive indices, so the run holding index i holds row tile i // NT; mb_tile0 is
+    the minibatch's first schedule row tile, n_tiles the schedule's row tiles in use, expert_offsets_ptr [L + 1]
+    the padded segments' first rows (the schedule's)."""
+    if G == -1:
+        q = i // NT
+        e = tl.load(tile_expert_ptr + mb_tile0 + q, mask=mb_tile0 + q < n_tiles, other=-1)
+        s = q
+        n = 1
+        if e >= 0:
+            s = tl.maximum(tl.load(expert_offsets_ptr + e) // BM, mb_tile0) - mb_tile0
+            n = tl.minimum(tl.load(expert_offsets_ptr + e + 1) // BM, mb_tile0 + RT) - mb_tile0 - s
+        w = i - NT * s
+        rt = s + w % n
+        nt = w // n
+    elif (G == 0) or (G >= RT):
         rt = i % RT
         nt = i // RT
     else:
@@ -854,6 +871,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
     peer_tok_ptr,  # [C] int32, t*K + j on the source rank
     tile_expert_ptr,  # [C // BM] int32, local expert per row tile, -1 past num_rows
+    expert_offsets_ptr,  # [L + 1] int32, first row of each expert's padded segment (tile_group_m = -1)
     num_rows_ptr,  # [1] int32, padded routed rows on this rank
     num_invalid_ptr,  # [1] int32, out-of-range expert ids seen in the routing
     # peers
@@ -1039,7 +1057,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                             if live:
                                 if TRACE:
                                     t_start = _now()
-                                rt, nt = _tile_rc(i, n_gu_tiles_i, MB // BM, TGM)
+                                rt, nt = _tile_rc(i, n_gu_tiles_i, MB // BM, TGM, row0 // BM, tile_expert_ptr,
+                                                  expert_offsets_ptr, num_rows // BM, BM)
                                 _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
                                 if TRACE:
                                     t_ready = _now()
@@ -1118,7 +1137,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 if TRACE:
                                     t_start = _now()
                                 j = i - per_mb_gu
-                                rt, nt = _tile_rc(j, n_dn_tiles_h, MB // BM, TGM)
+                                rt, nt = _tile_rc(j, n_dn_tiles_h, MB // BM, TGM, row0 // BM, tile_expert_ptr,
+                                                  expert_offsets_ptr, num_rows // BM, BM)
                                 _wait_geq(hid_ready + p, per_mb_gu, err_ptr, max_spin)
                                 if TRACE:
                                     t_ready = _now()
