@@ -85,8 +85,9 @@ def render(rows: list[dict]) -> str:
                     "(median of the rounds' medians: the H200's clock falls under its 700 W power cap during "
                     "sustained runs, which favoured whatever was timed first)"
                     if any("timing" in r for r in rows) else "")
-                 + "; the kittenmoe figure is the best of the "
-                 "KernelConfigs swept in that run (recorded in the row's `config`). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
+                 + "; a forward row's kittenmoe figure is the best of the KernelConfigs swept in that run, a "
+                 "forward+backward row's that run's heuristic config (each recorded in the row's `config`; a "
+                 "forward+backward row's other variants are in its `sweep_ms`). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
                  "gradient's). "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
     return "\n".join(lines)

@@ -486,7 +486,7 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
                                                         num_comm_programs_fwd=12, num_comm_programs_bwd=12,
                                                         macrobatch_size=None, wgrad_persistent=True,
-                                                        bwd_num_stages=4)),
+                                                        bwd_num_stages=4, tile_group_m=-1)),
     # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 comm programs forward and backward
     ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=16, num_comm_programs_bwd=16)),
     # the Kimi slice's widths over 8 ranks: the backward's pull crosses NVLink, 16 comm programs (timed there)
@@ -496,7 +496,7 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
     # fp32 operands: narrower K tiles, stages that still fit shared memory
     # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages)
     ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0,
-                                                       wgrad_persistent=False)),
+                                                       wgrad_persistent=False, tile_group_m=0)),
     # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
     ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
                                                        wgrad_persistent=True)),
