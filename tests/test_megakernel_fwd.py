@@ -512,24 +512,29 @@ def test_swap_tail_rows_match(name, monkeypatch):
     (dict(swap_tail_rows=24), "one of 16, 32, 64"),  # not a tl.dot width
     (dict(swap_tail_rows=32, block_m=32), "below block_m=32"),  # as tall as the tile: nothing to save
     (dict(swap_tail_rows=32, half_tail_tiles=True), "choose one"),  # two ways to run the same tail tiles
+    (dict(fold_tail_rows=48), "one of 16, 32, 64"),  # likewise for the folded tails
+    (dict(fold_tail_rows=64, block_m=64), "below block_m=64"),  # as tall as the tile: no tail to carry
+    (dict(fold_tail_rows=32, swap_tail_rows=32), "choose one"),  # swapped or carried: one of them
+    (dict(fold_tail_rows=32, half_tail_wide=True), "choose one"),
 ])
-def test_swap_tail_rows_checked(kwargs, match):
+def test_tail_row_knobs_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         KernelConfig(**kwargs)
 
 
-def test_swap_tail_rows_refuses_fp8():
+@pytest.mark.parametrize("knob", ["swap_tail_rows", "fold_tail_rows"])
+def test_tail_row_knobs_refuse_fp8(knob):
     """No FP8 form: a clear NotImplementedError from both launchers, not a silent full-tile run."""
     from kittenmoe.fp8 import FP8ExpertWeights
 
     case = Case(TINY.with_(h=128, i=128), r=1, t=8)
     inp = _make_inputs(case, seed=3)
     fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
-    cfg = case.config().with_(minibatch_size=32, block_m=32, swap_tail_rows=16)
-    with pytest.raises(NotImplementedError, match="swap_tail_rows has no FP8 form"):
+    cfg = case.config().with_(minibatch_size=32, block_m=32, **{knob: 16})
+    with pytest.raises(NotImplementedError, match=f"{knob} has no FP8 form"):
         megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
     d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(1)).to(DEV, case.dtype)]
-    with pytest.raises(NotImplementedError, match="swap_tail_rows has no FP8 form"):
+    with pytest.raises(NotImplementedError, match=f"{knob} has no FP8 form"):
         megakernel_backward_multirank(d_out, inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
 
 
@@ -583,29 +588,6 @@ def test_fold_tail_rows_match(name, monkeypatch):
     if case.macrobatch is not None:
         return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
     _assert_kept_backward_equal(case, inp, cfg, fold, monkeypatch)
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(fold_tail_rows=48), "one of 16, 32, 64"),  # not a tl.dot width
-    (dict(fold_tail_rows=64, block_m=64), "below block_m=64"),  # as tall as the tile: no tail to carry
-    (dict(fold_tail_rows=32, swap_tail_rows=32), "choose one"),  # two ways to run the same tail tiles
-    (dict(fold_tail_rows=32, half_tail_wide=True), "choose one"),
-])
-def test_fold_tail_rows_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        KernelConfig(**kwargs)
-
-
-def test_fold_tail_rows_refuses_fp8():
-    """No FP8 form: a clear NotImplementedError, not a silent full-tile run."""
-    from kittenmoe.fp8 import FP8ExpertWeights
-
-    case = Case(TINY.with_(h=128, i=128), r=1, t=8)
-    inp = _make_inputs(case, seed=3)
-    fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
-    cfg = case.config().with_(minibatch_size=32, block_m=32, fold_tail_rows=16)
-    with pytest.raises(NotImplementedError, match="fold_tail_rows has no FP8 form"):
-        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
 
 
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
