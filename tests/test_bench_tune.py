@@ -184,6 +184,30 @@ def _perf_table():
     return mod
 
 
+def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys, monkeypatch):
+    """benchmarks/ncu_summary.py on ncu's raw page (ncu's own lines before the header, a units row, base and
+    scaled units, an n/a cell): one line a kernel, ns -> ms and bytes -> GB, the tensor pipe's busy share
+    (not the instruction-count metric beside it), '-' for what a kernel lacks."""
+    csv_path = tmp_path / "raw.csv"
+    csv_path.write_text(
+        '==PROF== Disconnected from process 1\n'
+        '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","lts__t_sector_hit_rate.pct",'
+        '"sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active",'
+        '"sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed"\n'
+        '"","","nsecond","Mbyte","%","%","%"\n'
+        '"0","dispatch_mlp_swiglu_combine_kernel","3,849,000","11,550","39.1","3.77","70.33"\n'
+        '"1","void cutlass::device_kernel<T>(P)","2131000","n/a","39.1","2.9","88.3"\n')
+    spec = importlib.util.spec_from_file_location("ncu_summary", ROOT / "benchmarks" / "ncu_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(sys, "argv", ["ncu_summary.py", str(csv_path)])
+    assert mod.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["kernel", "ms", "DRAM", "rd", "GB", "L2", "hit", "%", "tensor", "%"]
+    assert out[1].split() == ["dispatch_mlp_swiglu_combine_kernel", "3.849", "11.55", "39.1", "70.3"]
+    assert out[2].split() == ["cutlass::device_kernel<T>", "2.131", "-", "39.1", "88.3"]
+
+
 def _bench_rows(argv, out, capsys):
     """Run ``kittenmoe`` with ``argv`` (which writes to ``out``); it must exit 0 and write one JSON file of a
     forward and a forward+backward row, each with the fields scripts/perf_table.py reads.
