@@ -510,14 +510,24 @@ def _gateup_swap(xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, 
     else:
         gt, ut = _gateup_swap_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, SN, BN, BK,
                                   DOT_FP32, PRECISION)
+    _swapped_tail_epilogue(gt, ut, hid_ptr, gu_ptr, brow, nt * BN, I, swiglu_limit, HAS_LIMIT, SAVE_GU, BM, BN, SN)
+
+
+@triton.jit
+def _swapped_tail_epilogue(gt, ut, hid_ptr, gu_ptr, brow, n0, I, swiglu_limit, HAS_LIMIT: tl.constexpr,
+                           SAVE_GU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SN: tl.constexpr):
+    """The epilogue of a tail row tile computed swapped (gt, ut: [BN, SN] gate and up, W x^T; swap_tail_rows and
+    fold_tail_rows): hidden for its SN rows (ring rows brow..); with SAVE_GU their kept gate|up and the tile's
+    rows SN..BM as zeros (what a full tile computes from the pull's zero padding rows: the backward's weight
+    gradients sum those rows)."""
     acc_g = tl.trans(gt)
     acc_u = tl.trans(ut)
-    _swiglu_store(acc_g, acc_u, hid_ptr, brow, SN, nt * BN, I, swiglu_limit, HAS_LIMIT, SN, BN)
+    _swiglu_store(acc_g, acc_u, hid_ptr, brow, SN, n0, I, swiglu_limit, HAS_LIMIT, SN, BN)
     if SAVE_GU:
-        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, SN, BN)
+        _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, SN, BN)
         zero = tl.zeros((SN, BN), dtype=tl.float32)
         for r0 in tl.static_range(SN, BM, SN):
-            _store_gate_up(gu_ptr, brow + r0, zero, zero, nt * BN, I, SN, BN)
+            _store_gate_up(gu_ptr, brow + r0, zero, zero, n0, I, SN, BN)
 
 
 @triton.jit
@@ -651,14 +661,8 @@ def _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu
     _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit, HAS_LIMIT, BM, BN)
     if SAVE_GU:
         _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
-    tail_g = tl.trans(tg)
-    tail_u = tl.trans(tu)
-    _swiglu_store(tail_g, tail_u, hid_ptr, brow + BM, FN, nt * BN, I, swiglu_limit, HAS_LIMIT, FN, BN)
-    if SAVE_GU:
-        _store_gate_up(gu_ptr, brow + BM, tail_g, tail_u, nt * BN, I, FN, BN)
-        zero = tl.zeros((FN, BN), dtype=tl.float32)
-        for r0 in tl.static_range(FN, BM, FN):
-            _store_gate_up(gu_ptr, brow + BM + r0, zero, zero, nt * BN, I, FN, BN)
+    _swapped_tail_epilogue(tg, tu, hid_ptr, gu_ptr, brow + BM, nt * BN, I, swiglu_limit, HAS_LIMIT, SAVE_GU, BM,
+                           BN, FN)
 
 
 @triton.jit
