@@ -97,9 +97,10 @@ def main() -> int:
                  for bm in (128, 64) for nc in comms}
         # The candidates, fp8_down_high at both row tiles (without the down GEMM's promotions block_m 128
         # spills far less: Triton 3.6 sm_90 build, a 64-byte stack against 256, so it may win where it lost
-        # before), timed together in interleaved rounds.
+        # before; at the first --comm count), timed together in interleaved rounds.
         cand_fns = {}
-        for label, c in list(cands.items()) + [(f"down_high-bm{bm}", cfg8.with_(block_m=bm, fp8_down_high=True))
+        for label, c in list(cands.items()) + [(f"down_high-bm{bm}", cfg8.with_(block_m=bm, fp8_down_high=True,
+                                                                                num_comm_programs_fwd=comms[0]))
                                                for bm in (128, 64)]:
             megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)  # compile outside the timing
             cand_fns[label] = lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)
