@@ -72,13 +72,23 @@ class Build:
                 f"shared {self.shared:>7} B  wgmma {self.wgmma}  TMA {self.tma}")
 
 
-def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
-    """(REG, STACK, LOCAL) from cuobjdump, shipped with Triton's NVIDIA backend."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump FLAG on a cubin, with the cuobjdump shipped in Triton's NVIDIA backend."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass(cubin: bytes) -> str:
+    """The SASS of a cubin (``cuobjdump -sass``)."""
+    return _cuobjdump(cubin, "-sass")
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
+    """(REG, STACK, LOCAL) from cuobjdump, shipped with Triton's NVIDIA backend."""
+    out = _cuobjdump(cubin, "-res-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"cuobjdump -res-usage gave no REG/STACK/LOCAL line: {out.strip()[-200:]}")

@@ -1,0 +1,350 @@
+"""Can Gluon, the lower-level language inside the device's Triton 3.6, hide the FP8 GEMM's per-block promotion?
+A probe, not a benchmark of record.
+
+    PYTHONPATH=src python3 benchmarks/gluon_fp8_probe.py [--m 4096 --n 4096 --k 7168] [--reps 10]
+    PYTHONPATH=.triton-device:src python benchmarks/gluon_fp8_probe.py --build   # no GPU: sm_90 build, SASS waits
+
+Why: the FP8 megakernels multiply 1 x 128-scaled e4m3 rows by 128 x 128-scaled e4m3 weights one 128-deep K step
+at a time and add each step's fp32 product, times its two scales, into an fp32 accumulator. In Triton's
+``tl.dot`` every such step waits for its own wgmma before the promotion (``fp8_gemm_probe.py``: TTGIR
+``pendings = 0`` in every loop order), so no MMA runs while a product is scaled, and the e4m3 tiles reach
+1.03-1.07x the BF16 rate instead of the ~1.7x of the ceilings. Gluon exposes the wgmma wait itself
+(``warpgroup_mma_wait(num_outstanding=1)``): step k's wgmma can be issued before step k-1's product is promoted,
+which is the overlap the megakernels lack.
+
+The kernel: C = A B^T (A [M, K], B [N, K]), 128 x 128 tiles of 8 warps (two warp groups of 64 rows), one
+program a tile in grouped order, a STAGES-deep TMA ring of 128-deep K steps with one mbarrier a stage. Modes:
+
+- ``lag``: e4m3, step k's wgmma issued into a second product before step k-1's is waited on and promoted
+  (two products and the accumulator live: 3 x 64 fp32 registers a thread);
+- ``nolag``: e4m3, each step waited on before its promotion (what ``tl.dot`` builds);
+- ``bf16``: bf16 operands, 64-deep steps, the accumulator in the wgmma (no promotion), one wgmma in flight.
+
+Beside them in the same run: the library-style Triton loop (``fp8_gemm_probe.py``'s ``promote`` and ``bf16``,
+128 x 128, 3 stages, 8 warps, persistent), ``torch._scaled_mm`` (cuBLAS, per-tensor scales) and the bf16
+matmul, each checked against a float64 reference of the dequantised operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+MODES = {"lag": 0, "nolag": 1, "bf16": 2, "pair": 3, "quad": 4, "chunk": 5}
+
+
+@gluon.jit
+def _load_step(a_desc, b_desc, a_s, b_s, bars, step, off_m, off_n, STAGES: gl.constexpr, pred=True):
+    """TMA loads of K step ``step`` into ring stage step % STAGES, completing on that stage's barrier (none
+    where ``pred`` is false: a predicate, not a branch, so no control flow sits between a wgmma and its
+    wait)."""
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    st = step % STAGES
+    mbarrier.expect(bars.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [off_m, step * BK], bars.index(st), a_s.index(st), pred=pred)
+    tma.async_copy_global_to_shared(b_desc, [off_n, step * BK], bars.index(st), b_s.index(st), pred=pred)
+
+
+@gluon.jit
+def _gluon_gemm_kernel(
+    a_desc,  # A [M, K] e4m3 (bf16 in mode bf16), blocks [BM, BK]
+    b_desc,  # B [N, K] e4m3 (bf16 in mode bf16), blocks [BN, BK]
+    as_ptr,  # [M, K // BK] fp32 row-block scales of A (fp8 modes)
+    bs_ptr,  # [N // BK, K // BK] fp32 block scales of B (fp8 modes; BN == BK, so one a tile and step)
+    c_desc,  # C [M, N] fp32, blocks [BM, BN]
+    M, N, K,
+    STAGES: gl.constexpr, MODE: gl.constexpr, GROUP_M: gl.constexpr, KSC: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    BM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    KS = K // BK
+    # Grouped order: GROUP_M row tiles share each column tile's B steps in L2.
+    pid = gl.program_id(0)
+    n_m = M // BM
+    n_n = N // BN
+    width = GROUP_M * n_n
+    first_m = (pid // width) * GROUP_M
+    gsz = gl.minimum(n_m - first_m, GROUP_M)
+    pm = first_m + (pid % width) % gsz
+    pn = (pid % width) // gsz
+    off_m = pm * BM
+    off_n = pn * BN
+
+    # 8 warps along M: warp w holds rows 16w..16w+15, so warps 0-3 and 4-7 are two warp groups of 64 rows,
+    # each issuing m64nBNk(32 for e4m3, 16 for bf16) wgmmas.
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 256 // a_desc.dtype.primitive_bitwidth])
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BM, BK], a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    for i in gl.static_range(STAGES - 1):  # the host asserts K // BK >= STAGES
+        _load_step(a_desc, b_desc, a_s, b_s, bars, i, off_m, off_n, STAGES)
+
+    rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
+    acc = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+    if MODE == 2:  # bf16: the accumulator in the wgmma, one in flight
+        for k in range(KS):
+            st = k % STAGES
+            mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+            acc = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), acc, is_async=True)
+            # At most this step's wgmma in flight: step k-1's stage is free for step k - 1 + STAGES.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if (k >= 1) & (k - 1 + STAGES < KS):
+                _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    elif MODE == 1:  # e4m3, each step's product waited on, then promoted
+        for k in range(KS):
+            st = k % STAGES
+            sa = gl.load(as_ptr + rows * KS + k)
+            sb = gl.load(bs_ptr + pn * KS + k)
+            mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+            p = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), acc, use_acc=False, is_async=True)
+            p = warpgroup_mma_wait(num_outstanding=0, deps=(p,))
+            if k - 1 + STAGES < KS:  # stage (k - 1) % STAGES was read by step k - 1, done
+                if k >= 1:
+                    _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES)
+            acc = acc + p * (sa * sb)[:, None]
+    elif MODE == 0:  # e4m3, lagged: step k's wgmma runs while step k-1's product is promoted
+        # Two products, p0 for even steps and p1 for odd ones, each wgmma written in place over its own
+        # product's registers (use_acc=False zeroes it): a loop-carried copy of an in-flight product would
+        # make ptxas serialize every wgmma (C7514). Unrolled by two so the roles never swap; K // 128 even.
+        p0 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+        p1 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+        mbarrier.wait(bars.index(0), 0)
+        p0 = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), p0, use_acc=False, is_async=True)
+        for k in range(1, KS - 1, 2):
+            st = k % STAGES
+            sa = gl.load(as_ptr + rows * KS + (k - 1))
+            sb = gl.load(bs_ptr + pn * KS + (k - 1))
+            mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+            p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False, is_async=True)
+            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            # step k-1's stage is free once its wgmma is done
+            _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES, k - 1 + STAGES < KS)
+            acc = acc + p0 * (sa * sb)[:, None]
+            st = (k + 1) % STAGES
+            sa = gl.load(as_ptr + rows * KS + k)
+            sb = gl.load(bs_ptr + pn * KS + k)
+            mbarrier.wait(bars.index(st), ((k + 1) // STAGES) & 1)
+            p0 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p0, use_acc=False, is_async=True)
+            p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+            _load_step(a_desc, b_desc, a_s, b_s, bars, k + STAGES, off_m, off_n, STAGES, k + STAGES < KS)
+            acc = acc + p1 * (sa * sb)[:, None]
+        st = (KS - 1) % STAGES  # the last (odd) step
+        sa = gl.load(as_ptr + rows * KS + (KS - 2))
+        sb = gl.load(bs_ptr + pn * KS + (KS - 2))
+        mbarrier.wait(bars.index(st), ((KS - 1) // STAGES) & 1)
+        p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False, is_async=True)
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+        acc = acc + p0 * (sa * sb)[:, None]
+        sa = gl.load(as_ptr + rows * KS + (KS - 1))
+        sb = gl.load(bs_ptr + pn * KS + (KS - 1))
+        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+        acc = acc + p1 * (sa * sb)[:, None]
+    if MODE == 5:  # e4m3, "lag" within chunks of KSC steps (unrolled), drained between chunks (no loop-carried
+        # product: a copy of an in-flight one serializes every wgmma, C7514)
+        for k0 in range(0, KS, KSC):
+            p0 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            p1 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            mbarrier.wait(bars.index(k0 % STAGES), (k0 // STAGES) & 1)
+            p0 = warpgroup_mma(a_s.index(k0 % STAGES), b_s.index(k0 % STAGES).permute((1, 0)), p0, use_acc=False,
+                               is_async=True)
+            for j in gl.static_range(1, KSC + 1):
+                k = k0 + j
+                sa = gl.load(as_ptr + rows * KS + (k - 1))
+                sb = gl.load(bs_ptr + pn * KS + (k - 1))
+                if j < KSC:
+                    st = k % STAGES
+                    if j > 1:  # a no-op wait that takes acc: the last promotion lands before this wgmma reuses
+                        # its product's registers (else LLVM sinks it past, and four products are live)
+                        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
+                    mbarrier.wait(bars.index(st), (k // STAGES) & 1)
+                    if j % 2 == 1:
+                        p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False,
+                                           is_async=True)
+                        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                    else:
+                        p0 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p0, use_acc=False,
+                                           is_async=True)
+                        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+                else:
+                    if j % 2 == 1:
+                        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+                    else:
+                        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES, k - 1 + STAGES < KS)
+                if j % 2 == 1:
+                    acc = acc + p0 * (sa * sb)[:, None]
+                else:
+                    acc = acc + p1 * (sa * sb)[:, None]
+    if (MODE == 3) | (MODE == 4):  # e4m3, G = 2 (pair) or 4 (quad) steps an iteration, nothing in flight across iterations
+        G: gl.constexpr = 2 if MODE == 3 else 4
+        for k0 in range(0, KS, G):
+            p0 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            p1 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
+            mbarrier.wait(bars.index(k0 % STAGES), (k0 // STAGES) & 1)
+            p0 = warpgroup_mma(a_s.index(k0 % STAGES), b_s.index(k0 % STAGES).permute((1, 0)), p0, use_acc=False,
+                               is_async=True)
+            for j in gl.static_range(G):
+                k = k0 + j
+                sa = gl.load(as_ptr + rows * KS + k)
+                sb = gl.load(bs_ptr + pn * KS + k)
+                if j + 1 < G:  # issue step k+1 into the other product before promoting step k
+                    st = (k + 1) % STAGES
+                    mbarrier.wait(bars.index(st), ((k + 1) // STAGES) & 1)
+                    if j % 2 == 0:
+                        p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False,
+                                           is_async=True)
+                        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                    else:
+                        p0 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p0, use_acc=False,
+                                           is_async=True)
+                        p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+                else:
+                    if j % 2 == 0:
+                        p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+                    else:
+                        p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+                _load_step(a_desc, b_desc, a_s, b_s, bars, k + STAGES, off_m, off_n, STAGES, k + STAGES < KS)
+                if j % 2 == 0:
+                    acc = acc + p0 * (sa * sb)[:, None]
+                else:
+                    acc = acc + p1 * (sa * sb)[:, None]
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    c_s = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    c_s.store(acc)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_s)
+    tma.store_wait(pendings=0)
+
+
+def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int = 128, group_m: int = 8,
+           chunk: int = 8):
+    """One C = A B^T through the Gluon kernel. Operands as fp8_gemm_probe's: A [M, K], B [N, K] (e4m3 with
+    1 x 128 / 128 x 128 scales, or bf16 for mode bf16), C [M, N] fp32."""
+    bk = 64 if mode == "bf16" else 128
+    M, K = a.shape
+    N = b.shape[0]
+    if (M % bm or N % bn or K % bk or K // bk < stages or (mode != "bf16" and bn != bk)
+            or (mode in ("lag", "pair") and (K // bk) % 2) or (mode == "quad" and (K // bk) % 4)
+            or (mode == "chunk" and (K // bk) % chunk)):
+        raise ValueError(f"gluon probe: M={M}, N={N}, K={K} must be multiples of {bm} / {bn} / {bk}, "
+                         f"K // {bk} >= stages={stages}, BN == 128 for e4m3 (one weight scale a tile), and "
+                         f"K // 128 even for mode lag (its loop takes two steps an iteration)")
+    gdt = gl.bfloat16 if mode == "bf16" else gl.float8e4nv
+    a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
+    b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
+    c_desc = TensorDescriptor.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32))
+    return _gluon_gemm_kernel[((M // bm) * (N // bn),)](a_desc, b_desc, a_s, b_s, c_desc, M, N, K, STAGES=stages,
+                                                         MODE=MODES[mode], GROUP_M=group_m,
+                                                         KSC=chunk if mode == "chunk" else 0, num_warps=8)
+
+
+def build_report(stages: int) -> int:
+    """Build every mode for sm_90 without a GPU; print registers, spills, shared memory, the SASS wgmma waits
+    (``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight) and ptxas' serialization warnings."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    from kittenmoe.sm90_build import compile_only_sm90, sass
+
+    M, N, K = 256, 256, 1024
+    for mode in MODES:
+        dt = torch.bfloat16 if mode == "bf16" else torch.float8_e4m3fn
+        a = torch.zeros(M, K).to(dt)
+        b = torch.zeros(N, K).to(dt)
+        with compile_only_sm90() as built:
+            launch(mode, a, b, torch.zeros(M, K // 128), torch.zeros(N // 128, K // 128), torch.zeros(M, N), stages)
+        k = built[-1]
+        code = sass(k.kernel.asm["cubin"])
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+|\d+)", code)
+        print(f"{mode:<6} {k.line()}  wgmma waits (groups left) {waits}  HGMMA x{code.count('HGMMA')}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--m", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--modes", default="nolag,pair,lag,chunk,bf16")
+    ap.add_argument("--chunk", type=int, default=4, help="steps a chunk for mode chunk")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--build", action="store_true", help="build for sm_90 only (no GPU) and print the waits")
+    args = ap.parse_args()
+    stage_list = [int(v) for v in args.stages.split(",")]
+    if args.build:
+        return build_report(max(stage_list))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fp8_gemm_probe as tp  # the Triton loops and the quantiser, timed beside
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    a32 = torch.randn(args.m, args.k, generator=g).to(dev)
+    b32 = (torch.randn(args.n, args.k, generator=g) / 30).to(dev)
+    a, a_s = tp._quantize(a32, 1)
+    b, b_s = tp._quantize(b32, 128)
+    ref = (a.double() * a_s.double().repeat_interleave(128, 1)) @ (
+        b.double() * b_s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)).T
+    ab, bb = a32.bfloat16(), b32.bfloat16()
+    ref_bf16 = ab.double() @ bb.double().T
+    kb = args.k // 128
+    ones_a = torch.ones(args.m, kb, device=dev)
+    ones_b = torch.ones(args.n // 128, kb, device=dev)
+    flop = 2 * args.m * args.n * args.k
+    progs = torch.cuda.get_device_properties(dev).multi_processor_count
+    one = torch.ones((), device=dev)
+    rows = []
+
+    def timed(name, tile, fn, c=None, want=None):
+        if c is not None:
+            c.fill_(float("nan"))  # unwritten tiles show as NaN in the error
+        try:
+            fn()
+        except Exception as exc:  # a variant that does not build or launch is reported, the others still run
+            print(f"  {name} {tile}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            rows.append((name, tile, float("nan"), float("nan"), float("nan")))
+            return
+        torch.cuda.synchronize()
+        err = float("nan") if c is None else ((c.double() - want).abs().sum() / want.abs().sum()).item()
+        ms = triton.testing.do_bench(fn, warmup=20, rep=args.reps * 10, return_mode="median")
+        rows.append((name, tile, ms, flop / ms / 1e9, err))
+        print("  %-22s %-10s %.3f ms  %5.0f TF/s  rel L1 %.1e" % rows[-1], flush=True)
+
+    timed("torch._scaled_mm", "-", lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one,
+                                                            out_dtype=torch.bfloat16))
+    timed("torch bf16 matmul", "-", lambda: ab @ bb.T)
+    c = torch.empty(args.m, args.n, device=dev)
+    for mode in ("promote", "bf16"):
+        opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
+        timed(f"triton {mode}", "128x128 s3", lambda: tp._launch(mode, *opnds, c, 128, 128, 3, 8, progs), c,
+              ref_bf16 if mode == "bf16" else ref)
+    for stages in stage_list:
+        for mode in args.modes.split(","):
+            opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
+            timed(f"gluon {mode}", f"128x128 s{stages}", lambda: launch(mode, *opnds, c, stages, chunk=args.chunk), c,
+                  ref_bf16 if mode == "bf16" else ref)
+    print(f"\nM {args.m} N {args.n} K {args.k}, 128-blocks; {torch.cuda.get_device_name()}, triton {triton.__version__}")
+    print("variant                tile           ms   TF/s  rel L1")
+    for r in rows:
+        print("%-22s %-10s %7.3f %6.0f  %.1e" % r)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
