@@ -91,7 +91,9 @@ def _gluon_gemm_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
-    for i in gl.static_range(STAGES - 1):  # the host asserts K // BK >= STAGES
+    # Every stage filled first; step j's stage is refilled with step j + STAGES once step j's wgmma is done.
+    # (The first device run loaded STAGES - 1 here and never loaded step STAGES - 1: every mode hung.)
+    for i in gl.static_range(STAGES):  # the host asserts K // BK >= STAGES
         _load_step(a_desc, b_desc, a_s, b_s, bars, i, off_m, off_n, STAGES)
 
     rows = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
