@@ -128,24 +128,30 @@ def _gluon_gemm_kernel(
         p1 = gl.zeros((BM, BN), dtype=gl.float32, layout=mma_layout)
         mbarrier.wait(bars.index(0), 0)
         p0 = warpgroup_mma(a_s.index(0), b_s.index(0).permute((1, 0)), p0, use_acc=False, is_async=True)
+        p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))  # no wait: a tensor, as at the loop's back edge
         for k in range(1, KS - 1, 2):
             st = k % STAGES
             sa = gl.load(as_ptr + rows * KS + (k - 1))
             sb = gl.load(bs_ptr + pn * KS + (k - 1))
             mbarrier.wait(bars.index(st), (k // STAGES) & 1)
             p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False, is_async=True)
-            p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+            p0, p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p0, p1))
             # step k-1's stage is free once its wgmma is done
             _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES, k - 1 + STAGES < KS)
             acc = acc + p0 * (sa * sb)[:, None]
+            # A no-op wait (one group in flight) through which p0 and acc pass: the promotion above has to land
+            # before the next wgmma writes over p0, so p0's registers are reused in place (else LLVM sinks
+            # the promotion, copies p0, and the loop's back edge copies an in-flight product: C7514)
+            p0, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p0, acc))
             st = (k + 1) % STAGES
             sa = gl.load(as_ptr + rows * KS + k)
             sb = gl.load(bs_ptr + pn * KS + k)
             mbarrier.wait(bars.index(st), ((k + 1) // STAGES) & 1)
             p0 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p0, use_acc=False, is_async=True)
-            p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+            p1, p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p1, p0))
             _load_step(a_desc, b_desc, a_s, b_s, bars, k + STAGES, off_m, off_n, STAGES, k + STAGES < KS)
             acc = acc + p1 * (sa * sb)[:, None]
+            p1, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p1, acc))
         st = (KS - 1) % STAGES  # the last (odd) step
         sa = gl.load(as_ptr + rows * KS + (KS - 2))
         sb = gl.load(bs_ptr + pn * KS + (KS - 2))
@@ -171,9 +177,6 @@ def _gluon_gemm_kernel(
                 sb = gl.load(bs_ptr + pn * KS + (k - 1))
                 if j < KSC:
                     st = k % STAGES
-                    if j > 1:  # a no-op wait that takes acc: the last promotion lands before this wgmma reuses
-                        # its product's registers (else LLVM sinks it past, and four products are live)
-                        acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc,))
                     mbarrier.wait(bars.index(st), (k // STAGES) & 1)
                     if j % 2 == 1:
                         p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False,
@@ -189,10 +192,17 @@ def _gluon_gemm_kernel(
                     else:
                         p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
                 _load_step(a_desc, b_desc, a_s, b_s, bars, k - 1 + STAGES, off_m, off_n, STAGES, k - 1 + STAGES < KS)
+                # Each promotion then passes its product and acc through a no-op wait (one group in flight): it
+                # lands before the next wgmma writes over that product, whose registers are reused in place
+                # (else LLVM sinks it past the wgmma and four products are live: 255 registers and a stack).
                 if j % 2 == 1:
                     acc = acc + p0 * (sa * sb)[:, None]
+                    if j < KSC:
+                        p0, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p0, acc))
                 else:
                     acc = acc + p1 * (sa * sb)[:, None]
+                    if j < KSC:
+                        p1, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p1, acc))
     if (MODE == 3) | (MODE == 4):  # e4m3, G = 2 (pair) or 4 (quad) steps an iteration, nothing in flight across iterations
         G: gl.constexpr = 2 if MODE == 3 else 4
         for k0 in range(0, KS, G):
@@ -258,24 +268,44 @@ def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int
                                                          KSC=chunk if mode == "chunk" else 0, num_warps=8)
 
 
-def build_report(stages: int) -> int:
-    """Build every mode for sm_90 without a GPU; print registers, spills, shared memory, the SASS wgmma waits
-    (``WARPGROUP.DEPBAR.LE gsb0, N``: N wgmma groups left in flight) and ptxas' serialization warnings."""
+def build_report(names: list[str], stages: int, k: int, as_json: bool = False) -> int:
+    """Build each mode for sm_90 without a GPU (M = N = 256; K is the loop length that matters); print, or with
+    ``as_json`` write one JSON line of, registers, stack, shared memory and the SASS wgmma waits by groups left
+    in flight (``WARPGROUP.DEPBAR.LE gsb0, N``). When ptxas serializes the wgmmas (its C7511-C7514 notes) every
+    wait leaves 0; an overlapped loop has waits that leave 1 (the no-op waits that order a promotion count too)."""
+    import json
+
     os.environ.pop("TRITON_INTERPRET", None)
     from kittenmoe.sm90_build import compile_only_sm90, sass
 
-    M, N, K = 256, 256, 1024
-    for mode in MODES:
+    M, N = 256, 256
+    rows = []
+    for name in names:
+        mode, chunk = _mode_of(name, 4)
         dt = torch.bfloat16 if mode == "bf16" else torch.float8_e4m3fn
-        a = torch.zeros(M, K).to(dt)
-        b = torch.zeros(N, K).to(dt)
+        a = torch.zeros(M, k).to(dt)
+        b = torch.zeros(N, k).to(dt)
         with compile_only_sm90() as built:
-            launch(mode, a, b, torch.zeros(M, K // 128), torch.zeros(N // 128, K // 128), torch.zeros(M, N), stages)
-        k = built[-1]
-        code = sass(k.kernel.asm["cubin"])
-        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+|\d+)", code)
-        print(f"{mode:<6} {k.line()}  wgmma waits (groups left) {waits}  HGMMA x{code.count('HGMMA')}")
+            launch(mode, a, b, torch.zeros(M, k // 128), torch.zeros(N // 128, k // 128), torch.zeros(M, N), stages,
+                   chunk=chunk)
+        kb = built[-1]
+        waits = re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*(0x[0-9a-f]+|\d+)", sass(kb.kernel.asm["cubin"]))
+        left = {int(w, 0): waits.count(w) for w in sorted(set(waits))}
+        rows.append(dict(mode=name, regs=kb.regs, stack=kb.stack, shared=kb.shared, waits_by_groups_left=left))
+        if not as_json:
+            print(f"{name:<7} {kb.line()}  wgmma waits by groups left in flight {left}")
+    if as_json:
+        print(json.dumps(dict(triton=triton.__version__, k=k, stages=stages, builds=rows)))
     return 0
+
+
+def _mode_of(name: str, default_chunk: int) -> tuple[str, int]:
+    """``chunkN`` is mode chunk at N steps a chunk; any other name is its mode with ``default_chunk``."""
+    if re.fullmatch(r"chunk\d+", name):
+        return "chunk", int(name[5:])
+    if name not in MODES:
+        raise ValueError(f"gluon probe: unknown mode {name!r}; modes: {sorted(MODES)} or chunkN")
+    return name, default_chunk
 
 
 def main() -> int:
@@ -284,14 +314,16 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--stages", default="3,4")
-    ap.add_argument("--modes", default="nolag,pair,lag,chunk,bf16")
-    ap.add_argument("--chunk", type=int, default=4, help="steps a chunk for mode chunk")
+    ap.add_argument("--modes", default="nolag,pair,chunk4,chunk8,bf16",
+                    help="comma-separated; chunkN is mode chunk at N steps a chunk")
+    ap.add_argument("--chunk", type=int, default=4, help="steps a chunk for a plain 'chunk'")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--build", action="store_true", help="build for sm_90 only (no GPU) and print the waits")
+    ap.add_argument("--json", action="store_true", help="with --build: one JSON line (tests/test_sm90_build.py)")
     args = ap.parse_args()
     stage_list = [int(v) for v in args.stages.split(",")]
     if args.build:
-        return build_report(max(stage_list))
+        return build_report(args.modes.split(","), max(stage_list), args.k, args.json)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fp8_gemm_probe as tp  # the Triton loops and the quantiser, timed beside
 
@@ -337,9 +369,10 @@ def main() -> int:
         timed(f"triton {mode}", "128x128 s3", lambda: tp._launch(mode, *opnds, c, 128, 128, 3, 8, progs), c,
               ref_bf16 if mode == "bf16" else ref)
     for stages in stage_list:
-        for mode in args.modes.split(","):
+        for name in args.modes.split(","):
+            mode, chunk = _mode_of(name, args.chunk)
             opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
-            timed(f"gluon {mode}", f"128x128 s{stages}", lambda: launch(mode, *opnds, c, stages, chunk=args.chunk), c,
+            timed(f"gluon {name}", f"128x128 s{stages}", lambda: launch(mode, *opnds, c, stages, chunk=chunk), c,
                   ref_bf16 if mode == "bf16" else ref)
     print(f"\nM {args.m} N {args.n} K {args.k}, 128-blocks; {torch.cuda.get_device_name()}, triton {triton.__version__}")
     print("variant                tile           ms   TF/s  rel L1")

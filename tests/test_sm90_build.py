@@ -154,3 +154,28 @@ def test_quantisers_build_for_sm90():
         assert b["shared"] <= SHARED_MEMORY_LIMIT, b
         if not b["name"].endswith("SB=128,RC=128]"):
             assert b["local"] == 0 and b["stack"] == 0, b
+
+
+def test_gluon_fp8_probe_builds_overlapped_for_sm90():
+    """benchmarks/gluon_fp8_probe.py's e4m3 GEMM loops at the Kimi/DeepSeek K (7168), as the H200 ran them on
+    2026-12-02 (chunk8 1049 TFLOP/s against the Triton promote loop's 782): the pair and chunk loops build with
+    wgmma waits that leave one group in flight (the promotion under the next wgmma) and no stack; the
+    loop-carried lag form is serialized by ptxas (every wait leaves none), which is why chunks drain."""
+    d = _triton_dir()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src")])
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fp8_probe.py"), "--build", "--json",
+                        "--k", "7168", "--stages", "4", "--modes", "pair,chunk4,chunk8,lag"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["triton"].startswith(DEVICE_TRITON), out["triton"]
+    builds = {b["mode"]: b for b in out["builds"]}
+    # Waits leaving one group in flight: pair 1 (its first product's); chunkN the N - 1 real ones (step k issued
+    # before step k-1 is waited on) and N - 1 no-op ones that order each promotion before the next wgmma
+    # (waits_by_groups_left's keys are JSON strings).
+    for mode, overlapped in (("pair", 1), ("chunk4", 6), ("chunk8", 14)):
+        b = builds[mode]
+        assert b["stack"] == 0 and b["shared"] <= SHARED_MEMORY_LIMIT, b
+        assert b["waits_by_groups_left"].get("1", 0) == overlapped, b
+    assert set(builds["lag"]["waits_by_groups_left"]) == {"0"}, builds["lag"]
