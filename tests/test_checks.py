@@ -386,8 +386,14 @@ BAD_CONFIGS = [
     pytest.param(dict(macrobatch_size=0), ValueError, r"macrobatch_size=0 must be a positive multiple",
                  id="macrobatch-0"),
     # ---- programs, stages, warps
-    # no forward communication program
-    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd must be >= 1", id="comm-fwd-0"),
+    # no forward communication program and no epilogue push: nothing would push finished rows
+    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs push_in_epilogue",
+                 id="comm-fwd-0-no-push"),
+    # negative forward communication programs
+    pytest.param(dict(num_comm_programs_fwd=-1, push_in_epilogue=True), ValueError,
+                 r"num_comm_programs_fwd must be >= 0", id="comm-fwd-negative"),
+    # no backward communication program (the backward has no self-pull form)
+    pytest.param(dict(num_comm_programs_bwd=0), ValueError, r"num_comm_programs_bwd must be >= 1", id="comm-bwd-0"),
     # negative backward communication programs
     pytest.param(dict(num_comm_programs_bwd=-1), ValueError, r"num_comm_programs_bwd must be >= 1",
                  id="comm-bwd-negative"),

@@ -126,6 +126,8 @@ FP8_FWD_KNOBS = {
     "push-in-epilogue": dict(push_in_epilogue=True),
     # a one-slot ring that wraps: the e4m3 x / hidden rows and their scales are overwritten every minibatch
     "macrobatch-16": dict(macrobatch_size=16),
+    # no communication programs: every program quantises its chunks of every minibatch, then computes
+    "comm-0": dict(num_comm_programs_fwd=0, push_in_epilogue=True),
 }
 
 

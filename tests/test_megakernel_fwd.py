@@ -283,6 +283,10 @@ BITWISE_VARIANTS = {
 if HAS_PUSH_KNOB:
     # the other combine path: push from the down GEMM's epilogue vs through y_routed and the comm programs
     BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not CFG.push_in_epilogue)
+    # no communication programs: every program pulls its chunks of every minibatch first, the epilogue pushes
+    BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True)
+    # the same with two row tiles a handoff (one chunk pattern over fewer, larger minibatches)
+    BITWISE_VARIANTS["comm-0-minibatch-32"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, minibatch_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -401,6 +405,31 @@ def _assert_kept_backward_equal(case: Case, inp: Inputs, base: KernelConfig, var
         assert_bitwise_equal(vb.d_topk_weights[r], fb.d_topk_weights[r], f"d_w[{r}]")
     for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
         assert_bitwise_equal(getattr(vb, gname), getattr(fb, gname), gname)
+
+
+# KernelConfig.num_comm_programs_fwd = 0 with its activations kept: two ranks (pulls cross the pointer table),
+# skewed load, a swiglu clamp; the kept x rows (padding zeroed by the pull) and gate|up feed the backward
+NO_COMM_CASE = Case(TINY, r=2, t=20, routing="zipf", swiglu_limit=0.5)
+
+
+def test_no_comm_programs_kept_backward_equal(monkeypatch):
+    """Without communication programs the forward keeps the same x rows and gate|up (scratch NaN first, so a
+    row the programs' pull missed shows) and the backward from them gives the same gradients, bit for bit."""
+    case = NO_COMM_CASE
+    inp = _make_inputs(case, seed=29)
+    cfg = case.config()
+    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(num_comm_programs_fwd=0, push_in_epilogue=True),
+                                monkeypatch)
+
+
+def test_no_comm_programs_refuse_a_wrapping_ring():
+    """Every program pulls all its rows before any tile, so a ring smaller than the worst case would deadlock:
+    refused before launch, saying why."""
+    case = NO_COMM_CASE
+    inp = _make_inputs(case, seed=29)
+    cfg = case.config().with_(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=32)
+    with pytest.raises(ValueError, match=r"num_comm_programs_fwd=0 .* ring must hold them all"):
+        _megakernel(case, inp, config=cfg)
 
 
 # the knobs: gate|up half tiles alone (the spill-free sm_90 form), and with the wide GEMMs' half pairs (the
@@ -1072,6 +1101,8 @@ GPU_BITWISE_VARIANTS = {
 if HAS_PUSH_KNOB:
     # the other combine path
     GPU_BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not GPU_RING.push_in_epilogue)
+    # no communication programs (every SM pulls first, then computes; needs the ring not to wrap)
+    GPU_BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=None)
 
 
 @pytest.mark.gpu

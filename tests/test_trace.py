@@ -12,6 +12,7 @@ import pytest
 import torch
 import triton
 
+from kittenmoe import ops
 from kittenmoe.config import TEST_SHAPES, KernelConfig
 from kittenmoe.ops import megakernel_forward_multirank
 from kittenmoe.testing import assert_bitwise_equal, make_weights, routing_uniform
@@ -34,15 +35,17 @@ def _problem(r, t, seed=0, shape=TINY):
     return (xs, ids, ws, w.w13_E2IH.to(DEV), w.w2_EHI.to(DEV), w.shared_w13_2SH.to(DEV), w.shared_w2_HS.to(DEV))
 
 
-@pytest.mark.parametrize("r,t,macrobatch", [
-    (1, 24, None),  # one rank, two minibatches, no ring
-    (2, 20, 16),  # two ranks, a ring of one minibatch that wraps (pulls wait on pushes)
+@pytest.mark.parametrize("r,t,macrobatch,comm", [
+    (1, 24, None, 2),  # one rank, two minibatches, no ring
+    (2, 20, 16, 2),  # two ranks, a ring of one minibatch that wraps (pulls wait on pushes)
+    (2, 20, None, 0),  # no comm programs: every program records a pull per minibatch, nobody a push
 ])
-def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
-    """Each comm program records one pull and one push per live minibatch, each gate|up / down / shared tile
-    one event on exactly one compute program; the outputs equal an untraced run's bit for bit."""
+def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch, comm):
+    """Each comm program records one pull and one push per live minibatch (without comm programs every program
+    one pull), each gate|up / down / shared tile one event on exactly one compute program; the outputs equal an
+    untraced run's bit for bit."""
     a = _problem(r, t)
-    cfg = CFG.with_(macrobatch_size=macrobatch)
+    cfg = CFG.with_(macrobatch_size=macrobatch, num_comm_programs_fwd=comm, push_in_epilogue=comm == 0)
     plain = megakernel_forward_multirank(*a, config=cfg)
     traced = megakernel_forward_multirank(*a, config=cfg, trace=True)
     for k in range(r):
@@ -54,8 +57,9 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
         ncomm = cfg.num_comm_programs_fwd
         live = len(st.ring.live_minibatches(int(st.schedule.num_rows.item())))
         mb_tiles = st.ring.minibatch // bm
+        pullers = ncomm or ops._num_programs(DEV, 0)
         want = {
-            "pull": ncomm * live, "push": ncomm * live,
+            "pull": pullers * live, "push": ncomm * live,
             "gate|up": live * mb_tiles * triton.cdiv(TINY.i, bn),
             "down": live * mb_tiles * triton.cdiv(TINY.h, 2 * bn),
             "shared gate|up": triton.cdiv(t, bm) * triton.cdiv(TINY.i, bn),  # the shared width is I here
@@ -66,7 +70,11 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch):
         comm = ev[:, 0] < ncomm
         copies = {KINDS.index("pull"), KINDS.index("push")}
         assert set(ev[comm, 1].tolist()) <= copies, "a comm program recorded a GEMM tile"
-        assert not set(ev[~comm, 1].tolist()) & copies, "a compute program recorded a copy"
+        if ncomm:
+            assert not set(ev[~comm, 1].tolist()) & copies, "a compute program recorded a copy"
+        else:
+            pulls = ev[ev[:, 1] == KINDS.index("pull")]
+            assert sorted(pulls[:, 0].tolist()) == sorted(list(range(pullers)) * live), "a pull per program"
         if not HAS_CUDA:
             assert (ev[:, 2:] == 0).all(), "the interpreter has no timer: every timestamp reads 0"
 

@@ -108,7 +108,10 @@ class KernelConfig:
     """The megakernel's knobs (DESIGN.md "Knobs").
 
     num_comm_programs_fwd/bwd: programs (SMs) that pull and push rows instead
-        of running GEMM tiles.
+        of running GEMM tiles. ``num_comm_programs_fwd`` 0 (with
+        ``push_in_epilogue``, and a ring that does not wrap): no dedicated
+        programs; every program first pulls its share of all routed rows,
+        then runs GEMM tiles, and the down epilogue pushes. The same bits.
     minibatch_size: rows handed from communication to compute at a time; a
         multiple of ``block_m`` so a GEMM row tile never straddles two
         minibatches.
@@ -289,10 +292,15 @@ class KernelConfig:
                 continue
             if not isinstance(v, int) or isinstance(v, bool):
                 raise TypeError(f"KernelConfig.{field.name} must be an int, got {type(v).__name__} {v!r}")
-        for name in ("num_comm_programs_fwd", "num_comm_programs_bwd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"KernelConfig.{name} must be >= 1 (communication needs at least one "
-                                 f"program), got {getattr(self, name)}")
+        if self.num_comm_programs_fwd < 0:
+            raise ValueError(f"KernelConfig.num_comm_programs_fwd must be >= 0 (0: every program pulls, then "
+                             f"computes), got {self.num_comm_programs_fwd}")
+        if self.num_comm_programs_fwd == 0 and not self.push_in_epilogue:
+            raise ValueError("KernelConfig.num_comm_programs_fwd=0 leaves no program to push finished rows: it "
+                             "needs push_in_epilogue=True (the down GEMM's epilogue writes them)")
+        if self.num_comm_programs_bwd < 1:
+            raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 1 (communication needs at least one "
+                             f"program), got {self.num_comm_programs_bwd}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:

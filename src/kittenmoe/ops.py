@@ -395,6 +395,11 @@ def launch_rank_forward(
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
                  st.x_routed, st.hidden, w13_rows, st.x_routed, st.hidden)
     num_comm = config.num_comm_programs_fwd
+    self_pull = num_comm == 0  # KernelConfig checked push_in_epilogue; the pull-everything-first needs no wrap
+    if self_pull and not ring.resident:
+        raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
+                         f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
+                         f"{ring.capacity} rows (use None, or at least that many, or comm programs)")
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
     trace_meta = {}
@@ -405,7 +410,9 @@ def launch_rank_forward(
         n_gemm = ((n_sh_rt * (triton.cdiv(S, bn) + triton.cdiv(H, 2 * bn)) if S > 0 else 0)
                   + (ring.num_minibatches + lag) * per_mb)  # every GEMM tile of the forward (the kernel's total)
         # processing indices < NMB + pull_ahead <= NMB + 2
-        st.trace, trace_meta = _trace_buffer(n_gemm, ring.num_minibatches + 2, num_comm, dev)
+        # without comm programs every program records a pull event per minibatch
+        st.trace, trace_meta = _trace_buffer(n_gemm, ring.num_minibatches + 2, grid[0] if self_pull else num_comm,
+                                             dev)
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
@@ -413,7 +420,7 @@ def launch_rank_forward(
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
         HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
-        POW2=fp8 is not None and fp8.cfg.pow2_scales,
+        POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
     if not interp:

@@ -870,6 +870,29 @@ def _down_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, w_row0, n0, I, IB,
 
 
 @triton.jit
+def _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0, brow0, num_rows, puller,
+                 n_pullers, K, H, HB, DT: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 SB: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SAVE_GU: tl.constexpr,
+                 COPY_PREFETCH: tl.constexpr):
+    """Program ``puller`` of ``n_pullers`` pulls its ROWS-row chunks of the minibatch at schedule row ``row0``
+    (chunks puller, puller + n_pullers, ...) from the source ranks' x into ring rows ``brow0``.. (FP8: quantised
+    on the way in, e4m3 bits into xr_ptr, scales into xs_ptr, the rows unquantised into xk_ptr with SAVE_GU)."""
+    for ch in range(puller, MB // ROWS, n_pullers):
+        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+        ok = pr >= 0
+        src = _peer_rows(x_ptrs_ptr, pr, ok, DT) + (pt // K).to(tl.int64) * H
+        drow = (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        if FP8:  # quantised on the way in: no separate pass over x
+            _pull_rows_fp8(src, xr_ptr + drow * H, xs_ptr + drow * HB, xk_ptr + drow * H, ok, H, HB,
+                           ROWS, BLOCK_H, SB, POW2, SAVE_GU)
+        else:
+            # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
+            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU, COPY_PREFETCH)
+
+
+@triton.jit
 def dispatch_mlp_swiglu_combine_kernel(
     # schedule of this rank
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
@@ -931,6 +954,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
     COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
     HALF_STAGES: tl.constexpr = 3, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
+    SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -973,20 +997,9 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
                     if TRACE:
                         t_ready = _now()
-                    brow0 = (p % NSLOT) * MB
-                    for ch in range(pid, MB // ROWS, num_comm):
-                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
-                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-                        ok = pr >= 0
-                        src = _peer_rows(x_ptrs_ptr, pr, ok, DT) + (pt // K).to(tl.int64) * H
-                        drow = (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-                        if FP8:  # quantised on the way in: no separate pass over x
-                            _pull_rows_fp8(src, xr_ptr + drow * H, xs_ptr + drow * HB, xk_ptr + drow * H, ok, H, HB,
-                                           ROWS, BLOCK_H, SB, POW2, SAVE_GU)
-                        else:
-                            # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
-                            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU, COPY_PREFETCH)
+                    _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
+                                 (p % NSLOT) * MB, num_rows, pid, num_comm, K, H, HB, DT, MB, ROWS, BLOCK_H, SB, POW2,
+                                 FP8, SAVE_GU, COPY_PREFETCH)
                     _signal(x_ready + p)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
@@ -1017,6 +1030,26 @@ def dispatch_mlp_swiglu_combine_kernel(
         # ------------------------------------------------ compute program
         cid = pid - num_comm
         ncomp = nprog - num_comm
+        n_pull = num_comm
+        if SELF_PULL:
+            # KernelConfig.num_comm_programs_fwd = 0: every program pulls its share of every minibatch first (the
+            # launcher refuses a wrapping ring, so no slot is waited on), then runs tiles; the down epilogue
+            # pushes. A pull spread over all SMs runs at HBM speed (~0.1 ms for Kimi's 235 MB of rows) where
+            # dedicated programs would sit idle most of the launch.
+            n_pull = ncomp
+            if (phase & 2) != 0:  # PH_PULL
+                for p in range(p_lo, p_hi):
+                    row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+                    if live:
+                        if TRACE:
+                            t_start = _now()
+                        _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
+                                     (p % NSLOT) * MB, num_rows, cid, ncomp, K, H, HB, DT, MB, ROWS, BLOCK_H, SB,
+                                     POW2, FP8, SAVE_GU, COPY_PREFETCH)
+                        _signal(x_ready + p)
+                        if TRACE:
+                            _trace_event(trace_ptr, trace_comm0 + p * nprog + pid, MAXE, TR_PULL, t_start, t_start,
+                                         _now())
         n_sh_row_tiles = tl.cdiv(T, BM)
         n_sh_gu = 0
         n_sh_dn = 0
@@ -1063,7 +1096,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                     t_start = _now()
                                 rt, nt = _tile_rc(i, n_gu_tiles_i, MB // BM, TGM, row0 // BM, tile_expert_ptr,
                                                   expert_offsets_ptr, num_rows // BM, BM)
-                                _wait_geq(x_ready + p, num_comm, err_ptr, max_spin)
+                                _wait_geq(x_ready + p, n_pull, err_ptr, max_spin)
                                 if TRACE:
                                     t_ready = _now()
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
