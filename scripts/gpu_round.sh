@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -314,6 +314,11 @@ if [[ $what == selfpull ]]; then  # session 13: num_comm_programs_fwd = 0 (every
     -k "test_gpu_bitwise_across_configs or gpu_trace"
   step selffwd timeout 360 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --trace \
     --config ";num_comm_programs_fwd=0,push_in_epilogue=True;push_in_epilogue=True"
+fi
+if [[ $what == gather ]]; then  # session 13: KernelConfig.combine_gather (no push; the epilogue reads y_routed), ~6 min
+  step gathergpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "gpu_combine_gather"
+  step gatherfwd timeout 400 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --trace --config \
+    ";combine_gather=True;combine_gather=True,num_comm_programs_fwd=0;combine_gather=True,num_comm_programs_fwd=6"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

@@ -389,6 +389,9 @@ BAD_CONFIGS = [
     # no forward communication program and no epilogue push: nothing would push finished rows
     pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs push_in_epilogue",
                  id="comm-fwd-0-no-push"),
+    # both combine paths at once
+    pytest.param(dict(push_in_epilogue=True, combine_gather=True), ValueError,
+                 r"push_in_epilogue and combine_gather are two ways to combine", id="push-and-gather"),
     # negative forward communication programs
     pytest.param(dict(num_comm_programs_fwd=-1, push_in_epilogue=True), ValueError,
                  r"num_comm_programs_fwd must be >= 0", id="comm-fwd-negative"),

@@ -432,6 +432,56 @@ def test_no_comm_programs_refuse_a_wrapping_ring():
         _megakernel(case, inp, config=cfg)
 
 
+# KernelConfig.combine_gather (one rank): the epilogue reads each route's row from y_routed, nothing is pushed
+GATHER_CASES = {
+    # skewed load with a swiglu clamp, two minibatches
+    "zipf-limit": Case(TINY, r=1, t=24, routing="zipf", swiglu_limit=0.5),
+    # experts with zero tokens (routes to three experts only), T not a multiple of block_m
+    "few-experts": Case(TINY, r=1, t=19, routing="few_experts"),
+    # K = 4 of 16 experts, no shared expert: the epilogue's sum is the routed rows alone
+    "k4-no-shared": Case(TINY_SIG, r=1, t=21, shared=False),
+}
+
+
+@pytest.mark.parametrize("comm", [2, 0])  # comm programs pulling only; or none (every program pulls first)
+@pytest.mark.parametrize("name", list(GATHER_CASES))
+def test_combine_gather_same_bits(name, comm, monkeypatch):
+    """The gathering epilogue gives the pushed path's output bit for bit; scratch (y_routed among it) starts NaN
+    and the combine buffers hold NaN, so a route read from a row nobody wrote, or from the combine buffer, shows."""
+    case = GATHER_CASES[name]
+    inp = _make_inputs(case, seed=31)
+    base = [o.clone() for o in _megakernel(case, inp).outputs]
+    nan_scratch(monkeypatch)
+    res = _megakernel(case, inp, config=case.config().with_(combine_gather=True, num_comm_programs_fwd=comm))
+    monkeypatch.undo()
+    st = res.states[0]
+    n = int(st.schedule.num_rows.item())
+    real = st.schedule.peer_rank[:n] >= 0
+    assert sorted(st.route_row[st.route_row >= 0].tolist()) == torch.nonzero(real).flatten().tolist(), \
+        "route_row is not a bijection onto the schedule's real rows"
+    assert torch.isfinite(res.outputs[0]).all()
+    assert_bitwise_equal(res.outputs[0], base[0], f"out with combine_gather, comm {comm}")
+
+
+def test_combine_gather_kept_backward_equal(monkeypatch):
+    """The gathering forward keeps the same activations: the backward from them gives the same gradients."""
+    case = GATHER_CASES["zipf-limit"]
+    inp = _make_inputs(case, seed=37)
+    cfg = case.config()
+    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(combine_gather=True, num_comm_programs_fwd=0), monkeypatch)
+
+
+@pytest.mark.parametrize("r,macrobatch,exc,match", [
+    (2, None, NotImplementedError, r"combine_gather runs one rank .* got R=2"),  # rows on other ranks
+    (1, 16, ValueError, r"combine_gather reads every route's row .* ring must hold them all"),  # a wrapping ring
+])
+def test_combine_gather_refuses(r, macrobatch, exc, match):
+    case = Case(TINY, r=r, t=24)
+    inp = _make_inputs(case, seed=2)
+    with pytest.raises(exc, match=match):
+        _megakernel(case, inp, config=case.config().with_(combine_gather=True, macrobatch_size=macrobatch))
+
+
 # the knobs: gate|up half tiles alone (the spill-free sm_90 form), and with the wide GEMMs' half pairs (the
 # forward's down, the backward's phase B) too
 HALF_KNOBS = {"gate-up": dict(half_tail_tiles=True), "all": dict(half_tail_tiles=True, half_tail_wide=True)}
@@ -1115,6 +1165,19 @@ def test_gpu_bitwise_across_configs(cuda_cleanup):
         res = _megakernel(case, inp, config=GPU_RING.with_(**kw))
         for r in range(case.r):
             assert_bitwise_equal(res.outputs[r], base[r], f"out[{r}] with {variant}")
+
+
+@pytest.mark.gpu
+def test_gpu_combine_gather_same_bits(cuda_cleanup):
+    """One rank, concurrent roles: the gathering epilogue (with comm programs pulling only, and with none) gives
+    the pushed path's bits."""
+    case = Case(GPU_MR_SHAPE, r=1, t=1000, routing="zipf", dtype=torch.bfloat16)
+    inp = _make_inputs(case, device="cuda")
+    cfg = KernelConfig(block_m=64, block_n=64, block_k=64, num_warps=4, minibatch_size=256)
+    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    for kw in (dict(combine_gather=True), dict(combine_gather=True, num_comm_programs_fwd=0)):
+        res = _megakernel(case, inp, config=cfg.with_(**kw))
+        assert_bitwise_equal(res.outputs[0], base[0], f"out with {kw}")
 
 
 @pytest.mark.gpu

@@ -99,7 +99,7 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
+_BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
                "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles", "half_tail_wide")
 
 
@@ -109,9 +109,9 @@ class KernelConfig:
 
     num_comm_programs_fwd/bwd: programs (SMs) that pull and push rows instead
         of running GEMM tiles. ``num_comm_programs_fwd`` 0 (with
-        ``push_in_epilogue``, and a ring that does not wrap): no dedicated
-        programs; every program first pulls its share of all routed rows,
-        then runs GEMM tiles, and the down epilogue pushes. The same bits.
+        ``push_in_epilogue`` or ``combine_gather``, and a ring that does not
+        wrap): no dedicated programs; every program first pulls its share of
+        all routed rows, then runs GEMM tiles. The same bits.
     minibatch_size: rows handed from communication to compute at a time; a
         multiple of ``block_m`` so a GEMM row tile never straddles two
         minibatches.
@@ -125,6 +125,10 @@ class KernelConfig:
         through HBM; communication programs only pull). False: compute
         programs write y_routed and communication programs push it, as in
         MoK's role split.
+    combine_gather: one rank only (R=1), ring not wrapping: nothing is
+        pushed; the final epilogue reads each route's row from y_routed
+        through an inverse of the schedule (route t*K + j -> row). The same
+        bits; communication programs only pull.
     tma: load GEMM operands through TMA descriptors where possible (a
         Hopper-or-newer GPU, bf16/fp16, I, S multiples of block_n, H a
         multiple of 2*block_n, widths multiples of block_k); otherwise, and
@@ -265,6 +269,7 @@ class KernelConfig:
     num_stages: int = 4
     num_warps: int = 8
     push_in_epilogue: bool = False
+    combine_gather: bool = False
     tma: bool = True
     keep_activations: bool = True
     fp8_dx_high: bool = False
@@ -295,9 +300,13 @@ class KernelConfig:
         if self.num_comm_programs_fwd < 0:
             raise ValueError(f"KernelConfig.num_comm_programs_fwd must be >= 0 (0: every program pulls, then "
                              f"computes), got {self.num_comm_programs_fwd}")
-        if self.num_comm_programs_fwd == 0 and not self.push_in_epilogue:
+        if self.push_in_epilogue and self.combine_gather:
+            raise ValueError("KernelConfig.push_in_epilogue and combine_gather are two ways to combine (the down "
+                             "epilogue pushes rows, or the final epilogue gathers them): choose one")
+        if self.num_comm_programs_fwd == 0 and not (self.push_in_epilogue or self.combine_gather):
             raise ValueError("KernelConfig.num_comm_programs_fwd=0 leaves no program to push finished rows: it "
-                             "needs push_in_epilogue=True (the down GEMM's epilogue writes them)")
+                             "needs push_in_epilogue=True (the down GEMM's epilogue writes them) or "
+                             "combine_gather=True (the final epilogue reads them)")
         if self.num_comm_programs_bwd < 1:
             raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 1 (communication needs at least one "
                              f"program), got {self.num_comm_programs_bwd}")

@@ -159,8 +159,10 @@ def megakernel_forward_ep(
                                  trace=trace)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
-    ops.launch_epilogue(st.y_shared[:T], combine[:T * K], topk_weights_TK.float().contiguous(), ids_all[rank][:T],
-                        out, R * L, shared_w13_2SH is not None)
+    gathered = st.route_row is not None  # KernelConfig.combine_gather (one rank): the rows stay in y_routed
+    ops.launch_epilogue(st.y_shared[:T], st.y_routed if gathered else combine[:T * K],
+                        topk_weights_TK.float().contiguous(), ids_all[rank][:T], out, R * L,
+                        shared_w13_2SH is not None, st.route_row[:T * K] if gathered else None)
     return EPForward(out, st)
 
 

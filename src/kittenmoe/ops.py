@@ -131,6 +131,9 @@ class ForwardState:
     # [MAC, H] x's dtype under FP8 with save_for_backward: the routed rows unquantised, for the weight gradients
     x_kept: torch.Tensor | None = None
     hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
+    # [T*K] int32 with KernelConfig.combine_gather: the y_routed row of each of this (only) rank's routes, -1 for
+    # routes it does not hold (out-of-range ids); the epilogue reads rows through it. Else None.
+    route_row: torch.Tensor | None = None
     compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
     # [MAXE, 5] int64 events (kind, program, start, wait returned, end; %globaltimer ns, 0 under the
     # interpreter; unused slots -1) with trace=True, else None: kittenmoe.trace reads it
@@ -395,11 +398,22 @@ def launch_rank_forward(
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
                  st.x_routed, st.hidden, w13_rows, st.x_routed, st.hidden)
     num_comm = config.num_comm_programs_fwd
-    self_pull = num_comm == 0  # KernelConfig checked push_in_epilogue; the pull-everything-first needs no wrap
+    self_pull = num_comm == 0  # KernelConfig checked that something pushes or gathers; this needs no wrap
     if self_pull and not ring.resident:
         raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
                          f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
                          f"{ring.capacity} rows (use None, or at least that many, or comm programs)")
+    if config.combine_gather:
+        if R != 1:
+            raise NotImplementedError(
+                f"KernelConfig.combine_gather runs one rank (the epilogue reads this rank's y_routed); got R={R} "
+                f"ranks, whose routes' rows live on other ranks (a cross-rank gather is not built)")
+        if not ring.resident:
+            raise ValueError(f"KernelConfig.combine_gather reads every route's row from y_routed after the launch, "
+                             f"so the ring must hold them all: macrobatch_size={config.macrobatch_size} is below "
+                             f"the worst case of {ring.capacity} rows (use None or at least that many)")
+        phases &= ~mk.PH_PUSH  # nothing is pushed: the epilogue gathers
+        st.route_row = route_rows(sched, T * K)
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
     trace_meta = {}
@@ -447,7 +461,7 @@ def launch_rank_forward(
         # pull_ahead minibatches ahead of their pushes; it must stay below the
         # slot count or a pull would wait on a push that comes after it.
         st.compiled = launch(phases, 0, ring.num_minibatches,
-                             0 if config.push_in_epilogue else min(ring.slots - 1, 2))
+                             0 if (config.push_in_epilogue or config.combine_gather) else min(ring.slots - 1, 2))
     else:
         # Programs run one after another: one role over one minibatch per
         # launch keeps every producer ahead of its consumers. Reading
@@ -463,13 +477,29 @@ def launch_rank_forward(
     return st
 
 
-def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool) -> None:
+def route_rows(sched: Schedule, num_routes: int) -> torch.Tensor:
+    """[num_routes] int32: the routed-buffer row of each route t*K + j of a one-rank schedule, -1 for routes with
+    no row (expert ids out of range). Padding and unused rows (peer_rank -1) scatter into one spare slot past the
+    end, which is dropped; every real route has exactly one row, so the result does not depend on write order.
+    Device-side, no host sync."""
+    rows = torch.arange(sched.capacity, dtype=torch.int32, device=sched.peer_rank.device)
+    dst = torch.where(sched.peer_rank >= 0, sched.peer_token_idx, num_routes).to(torch.int64)
+    out = torch.full((num_routes + 1,), -1, dtype=torch.int32, device=rows.device)
+    out.scatter_(0, dst, rows)
+    return out[:num_routes]
+
+
+def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool,
+                    route_row_TK: torch.Tensor | None = None) -> None:
+    """out = y_shared + sum_j w[t, j] * combine[t*K + j] (fp32, fixed j order). With ``route_row_TK``
+    (``KernelConfig.combine_gather``) ``combine_TKH`` is y_routed and route t*K + j reads its row there."""
     T, H = out_TH.shape
     K = w_TK.shape[1]
     bt, bh = 16, min(256, triton.next_power_of_2(H))
+    gather = route_row_TK is not None
     mk.combine_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, T, H, num_experts,
-        K=K, HAS_SHARED=has_shared, BT=bt, BH=bh)
+        y_shared_TH, combine_TKH, route_row_TK if gather else ids_TK, w_TK, ids_TK, out_TH, T, H, num_experts,
+        K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
 
 
 def _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
@@ -553,8 +583,10 @@ def megakernel_forward_multirank(
     outs = []
     for r in range(R):
         out = torch.empty(T, H, dtype=dtype, device=dev)
-        launch_epilogue(states[r].y_shared, cb[r], topk_weights_RTK[r].float().contiguous(), ids_all[r], out,
-                        dims.e, shared_w13_2SH is not None)
+        st = states[r]
+        gathered = st.route_row is not None  # combine_gather: the rows stay in y_routed
+        launch_epilogue(st.y_shared, st.y_routed if gathered else cb[r], topk_weights_RTK[r].float().contiguous(),
+                        ids_all[r], out, dims.e, shared_w13_2SH is not None, st.route_row)
         outs.append(out)
     return MultirankForward(outs, states, peers)
 

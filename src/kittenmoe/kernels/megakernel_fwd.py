@@ -1260,14 +1260,17 @@ def dispatch_mlp_swiglu_combine_kernel(
 @triton.jit
 def combine_epilogue_kernel(
     y_shared_ptr,  # [T, H] shared-expert output (ignored without a shared expert)
-    combine_ptr,  # [T*K, H] routed rows pushed here by the expert owners
+    combine_ptr,  # [T*K, H] routed rows pushed here by the expert owners (GATHER: y_routed [MAC, H])
+    route_row_ptr,  # [T*K] int32 (GATHER): the y_routed row of each route, -1 where none; else a placeholder
     w_ptr,  # [T, K] fp32 router weights
     ids_ptr,  # [T, K] global expert ids (routes with ids outside [0, E) contribute nothing)
     out_ptr,  # [T, H]
     T, H, E,
-    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, GATHER: tl.constexpr = False,
 ):
-    """out = y_shared + sum_j w[t, j] * combine[t*K + j], in fp32, j = 0..K-1 in order."""
+    """out = y_shared + sum_j w[t, j] * combine[t*K + j], in fp32, j = 0..K-1 in order. GATHER
+    (``KernelConfig.combine_gather``, one rank): route t*K + j's row is read from y_routed at
+    route_row[t*K + j] instead (nothing was pushed), the same values in the same order."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     tm = rt < T
@@ -1281,6 +1284,12 @@ def combine_epilogue_kernel(
         wj = tl.load(w_ptr + rt64 * K + j, mask=tm, other=0.0).to(tl.float32)
         ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
         ok = (ej >= 0) & (ej < E)
-        c = tl.load(combine_ptr + (rt64 * K + j)[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
+        if GATHER:
+            src = tl.load(route_row_ptr + rt64 * K + j, mask=tm, other=-1)
+            ok = ok & (src >= 0)
+            src = src.to(tl.int64)
+        else:
+            src = rt64 * K + j
+        c = tl.load(combine_ptr + src[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
         acc = acc + wj[:, None] * c.to(tl.float32)
     tl.store(out_ptr + rt64[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
