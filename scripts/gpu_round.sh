@@ -315,10 +315,12 @@ if [[ $what == selfpull ]]; then  # session 13: num_comm_programs_fwd = 0 (every
   step selffwd timeout 360 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --trace \
     --config ";num_comm_programs_fwd=0,push_in_epilogue=True;push_in_epilogue=True"
 fi
-if [[ $what == gather ]]; then  # session 13: KernelConfig.combine_gather (no push; the epilogue reads y_routed), ~6 min
+if [[ $what == gather ]]; then  # session 13: KernelConfig.combine_gather (no push; the epilogues read rows), ~8 min
   step gathergpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "gpu_combine_gather"
-  step gatherfwd timeout 400 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --trace --config \
+  step gatherfwd timeout 300 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --config \
     ";combine_gather=True;combine_gather=True,num_comm_programs_fwd=0;combine_gather=True,num_comm_programs_fwd=6"
+  step gatherbwd timeout 250 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro --config "combine_gather=True;combine_gather=True,num_comm_programs_fwd=0"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

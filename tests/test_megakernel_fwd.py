@@ -464,11 +464,32 @@ def test_combine_gather_same_bits(name, comm, monkeypatch):
 
 
 def test_combine_gather_kept_backward_equal(monkeypatch):
-    """The gathering forward keeps the same activations: the backward from them gives the same gradients."""
+    """The gathering forward keeps the same activations, and the gathering backward (its epilogue reads the d_x
+    rows and d_w partials where phase B left them, nothing pushed) gives the same gradients."""
     case = GATHER_CASES["zipf-limit"]
     inp = _make_inputs(case, seed=37)
     cfg = case.config()
     _assert_kept_backward_equal(case, inp, cfg, cfg.with_(combine_gather=True, num_comm_programs_fwd=0), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["few-experts", "k4-no-shared"])
+def test_combine_gather_replayed_backward_same_bits(name, monkeypatch):
+    """Without kept activations (the backward replays gate|up) the gathering backward's d_x, d_w and weight
+    gradients equal the pushing one's; scratch starts NaN and the pushed combine buffers are never read."""
+    case = GATHER_CASES[name]
+    inp = _make_inputs(case, seed=41)
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(6)).to(DEV, case.dtype)]
+    base = megakernel_backward_multirank(d_out, *a, config=case.config())
+    nan_scratch(monkeypatch)
+    got = megakernel_backward_multirank(d_out, *a, config=case.config().with_(combine_gather=True))
+    monkeypatch.undo()
+    got.check_errors()
+    assert torch.isfinite(got.d_x[0]).all() and torch.isfinite(got.d_topk_weights[0]).all()
+    assert_bitwise_equal(got.d_x[0], base.d_x[0], "d_x")
+    assert_bitwise_equal(got.d_topk_weights[0], base.d_topk_weights[0], "d_w")
+    assert_bitwise_equal(got.d_w13, base.d_w13, "d_w13")
+    assert_bitwise_equal(got.d_w2, base.d_w2, "d_w2")
 
 
 @pytest.mark.parametrize("r,macrobatch,exc,match", [
@@ -1178,6 +1199,19 @@ def test_gpu_combine_gather_same_bits(cuda_cleanup):
     for kw in (dict(combine_gather=True), dict(combine_gather=True, num_comm_programs_fwd=0)):
         res = _megakernel(case, inp, config=cfg.with_(**kw))
         assert_bitwise_equal(res.outputs[0], base[0], f"out with {kw}")
+    # the backward (kept activations) with its gathering epilogue
+    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    d_out = [torch.randn_like(inp.xs[0])]
+    runs = []
+    for c in (cfg, cfg.with_(combine_gather=True)):
+        f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
+        b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
+        b.check_errors()
+        runs.append(b)
+    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+        assert_bitwise_equal(getattr(runs[1], gname), getattr(runs[0], gname), gname)
+    assert_bitwise_equal(runs[1].d_x[0], runs[0].d_x[0], "d_x")
+    assert_bitwise_equal(runs[1].d_topk_weights[0], runs[0].d_topk_weights[0], "d_w")
 
 
 @pytest.mark.gpu

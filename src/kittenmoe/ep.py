@@ -224,8 +224,12 @@ def megakernel_backward_ep(
                                    swiglu_limit, config, max_spin, saved=saved, fp8=fp8, trace=trace)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
-    dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T], R * L,
-                                     has_shared)
+    if out["route_row"] is not None:  # KernelConfig.combine_gather (one rank): nothing was pushed
+        dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], out["dxr"], out["dwp"], ids_all[rank][:T], R * L,
+                                         has_shared, out["route_row"][:T * K])
+    else:
+        dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T],
+                                         R * L, has_shared)
     return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"], out["trace"])
 
 

@@ -868,6 +868,15 @@ def launch_rank_backward(
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
+    out["route_row"] = None
+    if config.combine_gather:  # nothing is pushed: the epilogue reads d_x rows and d_w partials at each route's row
+        if R != 1:
+            raise NotImplementedError(
+                f"KernelConfig.combine_gather runs one rank (the epilogue reads this rank's routed d_x rows); got "
+                f"R={R} ranks, whose routes' rows live on other ranks (a cross-rank gather is not built)")
+        mk_phases &= ~mb.PB_PUSH
+        out["route_row"] = route_rows(sched, T * K)
+        out["dxr"], out["dwp"] = bufs["dxr"], bufs["dwp"]
     if not interp:
         # No ring in the backward: pulls never wait, so pull everything first
         # (compute starts on the first minibatch) and push while the last tiles run.
@@ -920,9 +929,12 @@ def launch_rank_backward(
     return out
 
 
-def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: int, has_shared: bool):
+def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: int, has_shared: bool,
+                        route_row_TK: torch.Tensor | None = None):
     """d_x = shared d_x + the K pushed d_x rows of each token in slot order (fp32); d_w from its combine buffer.
-    Returns (d_x [T, H] in the rows' dtype, d_w [T, K] fp32)."""
+    With ``route_row_TK`` (``KernelConfig.combine_gather``) ``dx_comb_TKH`` is the routed d_x rows [NR, H] and
+    ``dw_comb_TK`` the d_w partials [NR, NI], read at each route's row. Returns (d_x [T, H] in the rows' dtype,
+    d_w [T, K] fp32)."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     T, K = ids_TK.shape
@@ -930,9 +942,10 @@ def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: in
     dx = torch.empty(T, H, dtype=dx_comb_TKH.dtype, device=dx_comb_TKH.device)
     dw = torch.empty(T, K, dtype=torch.float32, device=dx_comb_TKH.device)
     bt, bh = 16, min(256, triton.next_power_of_2(H))
+    gather = route_row_TK is not None
     mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, dx, dw, T, H, num_experts, K=K, HAS_SHARED=has_shared,
-        BT=bt, BH=bh)
+        sdx_TH, dx_comb_TKH, dw_comb_TK, route_row_TK if gather else ids_TK, ids_TK, dx, dw, T, H, num_experts,
+        dw_comb_TK.shape[-1] if gather else 1, K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
     return dx, dw
 
 
@@ -1001,8 +1014,12 @@ def megakernel_backward_multirank(
     has_shared = shared_w13_2SH is not None
     d_x, d_w = [], []
     for r in range(R):
-        dx, dw = launch_bwd_epilogue(outs[r]["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r),
-                                     ids_all[r], dims.e, has_shared)
+        o = outs[r]
+        if o["route_row"] is not None:  # combine_gather: the rows stay where the backward computed them
+            dx, dw = launch_bwd_epilogue(o["sdx"], o["dxr"], o["dwp"], ids_all[r], dims.e, has_shared, o["route_row"])
+        else:
+            dx, dw = launch_bwd_epilogue(o["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r),
+                                         ids_all[r], dims.e, has_shared)
         d_x.append(dx)
         d_w.append(dw)
     d_sw13 = d_sw2 = None

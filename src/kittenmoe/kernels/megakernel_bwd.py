@@ -1092,16 +1092,19 @@ def weight_grad_persistent_kernel(
 @triton.jit
 def bwd_epilogue_kernel(
     sdx_ptr,  # [T, H] shared-expert d_x (ignored without a shared expert)
-    dxc_ptr,  # [T*K, H] d_x rows pushed back by the expert owners
-    dwc_ptr,  # [T*K] fp32 router-weight gradients pushed back
+    dxc_ptr,  # [T*K, H] d_x rows pushed back by the expert owners (GATHER: the routed d_x rows [NR, H])
+    dwc_ptr,  # [T*K] fp32 router-weight gradients pushed back (GATHER: the d_w partials [NR, NI])
+    route_row_ptr,  # [T*K] int32 (GATHER): the routed row of each route, -1 where none; else a placeholder
     ids_ptr,  # [T, K] global expert ids
     dx_ptr,  # [T, H] out
     dw_ptr,  # [T, K] fp32 out
-    T, H, E,
-    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+    T, H, E, NI,
+    K: tl.constexpr, HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, GATHER: tl.constexpr = False,
 ):
     """d_x = shared d_x + sum_j d_x_routed[t*K + j] in fp32, j in order; d_w[t, j] = pushed value
-    (0 for routes whose id is outside [0, E): they were never computed)."""
+    (0 for routes whose id is outside [0, E): they were never computed). GATHER (``KernelConfig.combine_gather``,
+    one rank; nothing was pushed): route t*K + j's d_x row and its NI d_w partials are read at its routed row
+    route_row[t*K + j], the partials summed in the push's order, so the same bits."""
     rt = tl.program_id(0) * BT + tl.arange(0, BT)
     rh = tl.program_id(1) * BH + tl.arange(0, BH)
     tm = rt < T
@@ -1114,9 +1117,20 @@ def bwd_epilogue_kernel(
     for j in tl.static_range(K):
         ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
         ok = (ej >= 0) & (ej < E)
-        c = tl.load(dxc_ptr + (rt64 * K + j)[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
+        if GATHER:
+            src = tl.load(route_row_ptr + rt64 * K + j, mask=tm, other=-1)
+            ok = ok & (src >= 0)
+            src = src.to(tl.int64)
+        else:
+            src = rt64 * K + j
+        c = tl.load(dxc_ptr + src[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
         acc = acc + c.to(tl.float32)
         if tl.program_id(1) == 0:
-            dw = tl.load(dwc_ptr + rt64 * K + j, mask=tm & ok, other=0.0)
+            if GATHER:  # the push's sum: fp32 from zero, partials in column order
+                dw = tl.zeros((BT,), dtype=tl.float32)
+                for q in range(0, NI):
+                    dw += tl.load(dwc_ptr + src * NI + q, mask=tm & ok, other=0.0)
+            else:
+                dw = tl.load(dwc_ptr + src, mask=tm & ok, other=0.0)
             tl.store(dw_ptr + rt64 * K + j, dw, mask=tm)
     tl.store(dx_ptr + rt64[:, None] * H + rh[None, :], acc.to(dx_ptr.dtype.element_ty), mask=m)
