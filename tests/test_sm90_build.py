@@ -106,6 +106,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # each expert's row tiles of a minibatch walked together (tile_group_m = -1), forward and kept backward
     (dict(which="fwd", config=dict(tile_group_m=-1)), FWD),
+    # no comm programs (every program pulls first) with the gathering epilogue (KernelConfig.combine_gather)
+    (dict(which="fwd", resident=True, config=dict(num_comm_programs_fwd=0, combine_gather=True)), FWD),
+    (dict(which="bwd", resident=True, config=dict(combine_gather=True)), BWD),  # the backward's gathering epilogue
     (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
