@@ -129,6 +129,10 @@ FP8_FWD_KNOBS = {
     # no communication programs: every program quantises its chunks of every minibatch, then computes
     "comm-0": dict(num_comm_programs_fwd=0, push_in_epilogue=True),
 }
+_FP8_ONE_RANK_KNOBS = {
+    # one rank: nothing pushed, the epilogue reads y_routed rows (KernelConfig.combine_gather), no comm programs
+    "gather-comm-0": dict(num_comm_programs_fwd=0, combine_gather=True),
+}
 
 
 def test_fp8_forward_bitwise_repeatable_and_across_knobs():
@@ -593,6 +597,25 @@ FP8_BWD_KNOBS = {
     # minibatch 32: two row tiles per handoff
     "minibatch-32": dict(minibatch_size=32),
 }
+
+
+def test_fp8_one_rank_gather_same_bits():
+    """One rank with KernelConfig.combine_gather and no forward comm programs: the FP8 forward's output and every
+    gradient of its backward (whose epilogue then gathers too) equal the pushing path's bit for bit."""
+    w, xs, ids, ws, fp8 = _problem(1, 20, seed=8)
+    g = torch.Generator().manual_seed(9)
+    d_outs = [torch.randn(20, w.w13_E2IH.shape[-1], generator=g).to(DEV, torch.bfloat16)]
+    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    base_out = megakernel_forward_multirank(*a, config=CFG, fp8=fp8).outputs[0]
+    base = _fp8_fwd_bwd_grads(CFG, w, xs, ids, ws, fp8, d_outs)
+    for name, kw in _FP8_ONE_RANK_KNOBS.items():
+        out = megakernel_forward_multirank(*a, config=CFG.with_(**kw), fp8=fp8)
+        out.check_errors()
+        assert_bitwise_equal(out.outputs[0], base_out, f"{name}: output")
+        got = _fp8_fwd_bwd_grads(CFG.with_(**kw), w, xs, ids, ws, fp8, d_outs)
+        assert got.keys() == base.keys()
+        for k in base:
+            assert_bitwise_equal(got[k], base[k], f"{name}: {k}")
 
 
 def _fp8_fwd_bwd_grads(cfg, w, xs, ids, ws, fp8, d_outs):

@@ -537,4 +537,10 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     row_bytes = (2 * h + i) * elem + 8 * i  # x, y, hidden rows, and the fp32 gate|up kept for the backward
     if full * row_bytes > budget:
         cfg = cfg.with_(macrobatch_size=max(mb, budget // row_bytes // mb * mb))
+    elif ranks == 1 and elem == 2 and sms >= 100:
+        # One rank, resident ring: no push (the epilogues read the rows where they were computed) and no comm
+        # programs (every SM pulls its share first). Forward+backward medians 0.4-4.5% lower on the four slices,
+        # 17 of 25 paired rounds (H200, 2026-12-03, fwdbwd-20261203-084744.json / -085055.json; the forward alone
+        # -8% to +4%, within its rounds' spread); the combine buffers (2 x T*K*H) are no longer allocated.
+        cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0)
     return cfg

@@ -569,7 +569,8 @@ def megakernel_forward_multirank(
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
     xb = peers.alloc("x", (T, H), dtype)
-    cb = peers.alloc("combine", (T * K, H), dtype)
+    # combine_gather pushes nothing: one row stands in for the [T*K, H] buffer (235 MB on the Kimi slice)
+    cb = peers.alloc("combine", (1 if config.combine_gather else T * K, H), dtype)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
@@ -882,14 +883,14 @@ def launch_rank_backward(
         # (compute starts on the first minibatch) and push while the last tiles run.
         out["compiled"] = launch(mk_phases, 0, NMB, NMB)
     else:
-        if phases & mb.PB_SHARED_A:
+        if mk_phases & mb.PB_SHARED_A:
             launch(mb.PB_SHARED_A, 0, 0, 0)
         n_live = triton.cdiv(int(sched.num_rows.item()), MB)
         for p in range(n_live):
             for ph in (mb.PB_PULL, mb.PB_A, mb.PB_B, mb.PB_PUSH):
-                if phases & ph:
+                if mk_phases & ph:
                     launch(ph, p, p + 1, 0)
-        if phases & mb.PB_SHARED_B:
+        if mk_phases & mb.PB_SHARED_B:
             launch(mb.PB_SHARED_B, 0, 0, 0)
     # Weight gradients: same stream, after the megakernel, so every pulled row and phase-A output exists.
     jobs = []  # (row offsets, ends of the rows summed, groups, P, Q, out, N, M)
@@ -991,8 +992,9 @@ def megakernel_backward_multirank(
     xb = peers.alloc("x", (T, H), dtype)
     db = peers.alloc("d_out", (T, H), dtype)
     wb = peers.alloc("w", (T * K,), torch.float32)
-    peers.alloc("dx_comb", (T * K, H), dtype)
-    peers.alloc("dw_comb", (T * K,), torch.float32)
+    # combine_gather pushes nothing: one row stands in for each (the d_x one is 235 MB on the Kimi slice)
+    peers.alloc("dx_comb", (1 if config.combine_gather else T * K, H), dtype)
+    peers.alloc("dw_comb", (1 if config.combine_gather else T * K,), torch.float32)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
         db[r].copy_(d_out_RTH[r])
