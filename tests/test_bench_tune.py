@@ -506,21 +506,27 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
 
 
 @pytest.mark.parametrize("dims,ranks,dtype,expect", [
-    # a seed slice (Kimi EP8, R=1): the H200's measured best (I=2048: 12 comm programs forward and backward)
+    # a seed slice (Kimi EP8, R=1): one rank with a resident ring gathers (no push) and has no forward comm
+    # programs; the backward's 12 (I=2048) pull
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
-                                                        num_comm_programs_fwd=12, num_comm_programs_bwd=12,
+                                                        num_comm_programs_fwd=0, combine_gather=True,
+                                                        num_comm_programs_bwd=12,
                                                         macrobatch_size=None, wgrad_persistent=True,
                                                         bwd_num_stages=4, tile_group_m=-1)),
-    # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 comm programs forward and backward
-    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=16, num_comm_programs_bwd=16)),
-    # the Kimi slice's widths over 8 ranks: the backward's pull crosses NVLink, 16 comm programs (timed there)
-    ((2048, 7168, 2048, 384, 8), 8, torch.bfloat16, dict(num_comm_programs_fwd=12, num_comm_programs_bwd=16)),
-    # wide experts (DeepSeek-V4-Pro EP8, I=3072): 8 forward comm programs
-    ((2048, 7168, 3072, 48, 6), 1, torch.bfloat16, dict(num_comm_programs_fwd=8)),
+    # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 comm programs in the backward
+    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=0, num_comm_programs_bwd=16)),
+    # the Kimi slice's widths over 8 ranks: pushes (no gather), forward comm programs by I (12), the backward's
+    # pull crosses NVLink, 16 comm programs (timed there)
+    ((2048, 7168, 2048, 384, 8), 8, torch.bfloat16, dict(num_comm_programs_fwd=12, num_comm_programs_bwd=16,
+                                                         combine_gather=False)),
+    # wide experts (DeepSeek-V4-Pro EP8, I=3072) over 8 ranks: 8 forward comm programs
+    ((2048, 7168, 3072, 384, 6), 8, torch.bfloat16, dict(num_comm_programs_fwd=8)),
     # fp32 operands: narrower K tiles, stages that still fit shared memory
-    # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages)
+    # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages, and
+    # the comm programs pushing)
     ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0,
-                                                       wgrad_persistent=False, tile_group_m=0)),
+                                                       wgrad_persistent=False, tile_group_m=0,
+                                                       combine_gather=False, num_comm_programs_fwd=12)),
     # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
     ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
                                                        wgrad_persistent=True)),
