@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -331,6 +331,12 @@ if [[ $what == gather3 ]]; then  # session 13: the new one-rank default (combine
     tests/test_layer.py -k "seed_slice or cuda_graph or combine_gather or layer"
   step gatherbwd3 timeout 150 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" --shapes kimi-k2.7 \
     --config "combine_gather=False,num_comm_programs_fwd=12"
+fi
+if [[ $what == bwdpull ]]; then  # next: the backward's pull by every program (num_comm_programs_bwd=0), ~5 min
+  step bwdpullgpu timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd.py \
+    tests/test_trace.py -k "gpu_combine_gather or gpu_trace"
+  step bwdpull timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "num_comm_programs_bwd=0"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

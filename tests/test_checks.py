@@ -395,10 +395,11 @@ BAD_CONFIGS = [
     # negative forward communication programs
     pytest.param(dict(num_comm_programs_fwd=-1, push_in_epilogue=True), ValueError,
                  r"num_comm_programs_fwd must be >= 0", id="comm-fwd-negative"),
-    # no backward communication program (the backward has no self-pull form)
-    pytest.param(dict(num_comm_programs_bwd=0), ValueError, r"num_comm_programs_bwd must be >= 1", id="comm-bwd-0"),
+    # no backward communication program and a push to do: nothing would push the d_x rows
+    pytest.param(dict(num_comm_programs_bwd=0), ValueError, r"num_comm_programs_bwd=0 .* needs combine_gather",
+                 id="comm-bwd-0-no-gather"),
     # negative backward communication programs
-    pytest.param(dict(num_comm_programs_bwd=-1), ValueError, r"num_comm_programs_bwd must be >= 1",
+    pytest.param(dict(num_comm_programs_bwd=-1), ValueError, r"num_comm_programs_bwd must be >= 0",
                  id="comm-bwd-negative"),
     # zero pipeline stages
     pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),

@@ -132,6 +132,8 @@ FP8_FWD_KNOBS = {
 _FP8_ONE_RANK_KNOBS = {
     # one rank: nothing pushed, the epilogue reads y_routed rows (KernelConfig.combine_gather), no comm programs
     "gather-comm-0": dict(num_comm_programs_fwd=0, combine_gather=True),
+    # and no backward comm programs: every program pulls (and quantises) its d_out chunks first
+    "gather-comm-0-bwd-0": dict(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True),
 }
 
 

@@ -463,17 +463,23 @@ def test_combine_gather_same_bits(name, comm, monkeypatch):
     assert_bitwise_equal(res.outputs[0], base[0], f"out with combine_gather, comm {comm}")
 
 
-def test_combine_gather_kept_backward_equal(monkeypatch):
+@pytest.mark.parametrize("comm_bwd", [16, 0])  # the backward's comm programs pulling; or none (every program)
+def test_combine_gather_kept_backward_equal(comm_bwd, monkeypatch):
     """The gathering forward keeps the same activations, and the gathering backward (its epilogue reads the d_x
     rows and d_w partials where phase B left them, nothing pushed) gives the same gradients."""
     case = GATHER_CASES["zipf-limit"]
     inp = _make_inputs(case, seed=37)
     cfg = case.config()
-    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(combine_gather=True, num_comm_programs_fwd=0), monkeypatch)
+    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(combine_gather=True, num_comm_programs_fwd=0,
+                                                          num_comm_programs_bwd=comm_bwd), monkeypatch)
 
 
-@pytest.mark.parametrize("name", ["few-experts", "k4-no-shared"])
-def test_combine_gather_replayed_backward_same_bits(name, monkeypatch):
+@pytest.mark.parametrize("name,comm_bwd", [
+    ("few-experts", 16),  # zero-token experts, comm programs pulling x and d_out rows
+    ("k4-no-shared", 16),  # no shared expert
+    ("few-experts", 0),  # every program pulls x and d_out rows first (num_comm_programs_bwd = 0)
+])
+def test_combine_gather_replayed_backward_same_bits(name, comm_bwd, monkeypatch):
     """Without kept activations (the backward replays gate|up) the gathering backward's d_x, d_w and weight
     gradients equal the pushing one's; scratch starts NaN and the pushed combine buffers are never read."""
     case = GATHER_CASES[name]
@@ -482,7 +488,8 @@ def test_combine_gather_replayed_backward_same_bits(name, monkeypatch):
     d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(6)).to(DEV, case.dtype)]
     base = megakernel_backward_multirank(d_out, *a, config=case.config())
     nan_scratch(monkeypatch)
-    got = megakernel_backward_multirank(d_out, *a, config=case.config().with_(combine_gather=True))
+    got = megakernel_backward_multirank(d_out, *a, config=case.config().with_(combine_gather=True,
+                                                                              num_comm_programs_bwd=comm_bwd))
     monkeypatch.undo()
     got.check_errors()
     assert torch.isfinite(got.d_x[0]).all() and torch.isfinite(got.d_topk_weights[0]).all()
@@ -1203,15 +1210,17 @@ def test_gpu_combine_gather_same_bits(cuda_cleanup):
     a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
     d_out = [torch.randn_like(inp.xs[0])]
     runs = []
-    for c in (cfg, cfg.with_(combine_gather=True)):
+    for c in (cfg, cfg.with_(combine_gather=True), cfg.with_(combine_gather=True, num_comm_programs_fwd=0,
+                                                            num_comm_programs_bwd=0)):
         f = megakernel_forward_multirank(*a, config=c, save_for_backward=True)
         b = megakernel_backward_multirank(d_out, *a, config=c, saved=f.saved())
         b.check_errors()
         runs.append(b)
-    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-        assert_bitwise_equal(getattr(runs[1], gname), getattr(runs[0], gname), gname)
-    assert_bitwise_equal(runs[1].d_x[0], runs[0].d_x[0], "d_x")
-    assert_bitwise_equal(runs[1].d_topk_weights[0], runs[0].d_topk_weights[0], "d_w")
+    for run in runs[1:]:
+        for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
+            assert_bitwise_equal(getattr(run, gname), getattr(runs[0], gname), gname)
+        assert_bitwise_equal(run.d_x[0], runs[0].d_x[0], "d_x")
+        assert_bitwise_equal(run.d_topk_weights[0], runs[0].d_topk_weights[0], "d_w")
 
 
 @pytest.mark.gpu

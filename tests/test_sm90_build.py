@@ -109,6 +109,8 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     # no comm programs (every program pulls first) with the gathering epilogue (KernelConfig.combine_gather)
     (dict(which="fwd", resident=True, config=dict(num_comm_programs_fwd=0, combine_gather=True)), FWD),
     (dict(which="bwd", resident=True, config=dict(combine_gather=True)), BWD),  # the backward's gathering epilogue
+    # and its pull by every program (num_comm_programs_bwd = 0)
+    (dict(which="bwd", resident=True, config=dict(combine_gather=True, num_comm_programs_bwd=0)), BWD),
     (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),

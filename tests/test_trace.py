@@ -79,14 +79,16 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch, co
             assert (ev[:, 2:] == 0).all(), "the interpreter has no timer: every timestamp reads 0"
 
 
-@pytest.mark.parametrize("r,t,keep,i", [
-    (1, 24, True, 16),  # one rank reading the forward's kept activations (I = one half-width phase-A tile)
-    (2, 20, False, 16),  # two ranks replaying gate|up
+@pytest.mark.parametrize("r,t,keep,i,gather", [
+    (1, 24, True, 16, False),  # one rank reading the forward's kept activations (I = one half-width phase-A tile)
+    (2, 20, False, 16, False),  # two ranks replaying gate|up
     # kept, I = 64: phase A two 32-wide tiles a row tile, each with its epilogue event; the shared expert's
     # phase A (its gate|up kept) on 32-wide tiles too
-    (1, 24, True, 64),
+    (1, 24, True, 64, False),
+    # one rank gathering (combine_gather), no comm programs: every program records a pull per minibatch, no push
+    (1, 24, True, 64, True),
 ])
-def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep, i):
+def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep, i, gather):
     """The backward megakernel: one pull and one push per comm program and live minibatch, one event per
     phase A / phase B / shared tile, and an "A epilogue" event per wide kept phase-A tile of an expert; the
     gradients equal an untraced run's bit for bit."""
@@ -97,10 +99,11 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
     a = _problem(r, t, shape=shape)
     g = torch.Generator().manual_seed(3)
     d_out = [torch.randn(t, TINY.h, generator=g).to(DEV) for _ in range(r)]
-    fwd = megakernel_forward_multirank(*a, config=CFG, save_for_backward=keep)
+    cfg = CFG.with_(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0) if gather else CFG
+    fwd = megakernel_forward_multirank(*a, config=cfg, save_for_backward=keep)
     saved = fwd.saved() if keep else None
-    plain = megakernel_backward_multirank(d_out, *a, config=CFG, saved=saved)
-    traced = megakernel_backward_multirank(d_out, *a, config=CFG, saved=saved, trace=True)
+    plain = megakernel_backward_multirank(d_out, *a, config=cfg, saved=saved)
+    traced = megakernel_backward_multirank(d_out, *a, config=cfg, saved=saved, trace=True)
     for k in range(r):
         assert_bitwise_equal(traced.d_x[k], plain.d_x[k], f"d_x[{k}] traced")
     assert_bitwise_equal(traced.d_w13, plain.d_w13, "d_w13 traced")
@@ -110,14 +113,15 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
     bn_ra = 2 * bn_a if wide else bn_a
     s_w = shape.shared_width
     bn_sa = 2 * bn_a if keep and s_w % (2 * bn_a) == 0 else bn_a  # the kept shared gate|up's 2 x wide tiles
-    ncomm = CFG.num_comm_programs_bwd
+    ncomm = cfg.num_comm_programs_bwd
+    pullers = ncomm or ops._num_programs(DEV, 0)
     rows = [int(st.schedule.num_rows.item()) for st in fwd.states]
     for k, tr in enumerate(traced.traces):
         ev = events(tr)
         live = -(-rows[k] // CFG.minibatch_size)  # the backward holds every routed row: no ring
         mb_tiles = CFG.minibatch_size // bm
         expert_tiles = int((fwd.states[k].schedule.tile_expert[:live * mb_tiles] >= 0).sum())
-        want = {"pull": ncomm * live, "push": ncomm * live,
+        want = {"pull": pullers * live, "push": ncomm * live,
                 "A": live * mb_tiles * triton.cdiv(i, bn_ra), "B": live * mb_tiles * triton.cdiv(TINY.h, bn_b),
                 "shared A": triton.cdiv(t, bm) * triton.cdiv(s_w, bn_sa),
                 "shared B": triton.cdiv(t, bm) * triton.cdiv(TINY.h, bn_b)}

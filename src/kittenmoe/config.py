@@ -112,6 +112,7 @@ class KernelConfig:
         ``push_in_epilogue`` or ``combine_gather``, and a ring that does not
         wrap): no dedicated programs; every program first pulls its share of
         all routed rows, then runs GEMM tiles. The same bits.
+        ``num_comm_programs_bwd`` 0 likewise (with ``combine_gather``).
     minibatch_size: rows handed from communication to compute at a time; a
         multiple of ``block_m`` so a GEMM row tile never straddles two
         minibatches.
@@ -307,9 +308,12 @@ class KernelConfig:
             raise ValueError("KernelConfig.num_comm_programs_fwd=0 leaves no program to push finished rows: it "
                              "needs push_in_epilogue=True (the down GEMM's epilogue writes them) or "
                              "combine_gather=True (the final epilogue reads them)")
-        if self.num_comm_programs_bwd < 1:
-            raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 1 (communication needs at least one "
-                             f"program), got {self.num_comm_programs_bwd}")
+        if self.num_comm_programs_bwd < 0:
+            raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 0 (0: every program pulls, then "
+                             f"computes), got {self.num_comm_programs_bwd}")
+        if self.num_comm_programs_bwd == 0 and not self.combine_gather:
+            raise ValueError("KernelConfig.num_comm_programs_bwd=0 leaves no program to push the d_x rows: it "
+                             "needs combine_gather=True (the backward's epilogue reads them)")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:

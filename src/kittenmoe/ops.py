@@ -821,6 +821,7 @@ def launch_rank_backward(
                        TD.from_tensor(w2_qt.reshape(L * I, H), [bna, sb]),
                        TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]), *a_descs[4:])
     num_comm = config.num_comm_programs_bwd
+    self_pull = num_comm == 0  # KernelConfig checked combine_gather: nothing is pushed
     grid = (_num_programs(dev, num_comm),)
     interp = interpreting()
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
@@ -833,7 +834,8 @@ def launch_rank_backward(
         n_gemm = (n_srt * (triton.cdiv(S, bns) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
         n_epi = (NMB + 1) * (MB // bm) * n_a if bna != bn else 0  # one per wide phase-A tile
-        out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, num_comm, dev, n_epi)
+        out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, grid[0] if self_pull else num_comm, dev,
+                                                 n_epi)
     meta = dict(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
@@ -842,7 +844,7 @@ def launch_rank_backward(
         HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
         KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
         SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
-        POW2=fp8 is not None and fp8.cfg.pow2_scales, **dot, **trace_meta,
+        POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
     # operands (4 x 48 KB on the defaults); with wgrad_two_per_sm half an SM's: at most 3 of block_k x 2 block_n.

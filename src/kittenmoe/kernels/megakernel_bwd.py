@@ -642,6 +642,46 @@ def _quantize_dgu(dgc, duc, gq_ptr, gs_ptr, row0, nt, I, GB, POW2: tl.constexpr,
 
 
 @triton.jit
+def _bwd_pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, dout_ptrs_ptr, w_ptrs_ptr, xr_ptr, dor_ptr, wr_ptr,
+                     xrq_ptr, xrs_ptr, dorq_ptr, dors_ptr, row0, num_rows, gu_rows, puller, n_pullers, K, H, HB,
+                     DT: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     GU_MODE: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr):
+    """Program ``puller`` of ``n_pullers`` pulls its ROWS-row chunks of the minibatch at routed row ``row0``: the
+    d_out rows (FP8: also quantised), the router weights and, unless the forward kept them (GU_MODE 1), the x
+    rows (FP8: the replayed rows' e4m3 bits too), from the source ranks into the backward's row buffers."""
+    for ch in range(puller, MB // ROWS, n_pullers):
+        r = row0 + ch * ROWS + tl.arange(0, ROWS)
+        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
+        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
+        ok = pr >= 0
+        tok = (pt // K).to(tl.int64) * H
+        dst = r.to(tl.int64) * H
+        xb = _peer_rows(x_ptrs_ptr, pr, ok, DT) + tok
+        db = _peer_rows(dout_ptrs_ptr, pr, ok, DT) + tok
+        # Padding rows are written as zeros: their d(gate|up) and w*h come out exactly zero
+        # and the weight-gradient sums need no row mask.
+        for h0 in range(0, H, BLOCK_H):
+            cols = h0 + tl.arange(0, BLOCK_H)
+            m = ok[:, None] & (cols < H)[None, :]
+            mc = (cols < H)[None, :]
+            if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
+                xv = tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0)
+                tl.store(xr_ptr + dst[:, None] + cols[None, :], xv, mask=mc)
+                # The replay's e4m3 rows (the forward's pull quantised the same bits), for the rows
+                # phase A replays: from gu_rows on (a wrapped ring kept the rows before it).
+                if FP8 and (row0 + ch * ROWS + ROWS > gu_rows):
+                    store_chunk_fp8(xv, xrq_ptr + dst, xrs_ptr + r.to(tl.int64) * HB, h0, H, HB,
+                                    ROWS, BLOCK_H, SB, POW2)
+            dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
+            tl.store(dor_ptr + dst[:, None] + cols[None, :], dv, mask=mc)
+            if FP8:  # quantised on the way in (1 x SB along H), for phase A's e4m3 GEMM
+                store_chunk_fp8(dv, dorq_ptr + dst, dors_ptr + r.to(tl.int64) * HB, h0, H, HB,
+                                ROWS, BLOCK_H, SB, POW2)
+        wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
+        tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
+
+
+@triton.jit
 def combine_mlp_swiglu_dispatch_bwd_kernel(
     # schedule of this rank
     peer_rank_ptr,  # [C] int32, source rank per routed row, -1 = padding
@@ -717,6 +757,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
     HALF_STAGES: tl.constexpr = 3, SHARED_KEPT: tl.constexpr = False, BNS: tl.constexpr = 16,
     KU_A: tl.constexpr = 1, NS_A: tl.constexpr = None, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
+    SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -738,7 +779,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
         n_srt_t = tl.cdiv(T, BM)
         trace_sb0 = (n_srt_t * tl.cdiv(S, BNS) if HAS_SHARED else 0) + (NMB + LAG) * (per_a + per_b)
         trace_comm0 = trace_sb0 + (n_srt_t * n_b_h if HAS_SHARED else 0)
-        trace_epi0 = trace_comm0 + 2 * (2 * NMB + 1) * num_comm  # the wide kept phase A's epilogues
+        # the wide kept phase A's epilogues after the copies' slots (SELF_PULL: every program's pulls)
+        trace_epi0 = trace_comm0 + 2 * (2 * NMB + 1) * (nprog if SELF_PULL else num_comm)
 
     if pid < num_comm:
         for it in range(p_lo, p_hi + pull_ahead):
@@ -748,36 +790,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                 if row0 < num_rows:
                     if TRACE:
                         t_start = _now()
-                    for ch in range(pid, MB // ROWS, num_comm):
-                        r = row0 + ch * ROWS + tl.arange(0, ROWS)
-                        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-                        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-                        ok = pr >= 0
-                        tok = (pt // K).to(tl.int64) * H
-                        dst = r.to(tl.int64) * H
-                        xb = _peer_rows(x_ptrs_ptr, pr, ok, DT) + tok
-                        db = _peer_rows(dout_ptrs_ptr, pr, ok, DT) + tok
-                        # Padding rows are written as zeros: their d(gate|up) and w*h come out exactly zero
-                        # and the weight-gradient sums need no row mask.
-                        for h0 in range(0, H, BLOCK_H):
-                            cols = h0 + tl.arange(0, BLOCK_H)
-                            m = ok[:, None] & (cols < H)[None, :]
-                            mc = (cols < H)[None, :]
-                            if GU_MODE != 1:  # else the forward's x_routed holds these rows, padding zeroed
-                                xv = tl.load(xb[:, None] + cols[None, :], mask=m, other=0.0)
-                                tl.store(xr_ptr + dst[:, None] + cols[None, :], xv, mask=mc)
-                                # The replay's e4m3 rows (the forward's pull quantised the same bits), for the rows
-                                # phase A replays: from gu_rows on (a wrapped ring kept the rows before it).
-                                if FP8 and (row0 + ch * ROWS + ROWS > gu_rows):
-                                    store_chunk_fp8(xv, xrq_ptr + dst, xrs_ptr + r.to(tl.int64) * HB, h0, H, HB,
-                                                    ROWS, BLOCK_H, SB, POW2)
-                            dv = tl.load(db[:, None] + cols[None, :], mask=m, other=0.0)
-                            tl.store(dor_ptr + dst[:, None] + cols[None, :], dv, mask=mc)
-                            if FP8:  # quantised on the way in (1 x SB along H), for phase A's e4m3 GEMM
-                                store_chunk_fp8(dv, dorq_ptr + dst, dors_ptr + r.to(tl.int64) * HB, h0, H, HB,
-                                                ROWS, BLOCK_H, SB, POW2)
-                        wb = tl.load(w_ptrs_ptr + pr, mask=ok, other=0).to(tl.pointer_type(tl.float32))
-                        tl.store(wr_ptr + r, tl.load(wb + pt, mask=ok, other=0.0), mask=ok)
+                    _bwd_pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, dout_ptrs_ptr, w_ptrs_ptr, xr_ptr,
+                                     dor_ptr, wr_ptr, xrq_ptr, xrs_ptr, dorq_ptr, dors_ptr, row0, num_rows, gu_rows,
+                                     pid, num_comm, K, H, HB, DT, MB, ROWS, BLOCK_H, GU_MODE, FP8, SB, POW2)
                     _signal(pull_ready + p)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
@@ -812,6 +827,25 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     else:
         cid = pid - num_comm
         ncomp = nprog - num_comm
+        n_pull = num_comm
+        if SELF_PULL:
+            # KernelConfig.num_comm_programs_bwd = 0 (with combine_gather: nothing to push): every program pulls
+            # its chunks of every minibatch first (no ring in the backward, so nothing is waited on), then runs
+            # tiles; the shared expert's tiles read d_out in place and need no pull.
+            n_pull = ncomp
+            if (phase & 2) != 0:  # PB_PULL
+                for p in range(p_lo, p_hi):
+                    row0 = p * MB
+                    if row0 < num_rows:
+                        if TRACE:
+                            t_start = _now()
+                        _bwd_pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, dout_ptrs_ptr, w_ptrs_ptr, xr_ptr,
+                                         dor_ptr, wr_ptr, xrq_ptr, xrs_ptr, dorq_ptr, dors_ptr, row0, num_rows,
+                                         gu_rows, cid, ncomp, K, H, HB, DT, MB, ROWS, BLOCK_H, GU_MODE, FP8, SB, POW2)
+                        _signal(pull_ready + p)
+                        if TRACE:
+                            _trace_event(trace_ptr, trace_comm0 + p * nprog + pid, MAXE, TR_PULL, t_start, t_start,
+                                         _now())
         n_srt = tl.cdiv(T, BM)
         n_sa = 0
         n_sb = 0
@@ -865,7 +899,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             rt, nt = _tile_rc(i, NIA, MB // BM, TGM, p * (MB // BM), tile_expert_ptr,
                                               expert_offsets_ptr, num_rows // BM, BM)
                             row0 = p * MB + rt * BM
-                            _wait_geq(pull_ready + p, num_comm, err_ptr, max_spin)
+                            _wait_geq(pull_ready + p, n_pull, err_ptr, max_spin)
                             if TRACE:
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
