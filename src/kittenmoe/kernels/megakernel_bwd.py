@@ -58,8 +58,8 @@ TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue i
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma,
-                                              _fold_roles, _is_half_tail, _now, _peer_rows, _rows_padding_from, _signal,
-                                              _store_rows,
+                                              _fold_roles, _is_half_tail, _now, _peer_rows, _route_src,
+                                              _rows_padding_from, _signal, _store_rows,
                                               _tile_rc, _trace_event, _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
@@ -1149,14 +1149,7 @@ def bwd_epilogue_kernel(
     else:
         acc = tl.zeros((BT, BH), dtype=tl.float32)
     for j in tl.static_range(K):
-        ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
-        ok = (ej >= 0) & (ej < E)
-        if GATHER:
-            src = tl.load(route_row_ptr + rt64 * K + j, mask=tm, other=-1)
-            ok = ok & (src >= 0)
-            src = src.to(tl.int64)
-        else:
-            src = rt64 * K + j
+        src, ok = _route_src(ids_ptr, route_row_ptr, rt64, j, tm, E, K, GATHER)
         c = tl.load(dxc_ptr + src[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
         acc = acc + c.to(tl.float32)
         if tl.program_id(1) == 0:

@@ -1258,6 +1258,22 @@ def dispatch_mlp_swiglu_combine_kernel(
 
 
 @triton.jit
+def _route_src(ids_ptr, route_row_ptr, rt64, j, tm, E, K: tl.constexpr, GATHER: tl.constexpr):
+    """Where the epilogues read route t*K + j of tokens rt64 (mask tm): its row in the [T*K, ...] combine buffers,
+    or with GATHER (``KernelConfig.combine_gather``) its routed row route_row[t*K + j]. Returns (row [BT] int64,
+    ok [BT]); ok is False for ids outside [0, E) and, with GATHER, for routes with no row."""
+    ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
+    ok = (ej >= 0) & (ej < E)
+    if GATHER:
+        src = tl.load(route_row_ptr + rt64 * K + j, mask=tm, other=-1)
+        ok = ok & (src >= 0)
+        src = src.to(tl.int64)
+    else:
+        src = rt64 * K + j
+    return src, ok
+
+
+@triton.jit
 def combine_epilogue_kernel(
     y_shared_ptr,  # [T, H] shared-expert output (ignored without a shared expert)
     combine_ptr,  # [T*K, H] routed rows pushed here by the expert owners (GATHER: y_routed [MAC, H])
@@ -1282,14 +1298,7 @@ def combine_epilogue_kernel(
         acc = tl.zeros((BT, BH), dtype=tl.float32)
     for j in tl.static_range(K):
         wj = tl.load(w_ptr + rt64 * K + j, mask=tm, other=0.0).to(tl.float32)
-        ej = tl.load(ids_ptr + rt64 * K + j, mask=tm, other=-1)
-        ok = (ej >= 0) & (ej < E)
-        if GATHER:
-            src = tl.load(route_row_ptr + rt64 * K + j, mask=tm, other=-1)
-            ok = ok & (src >= 0)
-            src = src.to(tl.int64)
-        else:
-            src = rt64 * K + j
+        src, ok = _route_src(ids_ptr, route_row_ptr, rt64, j, tm, E, K, GATHER)
         c = tl.load(combine_ptr + src[:, None] * H + rh[None, :], mask=m & ok[:, None], other=0.0)
         acc = acc + wj[:, None] * c.to(tl.float32)
     tl.store(out_ptr + rt64[:, None] * H + rh[None, :], acc.to(out_ptr.dtype.element_ty), mask=m)
