@@ -489,6 +489,22 @@ def test_default_grid_prunes_what_cannot_fit():
     assert "shared memory ~320 KB > 227 KB" in reasons and "no compute program on 132 SMs" in reasons
 
 
+def test_grid_under_a_gathering_base():
+    """The one-rank default gathers with no forward comm programs (default_config). Its grid points with a
+    wrapping ring push instead (the rows would be overwritten before the epilogue reads them) or, with no comm
+    programs, are pruned; a base that pushes (several ranks) prunes 0 comm programs as an invalid config."""
+    base = KernelConfig(combine_gather=True, num_comm_programs_fwd=0)
+    grid = {"num_comm_programs_fwd": (0, 8), "macrobatch_size": (None, 4096), "tiles": ((128, 4),)}
+    kept, pruned = expand_grid(grid, base, 2048, 8, 48, 1, 2, 132)
+    ring = [c for c in kept if c.macrobatch_size is not None]
+    assert ring == [base.with_(num_comm_programs_fwd=8, macrobatch_size=4096, combine_gather=False)]
+    assert base in kept and base.with_(num_comm_programs_fwd=8) in kept  # no ring: gathering, with 0 or 8
+    assert any("ring that does not wrap" in r for _, r in pruned)
+    kept, pruned = expand_grid(grid, KernelConfig(), 2048, 8, 384, 8, 2, 132)
+    assert all(c.num_comm_programs_fwd == 8 and not c.combine_gather for c in kept)
+    assert any("num_comm_programs_fwd=0" in r for _, r in pruned)
+
+
 def test_grid_normalises_and_rejects():
     # macrobatch >= the whole routed buffer is "no ring": a duplicate of None; a macrobatch that is
     # not a multiple of the minibatch is an invalid KernelConfig.

@@ -18,7 +18,10 @@ anything compiles:
   dropped as a duplicate;
 - shared memory of the gate|up tile over 227 KB:
   ``num_stages * (BM*BK + 2*BN*BK) * bytes`` (``config.gate_up_smem_bytes``);
-- on a GPU, ``num_comm_programs_fwd`` >= the SM count (no compute program left).
+- on a GPU, ``num_comm_programs_fwd`` >= the SM count (no compute program left);
+- a wrapping ring under a gathering base (``combine_gather``: one rank): the
+  point pushes instead (the ring's rows are overwritten before an epilogue
+  could read them), and with no comm programs it is pruned.
 
 Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
@@ -73,12 +76,13 @@ TUNE_FINALISTS = 3  # the sweep's fastest configs re-timed together (with the de
 class TuneCacheWarning(RuntimeWarning):
     """A tuned-config cache file was ignored (stale, corrupt or unreadable); the heuristic is used instead."""
 
-# The default sweep: 3 x 3 x 2 x 3 = 54 configs before pruning, 18 distinct
-# compiles (the comm-program count is a runtime argument). The values bracket
+# The default sweep: 4 x 3 x 2 x 3 = 72 configs before pruning. The values bracket
 # what the H200 runs of docs/perf-notes.md found best for the seed slices
-# (16 comm programs, minibatch 2048, block_n 128, 4 stages).
+# (8-16 comm programs, or none on one rank, minibatch 2048, block_n 128, 4 stages).
+# 0 comm programs is valid where the base config gathers (one rank, no ring) and is
+# pruned elsewhere.
 DEFAULT_GRID: dict[str, tuple] = {
-    "num_comm_programs_fwd": (8, 16, 24),
+    "num_comm_programs_fwd": (0, 8, 16, 24),
     "minibatch_size": (1024, 2048, 4096),
     "macrobatch_size": (None, 16384),
     "tiles": ((64, 4), (128, 3), (128, 4)),  # (block_n, num_stages)
@@ -319,6 +323,12 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
         full = math.ceil(cap / mb) * mb
         if cfg.macrobatch_size is not None and cfg.macrobatch_size >= full:
             cfg = cfg.with_(macrobatch_size=None)
+        if cfg.macrobatch_size is not None and cfg.combine_gather:
+            # a wrapping ring cannot gather at the end (the rows are overwritten): such a point pushes
+            if cfg.num_comm_programs_fwd == 0:
+                pruned.append((point, "no comm programs need a ring that does not wrap"))
+                continue
+            cfg = cfg.with_(combine_gather=False, num_comm_programs_bwd=max(cfg.num_comm_programs_bwd, 1))
         smem = gate_up_smem_bytes(cfg, elem_bytes)
         if smem > SHARED_MEMORY_LIMIT:
             pruned.append((point, f"shared memory ~{smem // 1024} KB > {SHARED_MEMORY_LIMIT // 1024} KB"))
