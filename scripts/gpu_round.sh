@@ -313,7 +313,7 @@ if [[ $what == selfpull ]]; then  # session 13: num_comm_programs_fwd = 0 (every
   step selfgpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py tests/test_trace.py \
     -k "test_gpu_bitwise_across_configs or gpu_trace"
   step selffwd timeout 360 python3 benchmarks/fwd_round.py --reps 5 --out "$OUT" --trace \
-    --config ";num_comm_programs_fwd=0,push_in_epilogue=True;push_in_epilogue=True"
+    --config "combine_gather=False,num_comm_programs_fwd=12;combine_gather=False,num_comm_programs_fwd=0,push_in_epilogue=True;combine_gather=False,push_in_epilogue=True,num_comm_programs_fwd=12"
 fi
 if [[ $what == gather ]]; then  # session 13: KernelConfig.combine_gather (no push; the epilogues read rows), ~8 min
   step gathergpu timeout 150 python3 -m pytest -v -p no:cacheprovider tests/test_megakernel_fwd.py -k "gpu_combine_gather"

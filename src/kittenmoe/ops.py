@@ -447,7 +447,8 @@ def launch_rank_forward(
         return mk.dispatch_mlp_swiglu_combine_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
             sched.num_invalid,
-            peers.ptrs("x"), peers.ptrs("combine"), peers.buffer("x", rank),
+            # combine_gather pushes nothing: x's table stands in for the combine buffers' (never dereferenced)
+            peers.ptrs("x"), peers.ptrs("x" if config.combine_gather else "combine"), peers.buffer("x", rank),
             st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
             st.y_routed if st.shared_gate_up is None else st.shared_gate_up,
             st.y_routed if st.x_kept is None else st.x_kept, fp8_args[0], fp8_args[1],
@@ -487,7 +488,9 @@ def route_rows(sched: Schedule, num_routes: int) -> torch.Tensor:
     rows = torch.arange(sched.capacity, dtype=torch.int32, device=sched.peer_rank.device)
     dst = torch.where(sched.peer_rank >= 0, sched.peer_token_idx, num_routes).to(torch.int64)
     out = torch.full((num_routes + 1,), -1, dtype=torch.int32, device=rows.device)
-    out.scatter_(0, dst, rows)
+    # index_put_ without accumulation: deterministic under torch.use_deterministic_algorithms (scatter_ with a
+    # tensor src raises there on some torch versions)
+    out.index_put_((dst,), rows)
     return out[:num_routes]
 
 
@@ -571,8 +574,10 @@ def megakernel_forward_multirank(
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
     xb = peers.alloc("x", (T, H), dtype)
-    # combine_gather pushes nothing: one row stands in for the [T*K, H] buffer (235 MB on the Kimi slice)
-    cb = peers.alloc("combine", (1 if config.combine_gather else T * K, H), dtype)
+    # combine_gather pushes nothing: no [T*K, H] combine buffer (235 MB on the Kimi slice) is allocated. (Not a
+    # smaller one either: buffers keyed by name are re-allocated whenever their shape changes, which a workspace
+    # shared by layers of different configs would then do on every call.)
+    cb = None if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
@@ -863,7 +868,10 @@ def launch_rank_backward(
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
         return mb.combine_mlp_swiglu_dispatch_bwd_kernel[grid](
             sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
-            peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"), peers.ptrs("dx_comb"), peers.ptrs("dw_comb"),
+            peers.ptrs("x"), peers.ptrs("d_out"), peers.ptrs("w"),
+            # combine_gather pushes nothing: d_out's and w's tables stand in (never dereferenced)
+            peers.ptrs("d_out" if config.combine_gather else "dx_comb"),
+            peers.ptrs("w" if config.combine_gather else "dw_comb"),
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
@@ -996,9 +1004,9 @@ def megakernel_backward_multirank(
     xb = peers.alloc("x", (T, H), dtype)
     db = peers.alloc("d_out", (T, H), dtype)
     wb = peers.alloc("w", (T * K,), torch.float32)
-    # combine_gather pushes nothing: one row stands in for each (the d_x one is 235 MB on the Kimi slice)
-    peers.alloc("dx_comb", (1 if config.combine_gather else T * K, H), dtype)
-    peers.alloc("dw_comb", (1 if config.combine_gather else T * K,), torch.float32)
+    if not config.combine_gather:  # which pushes nothing: no d_x / d_w combine buffers (as the forward's)
+        peers.alloc("dx_comb", (T * K, H), dtype)
+        peers.alloc("dw_comb", (T * K,), torch.float32)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
         db[r].copy_(d_out_RTH[r])

@@ -61,7 +61,8 @@ class TraceSummary:
                  f"{'kind':<15}{'events':>8}{'work ms':>10}{'wait ms':>10}{'busy %':>8}{'first ms':>10}"
                  f"{'last ms':>9}"]
         for k in self.kinds:
-            role = self.num_comm if k.kind in COMM_KINDS else self.num_compute
+            # without comm programs (num_comm_programs_* = 0) every compute program pulls
+            role = (self.num_comm or self.num_compute) if k.kind in COMM_KINDS else self.num_compute
             busy = 100.0 * k.work_ns / max(1, role * self.span_ns)
             lines.append(f"{k.kind:<15}{k.events:>8}{k.work_ns / 1e6:>10.3f}{k.wait_ns / 1e6:>10.3f}{busy:>8.1f}"
                          f"{k.first_start_ns / 1e6:>10.3f}{k.last_end_ns / 1e6:>9.3f}")
