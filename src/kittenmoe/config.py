@@ -549,6 +549,6 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         # One rank, resident ring: no push (the epilogues read the rows where they were computed) and no comm
         # programs (every SM pulls its share first). Forward+backward medians 0.4-4.5% lower on the four slices,
         # 17 of 25 paired rounds (H200, 2026-12-03, fwdbwd-20261203-084744.json / -085055.json; the forward alone
-        # -8% to +4%, within its rounds' spread). The combine buffers (2 x T*K*H) shrink to one row each.
+        # -8% to +4%, within its rounds' spread). The combine buffers (2 x T*K*H) are not allocated.
         cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0)
     return cfg
