@@ -99,8 +99,8 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high", "copy_prefetch",
-               "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles", "half_tail_wide")
+_BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
+               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles", "half_tail_wide")
 
 
 @dataclass(frozen=True)
