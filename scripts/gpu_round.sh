@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -335,8 +335,20 @@ fi
 if [[ $what == bwdpull ]]; then  # next: the backward's pull by every program (num_comm_programs_bwd=0), ~5 min
   step bwdpullgpu timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd.py \
     tests/test_trace.py -k "gpu_combine_gather or gpu_trace"
+  step hfgpu timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_transformers.py
   step bwdpull timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "num_comm_programs_bwd=0"
+fi
+if [[ $what == bwdpull2 ]]; then  # the backward's self-pull again (one round gave medians 1.6-3.8% lower), ~5 min
+  step layergpu timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_layer.py tests/test_transformers.py
+  step bwdpull2 timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "num_comm_programs_bwd=0"
+fi
+if [[ $what == gluongrp || $what == bwdpull2 ]]; then  # #7: Gluon e4m3 tiles as a grouped GEMM, Kimi slice, ~2 min
+  step gluongu timeout 200 python3 benchmarks/gluon_fp8_probe.py --experts 48 --m 384 --n 4096 --k 7168 \
+    --stages 4 --modes nolag,chunk4,chunk8,bf16
+  step gluondown timeout 150 python3 benchmarks/gluon_fp8_probe.py --experts 48 --m 384 --n 7168 --k 2048 \
+    --stages 4 --modes nolag,chunk4,chunk8,bf16
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

@@ -493,11 +493,13 @@ def test_grid_under_a_gathering_base():
     """The one-rank default gathers with no forward comm programs (default_config). Its grid points with a
     wrapping ring push instead (the rows would be overwritten before the epilogue reads them) or, with no comm
     programs, are pruned; a base that pushes (several ranks) prunes 0 comm programs as an invalid config."""
-    base = KernelConfig(combine_gather=True, num_comm_programs_fwd=0)
+    base = KernelConfig(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)
     grid = {"num_comm_programs_fwd": (0, 8), "macrobatch_size": (None, 4096), "tiles": ((128, 4),)}
     kept, pruned = expand_grid(grid, base, 2048, 8, 48, 1, 2, 132)
     ring = [c for c in kept if c.macrobatch_size is not None]
-    assert ring == [base.with_(num_comm_programs_fwd=8, macrobatch_size=4096, combine_gather=False)]
+    # the pushing backward gets KernelConfig's default comm programs back (the base had none)
+    assert ring == [base.with_(num_comm_programs_fwd=8, macrobatch_size=4096, combine_gather=False,
+                               num_comm_programs_bwd=KernelConfig().num_comm_programs_bwd)]
     assert base in kept and base.with_(num_comm_programs_fwd=8) in kept  # no ring: gathering, with 0 or 8
     assert any("ring that does not wrap" in r for _, r in pruned)
     kept, pruned = expand_grid(grid, KernelConfig(), 2048, 8, 384, 8, 2, 132)
@@ -522,15 +524,15 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
 
 
 @pytest.mark.parametrize("dims,ranks,dtype,expect", [
-    # a seed slice (Kimi EP8, R=1): one rank with a resident ring gathers (no push) and has no forward comm
-    # programs; the backward's 12 (I=2048) pull
+    # a seed slice (Kimi EP8, R=1): one rank with a resident ring gathers (no push) and has no comm programs
+    # (every program pulls its share first, forward and backward)
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
                                                         num_comm_programs_fwd=0, combine_gather=True,
-                                                        num_comm_programs_bwd=12,
+                                                        num_comm_programs_bwd=0,
                                                         macrobatch_size=None, wgrad_persistent=True,
                                                         bwd_num_stages=4, tile_group_m=-1)),
-    # narrow experts (Qwen3.5 EP8, I=1024): more bytes per FLOP, 16 comm programs in the backward
-    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=0, num_comm_programs_bwd=16)),
+    # narrow experts (Qwen3.5 EP8, I=1024) on one rank: no comm programs either
+    ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=0, num_comm_programs_bwd=0)),
     # the Kimi slice's widths over 8 ranks: pushes (no gather), forward comm programs by I (12), the backward's
     # pull crosses NVLink, 16 comm programs (timed there)
     ((2048, 7168, 2048, 384, 8), 8, torch.bfloat16, dict(num_comm_programs_fwd=12, num_comm_programs_bwd=16,

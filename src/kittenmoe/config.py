@@ -488,7 +488,9 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     - on one rank with no ring and 2-byte operands, ``combine_gather`` (no
       push; the epilogues read the rows where they were computed) and
       ``num_comm_programs_fwd`` 0 (every program pulls first): forward+backward
-      0.4-4.5% faster on the four slices (H200, 2026-12-03).
+      0.4-4.5% faster on the four slices (H200, 2026-12-03); and
+      ``num_comm_programs_bwd`` 0 (the backward's pull the same way): another
+      1.6-3.8% (H200, 2026-12-03, session 14).
 
     On CPU (the Triton interpreter, for tests) small tiles and few programs
     keep the sequential interpreter fast: ``block_m`` 16, ``block_n`` and
@@ -550,5 +552,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         # programs (every SM pulls its share first). Forward+backward medians 0.4-4.5% lower on the four slices,
         # 17 of 25 paired rounds (H200, 2026-12-03, fwdbwd-20261203-084744.json / -085055.json; the forward alone
         # -8% to +4%, within its rounds' spread). The combine buffers (2 x T*K*H) are not allocated.
-        cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0)
+        # The backward's pull by every program too (its comm programs only pulled d_out rows, idle after):
+        # medians 1.6-3.8% lower on all four slices (fwdbwd-20261203-114826.json, 12 of 20 paired rounds).
+        cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)
     return cfg

@@ -21,7 +21,8 @@ anything compiles:
 - on a GPU, ``num_comm_programs_fwd`` >= the SM count (no compute program left);
 - a wrapping ring under a gathering base (``combine_gather``: one rank): the
   point pushes instead (the ring's rows are overwritten before an epilogue
-  could read them), and with no comm programs it is pruned.
+  could read them), with the backward's comm programs at KernelConfig's
+  default where the base had none; with no forward comm programs it is pruned.
 
 Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
@@ -328,7 +329,9 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
             if cfg.num_comm_programs_fwd == 0:
                 pruned.append((point, "no comm programs need a ring that does not wrap"))
                 continue
-            cfg = cfg.with_(combine_gather=False, num_comm_programs_bwd=max(cfg.num_comm_programs_bwd, 1))
+            # (the pushing backward needs comm programs: KernelConfig's default count where the base had none)
+            cfg = cfg.with_(combine_gather=False,
+                            num_comm_programs_bwd=cfg.num_comm_programs_bwd or KernelConfig().num_comm_programs_bwd)
         smem = gate_up_smem_bytes(cfg, elem_bytes)
         if smem > SHARED_MEMORY_LIMIT:
             pruned.append((point, f"shared memory ~{smem // 1024} KB > {SHARED_MEMORY_LIMIT // 1024} KB"))
