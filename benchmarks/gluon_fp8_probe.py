@@ -63,17 +63,23 @@ def _gluon_gemm_kernel(
     bs_ptr,  # [N // BK, K // BK] fp32 block scales of B (fp8 modes; BN == BK, so one a tile and step)
     c_desc,  # C [M, N] fp32, blocks [BM, BN]
     M, N, K,
-    STAGES: gl.constexpr, MODE: gl.constexpr, GROUP_M: gl.constexpr, KSC: gl.constexpr,
+    MPE,  # rows per expert (--experts): expert e's rows e*MPE.. multiply B's rows e*N..; M with one expert
+    STAGES: gl.constexpr, MODE: gl.constexpr, GROUP_M: gl.constexpr, KSC: gl.constexpr, EXPERTS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     BM: gl.constexpr = c_desc.block_type.shape[0]
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     KS = K // BK
-    # Grouped order: GROUP_M row tiles share each column tile's B steps in L2.
+    # Grouped order: GROUP_M row tiles share each column tile's B steps in L2. With several experts (the
+    # megakernels' grouped GEMM: each expert's rows against its own weights) the programs walk one expert's
+    # tiles after another, and within it GROUP_M row tiles together. One expert builds the plain GEMM's code
+    # (a scalar more live across the K loop costs chunk8 an 8-byte stack at 255 registers).
     pid = gl.program_id(0)
-    n_m = M // BM
+    n_m = MPE // BM
     n_n = N // BN
+    if EXPERTS > 1:
+        pid = pid % (n_m * n_n)
     width = GROUP_M * n_n
     first_m = (pid // width) * GROUP_M
     gsz = gl.minimum(n_m - first_m, GROUP_M)
@@ -81,6 +87,11 @@ def _gluon_gemm_kernel(
     pn = (pid % width) // gsz
     off_m = pm * BM
     off_n = pn * BN
+    if EXPERTS > 1:
+        expert = gl.program_id(0) // (n_m * n_n)
+        off_m += expert * MPE
+        off_n += expert * N  # B's rows; C's column stays pn * BN
+        pn += expert * n_n  # the weight scales' block row
 
     # 8 warps along M: warp w holds rows 16w..16w+15, so warps 0-3 and 4-7 are two warp groups of 64 rows,
     # each issuing m64nBNk(32 for e4m3, 16 for bf16) wgmmas.
@@ -242,18 +253,23 @@ def _gluon_gemm_kernel(
     c_s = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     c_s.store(acc)
     fence_async_shared()
+    if EXPERTS > 1:
+        off_n -= gl.program_id(0) // (n_m * n_n) * N
     tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_s)
     tma.store_wait(pendings=0)
 
 
 def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int = 128, group_m: int = 8,
-           chunk: int = 8):
+           chunk: int = 8, experts: int = 1):
     """One C = A B^T through the Gluon kernel. Operands as fp8_gemm_probe's: A [M, K], B [N, K] (e4m3 with
-    1 x 128 / 128 x 128 scales, or bf16 for mode bf16), C [M, N] fp32."""
+    1 x 128 / 128 x 128 scales, or bf16 for mode bf16), C [M, N] fp32. With ``experts`` E > 1, B is [E * N, K]
+    and expert e's M / E rows multiply its N rows of B (a grouped GEMM with equal groups)."""
     bk = 64 if mode == "bf16" else 128
     M, K = a.shape
-    N = b.shape[0]
-    if (M % bm or N % bn or K % bk or K // bk < stages or (mode != "bf16" and bn != bk)
+    N = c.shape[1]
+    mpe = M // experts
+    if (M % experts or mpe % bm or b.shape[0] != experts * N or N % bn or K % bk or K // bk < stages
+            or (mode != "bf16" and bn != bk)
             or (mode in ("lag", "pair") and (K // bk) % 2) or (mode == "quad" and (K // bk) % 4)
             or (mode == "chunk" and (K // bk) % chunk)):
         raise ValueError(f"gluon probe: M={M}, N={N}, K={K} must be multiples of {bm} / {bn} / {bk}, "
@@ -263,7 +279,8 @@ def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
     c_desc = TensorDescriptor.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32))
-    return _gluon_gemm_kernel[((M // bm) * (N // bn),)](a_desc, b_desc, a_s, b_s, c_desc, M, N, K, STAGES=stages,
+    return _gluon_gemm_kernel[((M // bm) * (N // bn),)](a_desc, b_desc, a_s, b_s, c_desc, M, N, K, mpe,
+                                                         STAGES=stages, EXPERTS=experts,
                                                          MODE=MODES[mode], GROUP_M=group_m,
                                                          KSC=chunk if mode == "chunk" else 0, num_warps=8)
 
@@ -310,9 +327,12 @@ def _mode_of(name: str, default_chunk: int) -> tuple[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--m", type=int, default=4096)
-    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--m", type=int, default=4096, help="rows (per expert with --experts)")
+    ap.add_argument("--n", type=int, default=4096, help="columns (per expert with --experts)")
     ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=1,
+                    help="E > 1: a grouped GEMM, each expert's --m rows against its own --n x --k weights "
+                         "(the Kimi slice's gate|up: --experts 48 --m 384 --n 4096 --k 7168)")
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--modes", default="nolag,pair,chunk4,chunk8,bf16",
                     help="comma-separated; chunkN is mode chunk at N steps a chunk")
@@ -328,19 +348,26 @@ def main() -> int:
     import fp8_gemm_probe as tp  # the Triton loops and the quantiser, timed beside
 
     dev = torch.device("cuda")
+    E, M, N, K = args.experts, args.m * args.experts, args.n, args.k
     g = torch.Generator().manual_seed(0)
-    a32 = torch.randn(args.m, args.k, generator=g).to(dev)
-    b32 = (torch.randn(args.n, args.k, generator=g) / 30).to(dev)
+    a32 = torch.randn(M, K, generator=g).to(dev)
+    b32 = (torch.randn(E * N, K, generator=g) / 30).to(dev)
     a, a_s = tp._quantize(a32, 1)
     b, b_s = tp._quantize(b32, 128)
-    ref = (a.double() * a_s.double().repeat_interleave(128, 1)) @ (
-        b.double() * b_s.double().repeat_interleave(128, 0).repeat_interleave(128, 1)).T
     ab, bb = a32.bfloat16(), b32.bfloat16()
-    ref_bf16 = ab.double() @ bb.double().T
-    kb = args.k // 128
-    ones_a = torch.ones(args.m, kb, device=dev)
-    ones_b = torch.ones(args.n // 128, kb, device=dev)
-    flop = 2 * args.m * args.n * args.k
+    # float64 references, one expert at a time (the Kimi gate|up's dequantised B alone is 11 GB in float64)
+    ref = torch.empty(M, N, dtype=torch.float64, device=dev)
+    ref_bf16 = torch.empty_like(ref)
+    for e in range(E):
+        r, c_ = slice(e * args.m, (e + 1) * args.m), slice(e * N, (e + 1) * N)
+        ref[r] = (a[r].double() * a_s[r].double().repeat_interleave(128, 1)) @ (
+            b[c_].double() * b_s[e * N // 128:(e + 1) * N // 128].double().repeat_interleave(128, 0)
+            .repeat_interleave(128, 1)).T
+        ref_bf16[r] = ab[r].double() @ bb[c_].double().T
+    kb = K // 128
+    ones_a = torch.ones(M, kb, device=dev)
+    ones_b = torch.ones(E * N // 128, kb, device=dev)
+    flop = 2 * M * N * K
     progs = torch.cuda.get_device_properties(dev).multi_processor_count
     one = torch.ones((), device=dev)
     rows = []
@@ -360,21 +387,28 @@ def main() -> int:
         rows.append((name, tile, ms, flop / ms / 1e9, err))
         print("  %-22s %-10s %.3f ms  %5.0f TF/s  rel L1 %.1e" % rows[-1], flush=True)
 
-    timed("torch._scaled_mm", "-", lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one,
-                                                            out_dtype=torch.bfloat16))
-    timed("torch bf16 matmul", "-", lambda: ab @ bb.T)
-    c = torch.empty(args.m, args.n, device=dev)
-    for mode in ("promote", "bf16"):
-        opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
-        timed(f"triton {mode}", "128x128 s3", lambda: tp._launch(mode, *opnds, c, 128, 128, 3, 8, progs), c,
-              ref_bf16 if mode == "bf16" else ref)
+    c = torch.empty(M, N, device=dev)
+    if E == 1:
+        timed("torch._scaled_mm", "-", lambda: torch._scaled_mm(a, b.T, scale_a=one, scale_b=one,
+                                                                out_dtype=torch.bfloat16))
+        timed("torch bf16 matmul", "-", lambda: ab @ bb.T)
+        for mode in ("promote", "bf16"):
+            opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
+            timed(f"triton {mode}", "128x128 s3", lambda: tp._launch(mode, *opnds, c, 128, 128, 3, 8, progs), c,
+                  ref_bf16 if mode == "bf16" else ref)
+    else:  # the baseline's grouped bf16 GEMM (cuBLAS / cutlass through torch), same groups
+        offs = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * args.m
+        bb3 = bb.view(E, N, K)
+        timed("torch._grouped_mm bf16", "-", lambda: torch._grouped_mm(ab, bb3.transpose(1, 2), offs=offs))
     for stages in stage_list:
         for name in args.modes.split(","):
             mode, chunk = _mode_of(name, args.chunk)
             opnds = (ab, bb, ones_a, ones_b) if mode == "bf16" else (a, b, a_s, b_s)
-            timed(f"gluon {name}", f"128x128 s{stages}", lambda: launch(mode, *opnds, c, stages, chunk=chunk), c,
+            timed(f"gluon {name}", f"128x128 s{stages}",
+                  lambda: launch(mode, *opnds, c, stages, chunk=chunk, experts=E), c,
                   ref_bf16 if mode == "bf16" else ref)
-    print(f"\nM {args.m} N {args.n} K {args.k}, 128-blocks; {torch.cuda.get_device_name()}, triton {triton.__version__}")
+    print(f"\nE {E} x (M {args.m} N {N}) K {K}, 128-blocks; {torch.cuda.get_device_name()}, "
+          f"triton {triton.__version__}")
     print("variant                tile           ms   TF/s  rel L1")
     for r in rows:
         print("%-22s %-10s %7.3f %6.0f  %.1e" % r)
