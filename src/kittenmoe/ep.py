@@ -159,10 +159,8 @@ def megakernel_forward_ep(
                                  trace=trace)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
-    gathered = st.route_row is not None  # KernelConfig.combine_gather (one rank): the rows stay in y_routed
-    ops.launch_epilogue(st.y_shared[:T], st.y_routed if gathered else combine[:T * K],
-                        topk_weights_TK.float().contiguous(), ids_all[rank][:T], out, R * L,
-                        shared_w13_2SH is not None, st.route_row[:T * K] if gathered else None)
+    ops.rank_forward_epilogue(st, combine, topk_weights_TK.float().contiguous(), ids_all[rank][:T], out, R * L,
+                              shared_w13_2SH is not None)
     return EPForward(out, st)
 
 
@@ -224,12 +222,7 @@ def megakernel_backward_ep(
                                    swiglu_limit, config, max_spin, saved=saved, fp8=fp8, trace=trace)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
-    if out["route_row"] is not None:  # KernelConfig.combine_gather (one rank): nothing was pushed
-        dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], out["dxr"], out["dwp"], ids_all[rank][:T], R * L,
-                                         has_shared, out["route_row"][:T * K])
-    else:
-        dx, dw = ops.launch_bwd_epilogue(out["sdx"][:T], dx_comb[:T * K], dw_comb[:T * K], ids_all[rank][:T],
-                                         R * L, has_shared)
+    dx, dw = ops.rank_backward_epilogue(out, dx_comb, dw_comb, ids_all[rank][:T], R * L, has_shared)
     return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"], out["trace"])
 
 

@@ -507,6 +507,23 @@ def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts:
         K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
 
 
+def rank_forward_epilogue(st: ForwardState, combine_NKH: torch.Tensor | None, w_TK: torch.Tensor,
+                          ids_TK: torch.Tensor, out_TH: torch.Tensor, num_experts: int, has_shared: bool) -> None:
+    """One rank's forward epilogue on its T = ``ids_TK.shape[0]`` tokens: out = y_shared + the K routed rows of
+    each token. The one place that picks where those rows are, for the single-process and the per-process
+    drivers: under ``KernelConfig.combine_gather`` (``st.route_row`` set; one rank, nothing pushed,
+    ``combine_NKH`` may be None) they stay in ``st.y_routed``; otherwise they are in the pushed combine buffer
+    ``combine_NKH``. The rank's buffers may hold N >= T token slots (``SymmetricPeers(max_tokens=N)``'s
+    padding); only the first T tokens' (T*K routes') are read."""
+    T, K = ids_TK.shape
+    if st.route_row is not None:
+        # y_routed is indexed by row, not by route: it is passed whole, route_row says which row each route reads
+        launch_epilogue(st.y_shared[:T], st.y_routed, w_TK, ids_TK, out_TH, num_experts, has_shared,
+                        st.route_row[:T * K])
+    else:
+        launch_epilogue(st.y_shared[:T], combine_NKH[:T * K], w_TK, ids_TK, out_TH, num_experts, has_shared)
+
+
 def _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
              peers: LocalPeers | None):
     """Validate the inputs and the device; return the dimensions and the peers to use."""
@@ -577,7 +594,8 @@ def megakernel_forward_multirank(
     # combine_gather pushes nothing: no [T*K, H] combine buffer (235 MB on the Kimi slice) is allocated. (Not a
     # smaller one either: buffers keyed by name are re-allocated whenever their shape changes, which a workspace
     # shared by layers of different configs would then do on every call.)
-    cb = None if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
+    # (A None per rank then: rank_forward_epilogue reads y_routed instead.)
+    cb = [None] * R if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
@@ -591,10 +609,8 @@ def megakernel_forward_multirank(
     outs = []
     for r in range(R):
         out = torch.empty(T, H, dtype=dtype, device=dev)
-        st = states[r]
-        gathered = st.route_row is not None  # combine_gather: the rows stay in y_routed
-        launch_epilogue(st.y_shared, st.y_routed if gathered else cb[r], topk_weights_RTK[r].float().contiguous(),
-                        ids_all[r], out, dims.e, shared_w13_2SH is not None, st.route_row)
+        rank_forward_epilogue(states[r], cb[r], topk_weights_RTK[r].float().contiguous(), ids_all[r], out, dims.e,
+                              shared_w13_2SH is not None)
         outs.append(out)
     return MultirankForward(outs, states, peers)
 
@@ -962,6 +978,24 @@ def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: in
     return dx, dw
 
 
+def rank_backward_epilogue(launched: dict, dx_comb_NKH: torch.Tensor | None, dw_comb_NK: torch.Tensor | None,
+                           ids_TK: torch.Tensor, num_experts: int, has_shared: bool):
+    """One rank's backward epilogue on its T = ``ids_TK.shape[0]`` tokens, from ``launched`` (what
+    ``launch_rank_backward`` returned). The one place that picks where the routed d_x rows and d_w partials are,
+    as ``rank_forward_epilogue`` does for the forward: under ``KernelConfig.combine_gather``
+    (``launched["route_row"]`` set; one rank, nothing pushed, the combine buffers may be None) they stay where
+    the backward computed them (``dxr`` / ``dwp``); otherwise they are in the pushed ``dx_comb_NKH`` /
+    ``dw_comb_NK``. Only the first T tokens' (T*K routes') are read. Returns (d_x [T, H], d_w [T, K] fp32)."""
+    T, K = ids_TK.shape
+    route_row = launched["route_row"]
+    if route_row is not None:
+        # dxr / dwp are indexed by row, not by route: passed whole, route_row says which row each route reads
+        return launch_bwd_epilogue(launched["sdx"][:T], launched["dxr"], launched["dwp"], ids_TK, num_experts,
+                                   has_shared, route_row[:T * K])
+    return launch_bwd_epilogue(launched["sdx"][:T], dx_comb_NKH[:T * K], dw_comb_NK[:T * K], ids_TK, num_experts,
+                               has_shared)
+
+
 def megakernel_backward_multirank(
     d_out_RTH: list[torch.Tensor],
     x_RTH: list[torch.Tensor],
@@ -1004,9 +1038,10 @@ def megakernel_backward_multirank(
     xb = peers.alloc("x", (T, H), dtype)
     db = peers.alloc("d_out", (T, H), dtype)
     wb = peers.alloc("w", (T * K,), torch.float32)
+    dx_comb, dw_comb = [None] * R, [None] * R  # under combine_gather rank_backward_epilogue reads dxr / dwp
     if not config.combine_gather:  # which pushes nothing: no d_x / d_w combine buffers (as the forward's)
-        peers.alloc("dx_comb", (T * K, H), dtype)
-        peers.alloc("dw_comb", (T * K,), torch.float32)
+        dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)
+        dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)
     for r in range(R):
         xb[r].copy_(x_RTH[r])
         db[r].copy_(d_out_RTH[r])
@@ -1028,12 +1063,7 @@ def megakernel_backward_multirank(
     has_shared = shared_w13_2SH is not None
     d_x, d_w = [], []
     for r in range(R):
-        o = outs[r]
-        if o["route_row"] is not None:  # combine_gather: the rows stay where the backward computed them
-            dx, dw = launch_bwd_epilogue(o["sdx"], o["dxr"], o["dwp"], ids_all[r], dims.e, has_shared, o["route_row"])
-        else:
-            dx, dw = launch_bwd_epilogue(o["sdx"], peers.buffer("dx_comb", r), peers.buffer("dw_comb", r),
-                                         ids_all[r], dims.e, has_shared)
+        dx, dw = rank_backward_epilogue(outs[r], dx_comb[r], dw_comb[r], ids_all[r], dims.e, has_shared)
         d_x.append(dx)
         d_w.append(dw)
     d_sw13 = d_sw2 = None
