@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -349,6 +349,11 @@ if [[ $what == gluongrp || $what == bwdpull2 ]]; then  # #7: Gluon e4m3 tiles as
     --stages 4 --modes nolag,chunk4,chunk8,bf16
   step gluondown timeout 150 python3 benchmarks/gluon_fp8_probe.py --experts 48 --m 384 --n 7168 --k 2048 \
     --stages 4 --modes nolag,chunk4,chunk8,bf16
+fi
+if [[ $what == s14 ]]; then  # the EP drivers after the epilogue refactor, then forward+backward with today's default
+  step eptests14 timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_distributed.py \
+    -k "gpu_ep_megakernels_equal_local_peers or gpu_ep_matches_reference or gpu_ep_layer_matches"
+  step bwd timeout 300 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
