@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-MODES = {"lag": 0, "nolag": 1, "bf16": 2, "pair": 3, "quad": 4, "chunk": 5}
+MODES = {"lag": 0, "nolag": 1, "bf16": 2, "pair": 3, "quad": 4, "chunk": 5, "ws": 6}
 
 
 @gluon.jit
@@ -53,6 +53,41 @@ def _load_step(a_desc, b_desc, a_s, b_s, bars, step, off_m, off_n, STAGES: gl.co
     mbarrier.expect(bars.index(st), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(a_desc, [off_m, step * BK], bars.index(st), a_s.index(st), pred=pred)
     tma.async_copy_global_to_shared(b_desc, [off_n, step * BK], bars.index(st), b_s.index(st), pred=pred)
+
+
+@gluon.jit
+def _tile_of(M, N, MPE, BM: gl.constexpr, BN: gl.constexpr, GROUP_M: gl.constexpr, EXPERTS: gl.constexpr):
+    """This program's tile: (A's first row, B's first row, the weight scales' block row). Grouped order: GROUP_M
+    row tiles share each column tile's B steps in L2. With several experts (the megakernels' grouped GEMM: each
+    expert's rows against its own weights) the programs walk one expert's tiles after another, and within it
+    GROUP_M row tiles together; C's column is then B's row less expert * N. One expert builds the plain GEMM's
+    code (a scalar more live across the K loop costs chunk8 an 8-byte stack at 255 registers)."""
+    pid = gl.program_id(0)
+    n_m = MPE // BM
+    n_n = N // BN
+    if EXPERTS > 1:
+        pid = pid % (n_m * n_n)
+    width = GROUP_M * n_n
+    first_m = (pid // width) * GROUP_M
+    gsz = gl.minimum(n_m - first_m, GROUP_M)
+    pm = first_m + (pid % width) % gsz
+    pn = (pid % width) // gsz
+    off_m = pm * BM
+    off_n = pn * BN
+    if EXPERTS > 1:
+        expert = gl.program_id(0) // (n_m * n_n)
+        off_m += expert * MPE
+        off_n += expert * N
+        pn += expert * n_n
+    return off_m, off_n, pn
+
+
+@gluon.jit
+def _c_column(off_n, N, MPE, BM: gl.constexpr, BN: gl.constexpr, EXPERTS: gl.constexpr):
+    """C's first column for B's first row ``off_n`` (recomputed after the K loop rather than kept live)."""
+    if EXPERTS > 1:
+        off_n -= gl.program_id(0) // ((MPE // BM) * (N // BN)) * N
+    return off_n
 
 
 @gluon.jit
@@ -71,27 +106,7 @@ def _gluon_gemm_kernel(
     BN: gl.constexpr = c_desc.block_type.shape[1]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     KS = K // BK
-    # Grouped order: GROUP_M row tiles share each column tile's B steps in L2. With several experts (the
-    # megakernels' grouped GEMM: each expert's rows against its own weights) the programs walk one expert's
-    # tiles after another, and within it GROUP_M row tiles together. One expert builds the plain GEMM's code
-    # (a scalar more live across the K loop costs chunk8 an 8-byte stack at 255 registers).
-    pid = gl.program_id(0)
-    n_m = MPE // BM
-    n_n = N // BN
-    if EXPERTS > 1:
-        pid = pid % (n_m * n_n)
-    width = GROUP_M * n_n
-    first_m = (pid // width) * GROUP_M
-    gsz = gl.minimum(n_m - first_m, GROUP_M)
-    pm = first_m + (pid % width) % gsz
-    pn = (pid % width) // gsz
-    off_m = pm * BM
-    off_n = pn * BN
-    if EXPERTS > 1:
-        expert = gl.program_id(0) // (n_m * n_n)
-        off_m += expert * MPE
-        off_n += expert * N  # B's rows; C's column stays pn * BN
-        pn += expert * n_n  # the weight scales' block row
+    off_m, off_n, pn = _tile_of(M, N, MPE, BM, BN, GROUP_M, EXPERTS)
 
     # 8 warps along M: warp w holds rows 16w..16w+15, so warps 0-3 and 4-7 are two warp groups of 64 rows,
     # each issuing m64nBNk(32 for e4m3, 16 for bf16) wgmmas.
@@ -253,10 +268,125 @@ def _gluon_gemm_kernel(
     c_s = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
     c_s.store(acc)
     fence_async_shared()
-    if EXPERTS > 1:
-        off_n -= gl.program_id(0) // (n_m * n_n) * N
-    tma.async_copy_shared_to_global(c_desc, [off_m, off_n], c_s)
+    tma.async_copy_shared_to_global(c_desc, [off_m, _c_column(off_n, N, MPE, BM, BN, EXPERTS)], c_s)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_consume(a_s, b_s, ready, empty, as_ptr, bs_row, c_desc, c_s, row0, c_col, KS, STAGES: gl.constexpr,
+                KSC: gl.constexpr):
+    """One math warp group of the ``ws`` mode: 64 rows x BN of the tile, the chunk loop's promotion order (step
+    k's wgmma issued before step k-1's product is waited on and promoted, chunks of KSC steps drained at their
+    end), each stage given back to the producer (``empty``) as soon as this group's wgmma that read it is done.
+    The two math groups wait on no barrier but the ring's: while one promotes, the other's wgmmas can run."""
+    HM: gl.constexpr = c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 32])
+    rows = row0 + gl.arange(0, HM, layout=gl.SliceLayout(1, layout))
+    acc = gl.zeros((HM, BN), dtype=gl.float32, layout=layout)
+    for k0 in range(0, KS, KSC):
+        p0 = gl.zeros((HM, BN), dtype=gl.float32, layout=layout)
+        p1 = gl.zeros((HM, BN), dtype=gl.float32, layout=layout)
+        mbarrier.wait(ready.index(k0 % STAGES), (k0 // STAGES) & 1)
+        p0 = warpgroup_mma(a_s.index(k0 % STAGES), b_s.index(k0 % STAGES).permute((1, 0)), p0, use_acc=False,
+                           is_async=True)
+        for j in gl.static_range(1, KSC + 1):
+            k = k0 + j
+            sa = gl.load(as_ptr + rows * KS + (k - 1))
+            sb = gl.load(bs_row + (k - 1))
+            if j < KSC:
+                st = k % STAGES
+                mbarrier.wait(ready.index(st), (k // STAGES) & 1)
+                if j % 2 == 1:
+                    p1 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p1, use_acc=False,
+                                       is_async=True)
+                    p0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
+                else:
+                    p0 = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), p0, use_acc=False,
+                                       is_async=True)
+                    p1 = warpgroup_mma_wait(num_outstanding=1, deps=(p1,))
+            else:
+                if j % 2 == 1:
+                    p0 = warpgroup_mma_wait(num_outstanding=0, deps=(p0,))
+                else:
+                    p1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
+            mbarrier.arrive(empty.index((k - 1) % STAGES), count=1)  # one thread of the group: count 2 a stage
+            if j % 2 == 1:
+                acc = acc + p0 * (sa * sb)[:, None]
+                if j < KSC:
+                    p0, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p0, acc))
+            else:
+                acc = acc + p1 * (sa * sb)[:, None]
+                if j < KSC:
+                    p1, acc = warpgroup_mma_wait(num_outstanding=1, deps=(p1, acc))
+    c_s.store(acc)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(c_desc, [row0, c_col], c_s)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_partition(ROLE: gl.constexpr, a_desc, b_desc, c_desc, a0_s, a1_s, b_s, c0_s, c1_s, ready, empty, as_ptr,
+                  bs_row, off_m, off_n, c_col, KS, STAGES: gl.constexpr, KSC: gl.constexpr):
+    """The ``ws`` mode's partitions, one function (Gluon wants the workers' signatures equal): ROLE 0 and 1 are
+    the math warp groups of rows 0-63 and 64-127, ROLE 2 the producer warp that keeps the TMA ring full."""
+    HM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    if ROLE == 2:
+        for k in range(KS):
+            st = k % STAGES
+            # a stage is free once both math groups arrived (barriers start as if phase 1 completed)
+            mbarrier.wait(empty.index(st), ((k // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(st), 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(a_desc, [off_m, k * BK], ready.index(st), a0_s.index(st))
+            tma.async_copy_global_to_shared(a_desc, [off_m + HM, k * BK], ready.index(st), a1_s.index(st))
+            tma.async_copy_global_to_shared(b_desc, [off_n, k * BK], ready.index(st), b_s.index(st))
+    elif ROLE == 0:
+        _ws_consume(a0_s, b_s, ready, empty, as_ptr, bs_row, c_desc, c0_s, off_m, c_col, KS, STAGES, KSC)
+    else:
+        _ws_consume(a1_s, b_s, ready, empty, as_ptr, bs_row, c_desc, c1_s, off_m + HM, c_col, KS, STAGES, KSC)
+
+
+@gluon.jit
+def _gluon_ws_kernel(
+    a_desc,  # A [M, K] e4m3, blocks [64, BK] (each math group loads its own half of the tile's rows)
+    b_desc,  # B [N, K] e4m3, blocks [BN, BK]
+    as_ptr,  # [M, K // BK] fp32 row-block scales of A
+    bs_ptr,  # [N // BK, K // BK] fp32 block scales of B (BN == BK)
+    c_desc,  # C [M, N] fp32, blocks [64, BN]
+    M, N, K,
+    MPE,  # rows per expert, as _gluon_gemm_kernel's
+    STAGES: gl.constexpr, GROUP_M: gl.constexpr, KSC: gl.constexpr, EXPERTS: gl.constexpr,
+):
+    """Mode ``ws``: the chunk loop split over warp-specialized partitions (DeepGEMM's form): a producer warp
+    issues the TMA ring (so no CTA-wide barrier precedes each refill, which in the other modes keeps the two warp
+    groups in step) and two 4-warp math groups each run 64 rows. Launched with num_warps=4 (the default
+    partition is math group 0)."""
+    BM: gl.constexpr = 2 * c_desc.block_type.shape[0]
+    BN: gl.constexpr = c_desc.block_type.shape[1]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    KS = K // BK
+    off_m, off_n, pn = _tile_of(M, N, MPE, BM, BN, GROUP_M, EXPERTS)
+    c_col = _c_column(off_n, N, MPE, BM, BN, EXPERTS)
+    a0_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a1_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_s = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c0_s = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    c1_s = gl.allocate_shared_memory(c_desc.dtype, c_desc.block_type.shape, c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    bs_row = bs_ptr + pn * KS
+    gl.warp_specialize([
+        (_ws_partition, (0, a_desc, b_desc, c_desc, a0_s, a1_s, b_s, c0_s, c1_s, ready, empty, as_ptr, bs_row, off_m,
+                         off_n, c_col, KS, STAGES, KSC)),
+        (_ws_partition, (1, a_desc, b_desc, c_desc, a0_s, a1_s, b_s, c0_s, c1_s, ready, empty, as_ptr, bs_row, off_m,
+                         off_n, c_col, KS, STAGES, KSC)),
+        (_ws_partition, (2, a_desc, b_desc, c_desc, a0_s, a1_s, b_s, c0_s, c1_s, ready, empty, as_ptr, bs_row, off_m,
+                         off_n, c_col, KS, STAGES, KSC)),
+    ], [4, 1], [232, 24])
 
 
 def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int = 128, group_m: int = 8,
@@ -271,11 +401,20 @@ def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int
     if (M % experts or mpe % bm or b.shape[0] != experts * N or N % bn or K % bk or K // bk < stages
             or (mode != "bf16" and bn != bk)
             or (mode in ("lag", "pair") and (K // bk) % 2) or (mode == "quad" and (K // bk) % 4)
-            or (mode == "chunk" and (K // bk) % chunk)):
+            or (mode in ("chunk", "ws") and (K // bk) % chunk)):
         raise ValueError(f"gluon probe: M={M}, N={N}, K={K} must be multiples of {bm} / {bn} / {bk}, "
                          f"K // {bk} >= stages={stages}, BN == 128 for e4m3 (one weight scale a tile), and "
                          f"K // 128 even for mode lag (its loop takes two steps an iteration)")
     gdt = gl.bfloat16 if mode == "bf16" else gl.float8e4nv
+    if mode == "ws":  # each math group's 64 rows load and store on their own
+        hm = bm // 2
+        a_desc = TensorDescriptor.from_tensor(a, [hm, bk], gl.NVMMASharedLayout.get_default_for([hm, bk], gdt))
+        b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
+        c_desc = TensorDescriptor.from_tensor(c, [hm, bn],
+                                              gl.NVMMASharedLayout.get_default_for([hm, bn], gl.float32))
+        return _gluon_ws_kernel[((M // bm) * (N // bn),)](a_desc, b_desc, a_s, b_s, c_desc, M, N, K, mpe,
+                                                          STAGES=stages, GROUP_M=group_m, KSC=chunk,
+                                                          EXPERTS=experts, num_warps=4, maxnreg=168)
     a_desc = TensorDescriptor.from_tensor(a, [bm, bk], gl.NVMMASharedLayout.get_default_for([bm, bk], gdt))
     b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
     c_desc = TensorDescriptor.from_tensor(c, [bm, bn], gl.NVMMASharedLayout.get_default_for([bm, bn], gl.float32))
@@ -320,6 +459,8 @@ def _mode_of(name: str, default_chunk: int) -> tuple[str, int]:
     """``chunkN`` is mode chunk at N steps a chunk; any other name is its mode with ``default_chunk``."""
     if re.fullmatch(r"chunk\d+", name):
         return "chunk", int(name[5:])
+    if re.fullmatch(r"ws\d+", name):  # the warp-specialized chunk loop at N steps a chunk
+        return "ws", int(name[2:])
     if name not in MODES:
         raise ValueError(f"gluon probe: unknown mode {name!r}; modes: {sorted(MODES)} or chunkN")
     return name, default_chunk

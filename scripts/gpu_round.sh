@@ -351,7 +351,10 @@ if [[ $what == gluongrp || $what == bwdpull2 ]]; then  # #7: Gluon e4m3 tiles as
     --stages 4 --modes nolag,chunk4,chunk8,bf16
 fi
 if [[ $what == s14 ]]; then  # the EP drivers after the epilogue refactor, then forward+backward with today's default
-  step eptests14 timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_distributed.py \
+  step wsdense timeout 90 python3 benchmarks/gluon_fp8_probe.py --stages 4 --modes ws4,ws8,chunk4,chunk8
+  step wsgrp timeout 90 python3 benchmarks/gluon_fp8_probe.py --experts 48 --m 384 --n 4096 --k 7168 \
+    --stages 4 --modes ws4,ws8,chunk4
+  step eptests14 timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_distributed.py \
     -k "gpu_ep_megakernels_equal_local_peers or gpu_ep_matches_reference or gpu_ep_layer_matches"
   step bwd timeout 300 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT"
 fi
