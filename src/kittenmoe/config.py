@@ -489,8 +489,10 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       push; the epilogues read the rows where they were computed) and
       ``num_comm_programs_fwd`` 0 (every program pulls first): forward+backward
       0.4-4.5% faster on the four slices (H200, 2026-12-03); and
-      ``num_comm_programs_bwd`` 0 (the backward's pull the same way): another
-      1.6-3.8% (H200, 2026-12-03, session 14).
+      ``num_comm_programs_bwd`` 0 (the backward's pull the same way): medians
+      1.6-3.8% lower in one run, within what the same config read against
+      itself (0-3.8%; H200, 2026-12-03, session 14): one role fewer, the same
+      bits, not a resolved speed gain.
 
     On CPU (the Triton interpreter, for tests) small tiles and few programs
     keep the sequential interpreter fast: ``block_m`` 16, ``block_n`` and
@@ -553,6 +555,8 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         # 17 of 25 paired rounds (H200, 2026-12-03, fwdbwd-20261203-084744.json / -085055.json; the forward alone
         # -8% to +4%, within its rounds' spread). The combine buffers (2 x T*K*H) are not allocated.
         # The backward's pull by every program too (its comm programs only pulled d_out rows, idle after):
-        # medians 1.6-3.8% lower on all four slices (fwdbwd-20261203-114826.json, 12 of 20 paired rounds).
+        # medians 1.6-3.8% lower on all four slices (fwdbwd-20261203-114826.json, 12 of 20 paired rounds), but
+        # an accidental A/A run (fwdbwd-20261203-121535.json: this config against itself) differed by 0-3.8%,
+        # so it rests on "not slower in any median, one role fewer, the same bits", not on a measured gain.
         cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)
     return cfg
