@@ -21,8 +21,9 @@ An audit (2026-12) mapped each invariant to the CPU tests that can fail when it 
 - Bad input before launch: test_checks (torch backend and forward launcher: the error, not the "before
   launch"); bad expert ids flagged on device in test_megakernel_fwd / _bwd / test_layer. Added: every malformed
   input of test_checks.BAD_INPUTS refused by both launchers with no Triton launch at all, the launchers' own
-  knob refusals and functional.moe(backend="megakernel") likewise; and one strict xfail, a malformed ``saved``
-  entry of a later rank, found only after the earlier ranks' kernels ran.
+  knob refusals and functional.moe(backend="megakernel") likewise; and a malformed ``saved`` entry of a later
+  rank (this audit found it refused only after the earlier ranks' kernels ran; ops._check_saved now checks
+  every rank's entry first).
 """
 
 from __future__ import annotations
@@ -597,9 +598,6 @@ def test_functional_megakernel_bad_input_before_any_launch(mutate, exc, match, n
             backend="megakernel", config=a["config"])
 
 
-@pytest.mark.xfail(strict=True, reason="megakernel_backward_multirank validates each rank's `saved` entry inside "
-                   "launch_rank_backward, after the earlier ranks' backward megakernels and weight-gradient "
-                   "kernels were launched (DESIGN.md: bad input gets a clear error before launch)")
 def test_malformed_saved_on_a_later_rank_refused_before_any_launch():
     """The backward launcher's ``saved`` (the forward's kept activations, one entry per rank): a float64 gate|up
     on rank 1 is refused with a clear error, and no rank's kernels have run when it is."""

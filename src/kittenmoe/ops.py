@@ -635,6 +635,43 @@ class MultirankBackward:
             check_errors(e)
 
 
+def _backward_rows(R: int, T: int, K: int, L: int, config: KernelConfig) -> int:
+    """Routed rows the backward holds resident (it has no ring): the capacity in whole minibatches."""
+    MB = config.minibatch_size
+    return triton.cdiv(routed_capacity(R, T, K, L, config.block_m), MB) * MB
+
+
+def _check_saved(saved, NR: int, bm: int, T: int, H: int, I: int, S: int, dtype: torch.dtype,
+                 dev: torch.device) -> tuple[int, int]:
+    """Refuse a ``saved`` entry that is not one rank's forward ``(x_routed, gate_up, shared_gate_up)`` for this
+    problem (``NR`` resident routed rows, ``T`` tokens, shared width ``S``, 0 without); return the backward's
+    (GU_MODE, rows kept): (1, NR) every row kept, (2, MAC) a wrapping ring's macrobatch 0. Separate from the
+    launch so that ``megakernel_backward_multirank`` checks every rank's entry before any rank launches."""
+    if not isinstance(saved, tuple) or len(saved) != 3:
+        n = f" of {len(saved)}" if isinstance(saved, (tuple, list)) else ""
+        raise ValueError("saved must be the forward's (x_routed, gate_up, shared_gate_up) "
+                         f"(ForwardState.saved()), got a {type(saved).__name__}{n}")
+    mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
+    if not (0 < mac <= NR and mac % bm == 0):
+        raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
+                         f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
+    # (an FP8 forward keeps its rows in x's dtype beside the e4m3 ring its GEMMs read)
+    for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
+                               ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
+        if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
+            raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
+                             f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
+    sgu = saved[2]
+    if sgu is not None and (S == 0 or tuple(sgu.shape) != (T, 2 * S) or not sgu.is_contiguous()
+                            or sgu.dtype != torch.float32 or sgu.device != dev):
+        want = (f"None or a contiguous float32 tensor of shape {(T, 2 * S)} on {dev}" if S > 0
+                else "None without a shared expert")
+        raise ValueError(f"saved shared_gate_up must be {want} (the forward's, same inputs), got "
+                         f"{tuple(sgu.shape)} {sgu.dtype} on {sgu.device}")
+    # Mode 1 also reads the forward's x rows for the weight gradients.
+    return (1, NR) if mac == NR else (2, mac)
+
+
 def launch_rank_backward(
     rank: int,
     peers: LocalPeers,
@@ -684,7 +721,7 @@ def launch_rank_backward(
         check_shared_memory(config, dtype.itemsize, backward=True)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     MB = config.minibatch_size
-    NR = triton.cdiv(routed_capacity(R, T, K, L, bm), MB) * MB  # every routed row resident: no ring yet
+    NR = _backward_rows(R, T, K, L, config)
     NMB = NR // MB
     # Phase A holds three fp32 accumulators (down dgrad, gate, up): half-width
     # tiles keep them at 96 registers a thread with 8 warps, and 3 stages of
@@ -706,29 +743,7 @@ def launch_rank_backward(
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
-        if not isinstance(saved, tuple) or len(saved) != 3:
-            n = f" of {len(saved)}" if isinstance(saved, (tuple, list)) else ""
-            raise ValueError("saved must be the forward's (x_routed, gate_up, shared_gate_up) "
-                             f"(ForwardState.saved()), got a {type(saved).__name__}{n}")
-        mac = saved[0].shape[0] if saved[0].dim() == 2 else -1
-        if not (0 < mac <= NR and mac % bm == 0):
-            raise ValueError(f"saved x_routed must be the forward's [MAC, H] ring with 0 < MAC <= {NR} rows, a "
-                             f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
-        # (an FP8 forward keeps its rows in x's dtype beside the e4m3 ring its GEMMs read)
-        for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
-                                   ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
-            if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
-                raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
-                                 f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
-        # Mode 1 also reads the forward's x rows for the weight gradients.
-        gu_mode, gu_rows = (1, NR) if mac == NR else (2, mac)
-        sgu = saved[2]
-        if sgu is not None and (not has_shared or tuple(sgu.shape) != (T, 2 * S) or not sgu.is_contiguous()
-                                or sgu.dtype != torch.float32 or sgu.device != dev):
-            want = (f"None or a contiguous float32 tensor of shape {(T, 2 * S)} on {dev}" if has_shared
-                    else "None without a shared expert")
-            raise ValueError(f"saved shared_gate_up must be {want} (the forward's, same inputs), got "
-                             f"{tuple(sgu.shape)} {sgu.dtype} on {sgu.device}")
+        gu_mode, gu_rows = _check_saved(saved, NR, bm, T, H, I, S, dtype, dev)
     # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
     # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
     # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
@@ -1053,6 +1068,12 @@ def megakernel_backward_multirank(
     if saved is not None and len(saved) != R:
         raise ValueError(f"saved holds {len(saved)} ranks' activations, the backward runs {R} ranks")
     saved = [None] * R if saved is None else saved
+    # every rank's entry before any rank launches (launch_rank_backward checks its own again: the EP path's)
+    S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
+    for d in range(R):
+        if saved[d] is not None:
+            _check_saved(saved[d], _backward_rows(R, T, K, L, config), config.block_m, T, H, w13_E2IH.shape[1] // 2,
+                         S, dtype, dev)
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
