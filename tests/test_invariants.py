@@ -40,6 +40,7 @@ from triton.runtime.jit import KernelInterface
 import test_checks as tc
 import test_megakernel_bwd as tb
 import test_megakernel_fwd as tf
+from test_layer import _error_check
 from kittenmoe import autograd as kag
 from kittenmoe import ops
 from kittenmoe import schedule as ksched
@@ -461,16 +462,6 @@ def _op_problem(seed: int, t: int = 10):
     weights = make_weights(TINY, device=DEV, generator=gen).tensors()
     d_out = torch.randn(t, TINY.h, generator=gen).to(DEV)
     return x, ids.to(DEV), w.to(DEV), weights, d_out
-
-
-@contextlib.contextmanager
-def _error_check(mode):
-    old = kag.get_error_check()
-    kag.set_error_check(mode)
-    try:
-        yield
-    finally:
-        kag.set_error_check(old)
 
 
 @pytest.mark.parametrize("which,mode", [
