@@ -28,7 +28,6 @@ An audit (2026-12) mapped each invariant to the CPU tests that can fail when it 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
