@@ -78,6 +78,10 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of three forward+backwards")
+    ap.add_argument("--aa", action="store_true",
+                    help="time the heuristic a second time as its own variant ('heuristic-again'): the gap between "
+                         "the two is this run's noise floor, against which the --config variants' gaps are read "
+                         "(session 14: one config read 0-3.8%% apart from itself over five rounds)")
     ap.add_argument("--shared-replay", action="store_true",
                     help="also time the heuristic with the shared expert's gate|up replayed in the backward (the "
                          "forward still keeps it): the kept shared gate|up's A/B")
@@ -170,6 +174,8 @@ def main() -> int:
         # measure_interleaved: the GPU's clock falls under sustained load, so back-to-back timing favours
         # whatever runs first).
         fns = {"kittenmoe": mk, "replay": lambda: mk(False)}
+        if args.aa:  # the same callable under a second name: timed in its own slots of every round
+            fns["heuristic-again"] = lambda: mk()
         fns["replay"]()  # compiled (its own backward build) before the timed rounds
         if args.shared_replay:  # A/B of the kept shared gate|up: the same forward, the shared replay in the backward
             fns["shared-replay"] = lambda: mk(shared_kept=False)
@@ -216,10 +222,20 @@ def main() -> int:
         row["round_ms"] = {k: list(v.round_ms) for k, v in timed.items()}
         row["ms_kittenmoe"] = timed["kittenmoe"].ms
         row["ms_kittenmoe_replay"] = timed["replay"].ms
-        for key in [k for k in timed if k not in ("kittenmoe", "replay", "grouped_mm")]:
+        aa_gap = None
+        if "heuristic-again" in timed:
+            row["ms_kittenmoe_again"] = timed["heuristic-again"].ms
+            aa_gap = abs(row["ms_kittenmoe_again"] / row["ms_kittenmoe"] - 1)
+            print(f"  {name} A/A: the heuristic {row['ms_kittenmoe']:.3f} ms, again {row['ms_kittenmoe_again']:.3f} "
+                  f"({100 * aa_gap:.1f}% apart; rounds "
+                  f"{' '.join(f'{t:.3f}' for t in timed['heuristic-again'].round_ms)})", flush=True)
+        for key in [k for k in timed if k not in ("kittenmoe", "replay", "grouped_mm", "heuristic-again")]:
             row["sweep_ms"][key] = timed[key].ms
-            print(f"  {name} [{key}]: {timed[key].ms:.3f} ms against {row['ms_kittenmoe']:.3f} "
-                  f"(rounds {' '.join(f'{t:.3f}' for t in timed[key].round_ms)})", flush=True)
+            gap = timed[key].ms / row["ms_kittenmoe"] - 1
+            within = "" if aa_gap is None else (" (within the A/A gap)" if abs(gap) <= aa_gap else
+                                                " (past the A/A gap)")
+            print(f"  {name} [{key}]: {timed[key].ms:.3f} ms against {row['ms_kittenmoe']:.3f}, {100 * gap:+.1f}%"
+                  f"{within} (rounds {' '.join(f'{t:.3f}' for t in timed[key].round_ms)})", flush=True)
         print(f"  {name} heuristic rounds: {' '.join(f'{t:.3f}' for t in timed['kittenmoe'].round_ms)}", flush=True)
         if "grouped_mm" in timed:
             row["ms_grouped_mm"] = timed["grouped_mm"].ms
