@@ -80,8 +80,10 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of three forward+backwards")
     ap.add_argument("--aa", action="store_true",
                     help="time the heuristic a second time as its own variant ('heuristic-again'): the gap between "
-                         "the two is this run's noise floor, against which the --config variants' gaps are read "
-                         "(session 14: one config read 0-3.8%% apart from itself over five rounds)")
+                         "the two is a rough noise floor for the other variants' gaps (session 14: one config read "
+                         "0-3.8%% apart from itself over five rounds). One sample, and the two copies sit at fixed "
+                         "places in the rotated order (each after the same neighbour), so 'within / past the A/A "
+                         "gap' is a rule of thumb, not a test")
     ap.add_argument("--shared-replay", action="store_true",
                     help="also time the heuristic with the shared expert's gate|up replayed in the backward (the "
                          "forward still keeps it): the kept shared gate|up's A/B")

@@ -18,7 +18,12 @@ program a tile in grouped order, a STAGES-deep TMA ring of 128-deep K steps with
 - ``lag``: e4m3, step k's wgmma issued into a second product before step k-1's is waited on and promoted
   (two products and the accumulator live: 3 x 64 fp32 registers a thread);
 - ``nolag``: e4m3, each step waited on before its promotion (what ``tl.dot`` builds);
-- ``bf16``: bf16 operands, 64-deep steps, the accumulator in the wgmma (no promotion), one wgmma in flight.
+- ``bf16``: bf16 operands, 64-deep steps, the accumulator in the wgmma (no promotion), one wgmma in flight;
+- ``chunkN`` (also ``pair``, ``quad``): ``lag`` within chunks of N steps, drained at each chunk's end;
+- ``wsN``: ``chunkN`` split over warp-specialized partitions (a producer warp for the TMA ring, two 4-warp math
+  groups of 64 rows that give each stage back on their own), DeepGEMM's form.
+
+``--experts E`` makes it a grouped GEMM: B is [E * N, K] and expert e's rows multiply its N rows of B.
 
 Beside them in the same run: the library-style Triton loop (``fp8_gemm_probe.py``'s ``promote`` and ``bf16``,
 128 x 128, 3 stages, 8 warps, persistent), ``torch._scaled_mm`` (cuBLAS, per-tensor scales) and the bf16
@@ -402,11 +407,15 @@ def launch(mode: str, a, b, a_s, b_s, c, stages: int = 4, bm: int = 128, bn: int
             or (mode != "bf16" and bn != bk)
             or (mode in ("lag", "pair") and (K // bk) % 2) or (mode == "quad" and (K // bk) % 4)
             or (mode in ("chunk", "ws") and (K // bk) % chunk)):
-        raise ValueError(f"gluon probe: M={M}, N={N}, K={K} must be multiples of {bm} / {bn} / {bk}, "
-                         f"K // {bk} >= stages={stages}, BN == 128 for e4m3 (one weight scale a tile), and "
-                         f"K // 128 even for mode lag (its loop takes two steps an iteration)")
+        raise ValueError(f"gluon probe: M={M} (split evenly over {experts} experts, each a multiple of {bm}), "
+                         f"N={N} and K={K} must be multiples of {bn} / {bk}; B must have experts * N rows; "
+                         f"K // {bk} >= stages={stages}; BN == 128 for e4m3 (one weight scale a tile); K // 128 "
+                         f"even for modes lag and pair, a multiple of 4 for quad and of the chunk for chunk / ws")
     gdt = gl.bfloat16 if mode == "bf16" else gl.float8e4nv
     if mode == "ws":  # each math group's 64 rows load and store on their own
+        if bm != 128 or stages < 2:
+            raise ValueError(f"gluon probe: mode ws runs two 64-row math groups (bm=128, got {bm}) over a ring of "
+                             f"at least 2 stages (got {stages})")
         hm = bm // 2
         a_desc = TensorDescriptor.from_tensor(a, [hm, bk], gl.NVMMASharedLayout.get_default_for([hm, bk], gdt))
         b_desc = TensorDescriptor.from_tensor(b, [bn, bk], gl.NVMMASharedLayout.get_default_for([bn, bk], gdt))
@@ -462,7 +471,7 @@ def _mode_of(name: str, default_chunk: int) -> tuple[str, int]:
     if re.fullmatch(r"ws\d+", name):  # the warp-specialized chunk loop at N steps a chunk
         return "ws", int(name[2:])
     if name not in MODES:
-        raise ValueError(f"gluon probe: unknown mode {name!r}; modes: {sorted(MODES)} or chunkN")
+        raise ValueError(f"gluon probe: unknown mode {name!r}; modes: {sorted(MODES)}, chunkN or wsN")
     return name, default_chunk
 
 
@@ -476,7 +485,7 @@ def main() -> int:
                          "(the Kimi slice's gate|up: --experts 48 --m 384 --n 4096 --k 7168)")
     ap.add_argument("--stages", default="3,4")
     ap.add_argument("--modes", default="nolag,pair,chunk4,chunk8,bf16",
-                    help="comma-separated; chunkN is mode chunk at N steps a chunk")
+                    help="comma-separated; chunkN is mode chunk at N steps a chunk, wsN mode ws likewise")
     ap.add_argument("--chunk", type=int, default=4, help="steps a chunk for a plain 'chunk'")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--build", action="store_true", help="build for sm_90 only (no GPU) and print the waits")

@@ -80,6 +80,8 @@ class _AccumulateSpy(TorchDispatchMode):
         acc = name in ("index_add", "scatter_add", "scatter_reduce", "index_reduce")
         if name in ("index_put", "_index_put_impl", "put"):
             acc = bool(kwargs.get("accumulate", args[3] if len(args) > 3 else False))
+        if name == "scatter" and ("reduce" in kwargs or len(args) > 4):  # scatter_(..., reduce="add" / "multiply")
+            acc = True
         if acc and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
             self.seen.append(str(func))
         return func(*args, **kwargs)

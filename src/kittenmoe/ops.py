@@ -403,7 +403,7 @@ def launch_rank_forward(
         raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
                          f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
                          f"{ring.capacity} rows (use None, or at least that many; or, for a ring, comm programs, "
-                         f"e.g. num_comm_programs_fwd=12, with combine_gather=False)")
+                         f"e.g. num_comm_programs_fwd=12 and num_comm_programs_bwd=16, with combine_gather=False)")
     if config.combine_gather:
         if R != 1:
             raise NotImplementedError(
@@ -413,7 +413,8 @@ def launch_rank_forward(
             raise ValueError(f"KernelConfig.combine_gather reads every route's row from y_routed after the launch, "
                              f"so the ring must hold them all: macrobatch_size={config.macrobatch_size} is below "
                              f"the worst case of {ring.capacity} rows (use None or at least that many; or, for a "
-                             f"ring, combine_gather=False with comm programs, e.g. num_comm_programs_fwd=12)")
+                             f"ring, combine_gather=False with comm programs, e.g. num_comm_programs_fwd=12 and "
+                             f"num_comm_programs_bwd=16)")
         phases &= ~mk.PH_PUSH  # nothing is pushed: the epilogue gathers
         st.route_row = route_rows(sched, T * K)
     grid = (_num_programs(dev, num_comm),)

@@ -22,7 +22,7 @@ anything compiles:
 - a wrapping ring under a gathering base (``combine_gather``: one rank): the
   point pushes instead (the ring's rows are overwritten before an epilogue
   could read them), with the backward's comm programs at KernelConfig's
-  default where the base had none; with no forward comm programs it is pruned.
+  default where the point had none; with no forward comm programs it is pruned.
 
 Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
@@ -329,7 +329,7 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
             if cfg.num_comm_programs_fwd == 0:
                 pruned.append((point, "no comm programs need a ring that does not wrap"))
                 continue
-            # (the pushing backward needs comm programs: KernelConfig's default count where the base had none)
+            # (the pushing backward needs comm programs: KernelConfig's default count where the point had none)
             cfg = cfg.with_(combine_gather=False,
                             num_comm_programs_bwd=cfg.num_comm_programs_bwd or KernelConfig().num_comm_programs_bwd)
         smem = gate_up_smem_bytes(cfg, elem_bytes)
