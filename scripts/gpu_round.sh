@@ -339,7 +339,7 @@ if [[ $what == bwdpull ]]; then  # next: the backward's pull by every program (n
   step bwdpull timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "num_comm_programs_bwd=0"
 fi
-if [[ $what == bwdpull2 ]]; then  # the backward's self-pull again (one round gave medians 1.6-3.8% lower), ~5 min
+if [[ $what == bwdpull2 ]]; then  # meant to repeat bwdpull; run once after the default changed, so an A/A, ~5 min
   step layergpu timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_layer.py tests/test_transformers.py
   step bwdpull2 timeout 400 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "num_comm_programs_bwd=0"

@@ -642,7 +642,7 @@ def _backward_rows(R: int, T: int, K: int, L: int, config: KernelConfig) -> int:
     return triton.cdiv(routed_capacity(R, T, K, L, config.block_m), MB) * MB
 
 
-def _check_saved(saved, NR: int, bm: int, T: int, H: int, I: int, S: int, dtype: torch.dtype,
+def _check_saved(saved: Saved, NR: int, bm: int, T: int, H: int, I: int, S: int, dtype: torch.dtype,
                  dev: torch.device) -> tuple[int, int]:
     """Refuse a ``saved`` entry that is not one rank's forward ``(x_routed, gate_up, shared_gate_up)`` for this
     problem (``NR`` resident routed rows, ``T`` tokens, shared width ``S``, 0 without); return the backward's
@@ -995,7 +995,8 @@ def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: in
 
 
 def rank_backward_epilogue(launched: dict, dx_comb_NKH: torch.Tensor | None, dw_comb_NK: torch.Tensor | None,
-                           ids_TK: torch.Tensor, num_experts: int, has_shared: bool):
+                           ids_TK: torch.Tensor, num_experts: int, has_shared: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's backward epilogue on its T = ``ids_TK.shape[0]`` tokens, from ``launched`` (what
     ``launch_rank_backward`` returned). The one place that picks where the routed d_x rows and d_w partials are,
     as ``rank_forward_epilogue`` does for the forward: under ``KernelConfig.combine_gather``
@@ -1071,10 +1072,10 @@ def megakernel_backward_multirank(
     saved = [None] * R if saved is None else saved
     # every rank's entry before any rank launches (launch_rank_backward checks its own again: the EP path's)
     S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
-    for d in range(R):
-        if saved[d] is not None:
-            _check_saved(saved[d], _backward_rows(R, T, K, L, config), config.block_m, T, H, w13_E2IH.shape[1] // 2,
-                         S, dtype, dev)
+    NR, I = _backward_rows(R, T, K, L, config), w13_E2IH.shape[1] // 2
+    for entry in saved:
+        if entry is not None:
+            _check_saved(entry, NR, config.block_m, T, H, I, S, dtype, dev)
     outs = [
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
