@@ -132,10 +132,12 @@ def gluon_wgrad_kernel(
                         (_wgrad_partition, (2,) + args)], [4, 1], [224, 24])
 
 
-def launch_gluon(offsets, ends, p_op, q_op, out, stages: int = 3, wm: int = 256, progs: int | None = None):
-    """out [G, N, M] = per group P[seg]^T Q[seg]; P [rows, N], Q [rows, M] bf16; N % 128 == 0."""
+def launch_gluon(offsets, ends, p_op, q_op, out, stages: int = 3, wm: int = 256, progs: int | None = None,
+                 wk: int = 64):
+    """out [G, N, M] = per group P[seg]^T Q[seg]; P [rows, N], Q [rows, M] bf16; N % 128 == 0; segments and
+    ends multiples of wk."""
     G, N, M = out.shape
-    wk, hn = 64, 64
+    hn = 64
     if N % (2 * hn) or M % 8 or p_op.dtype != torch.bfloat16 or q_op.dtype != torch.bfloat16:
         raise ValueError(f"gluon wgrad probe: N={N} must be a multiple of 128, M={M} of 8, operands bf16")
     lay = gl.NVMMASharedLayout.get_default_for
@@ -146,7 +148,7 @@ def launch_gluon(offsets, ends, p_op, q_op, out, stages: int = 3, wm: int = 256,
     if progs is None:
         progs = torch.cuda.get_device_properties(out.device).multi_processor_count
     return gluon_wgrad_kernel[(min(tiles, progs),)](offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
-                                                     STAGES=stages, num_warps=4, maxnreg=224)
+                                                     STAGES=stages, num_warps=4, maxnreg=168)
 
 
 def launch_library(offsets, ends, p_op, q_op, out, progs: int):
@@ -166,7 +168,7 @@ def launch_library(offsets, ends, p_op, q_op, out, progs: int):
         num_stages=3)
 
 
-def build_report(stages: int) -> int:
+def build_report(stages: int, wk: int) -> int:
     """Build for sm_90 without a GPU (Kimi d_W13 widths) and print registers, stack, shared memory."""
     os.environ.pop("TRITON_INTERPRET", None)
     from kittenmoe.sm90_build import compile_only_sm90
@@ -177,9 +179,9 @@ def build_report(stages: int) -> int:
     q = torch.zeros(G * rows, M, dtype=torch.bfloat16)
     out = torch.zeros(G, N, M, dtype=torch.bfloat16)
     with compile_only_sm90() as built:
-        launch_gluon(offsets, offsets[1:], p, q, out, stages, progs=132)
+        launch_gluon(offsets, offsets[1:], p, q, out, stages, progs=132, wk=wk)
     kb = built[-1]
-    print(f"gluon wgrad s{stages}: {kb.line()}")
+    print(f"gluon wgrad {wk}x{stages}: {kb.line()}")
     ptx = kb.kernel.asm["ptx"]
     print("  TMA loads", ptx.count("cp.async.bulk.tensor.2d.shared"), "stores",
           ptx.count("cp.async.bulk.tensor.2d.global"), "wgmma", ptx.count("wgmma.mma_async"),
@@ -202,13 +204,16 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi-k2.7,deepseek-v4-pro")
     ap.add_argument("--jobs", default="dw13,dw2")
-    ap.add_argument("--stages", default="3")
+    ap.add_argument("--variants", default="64x3,32x6",
+                    help="row step x ring stages, comma-separated (a stage is WK x (128 + WM) x 2 bytes; with the"
+                         " 64 KB store buffers 64 x 3 and 32 x 6 fit, 64 x 4 does not)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--build", action="store_true", help="build for sm_90 only (no GPU)")
     args = ap.parse_args()
     if args.build:
-        for s in args.stages.split(","):
-            build_report(int(s))
+        for v in args.variants.split(","):
+            wk, st = (int(x) for x in v.split("x"))
+            build_report(st, wk)
         return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fwd_round import SLICES
@@ -240,8 +245,10 @@ def main() -> int:
             offs_gm = offsets[1:].clone()
             variants = {"library": lambda: launch_library(offsets, ends, p, q, out, progs),
                         "grouped_mm": lambda: torch._grouped_mm(p.T, q, offs=offs_gm, out_dtype=torch.bfloat16)}
-            for s in args.stages.split(","):
-                variants[f"gluon s{s}"] = lambda s=int(s): launch_gluon(offsets, ends, p, q, out, s, progs=progs)
+            for v in args.variants.split(","):
+                wk, st = (int(x) for x in v.split("x"))
+                variants[f"gluon {v}"] = lambda wk=wk, st=st: launch_gluon(offsets, ends, p, q, out, st, progs=progs,
+                                                                           wk=wk)
             for label, fn in variants.items():
                 out.fill_(float("nan"))  # unwritten tiles show
                 try:

@@ -370,7 +370,8 @@ if [[ $what == s16a ]]; then  # session 16: where each slice's forward+backward 
     --shapes deepseek-v4-pro,glm-5.2
 fi
 if [[ $what == s16b ]]; then  # session 16: a warp-specialized Gluon weight-gradient kernel against the library's and cutlass's (~3 min)
-  step gwgrad timeout 240 python3 benchmarks/gluon_wgrad_probe.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
+  step gwgrad timeout 240 python3 benchmarks/gluon_wgrad_probe.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b \
+    --variants "${GW_VARIANTS:-64x3,32x6,16x12}"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
