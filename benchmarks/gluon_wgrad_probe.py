@@ -11,12 +11,13 @@ each tile pays its pipeline fill, the drain of its last wgmma and its epilogue: 
 next tile's first loads across the data-dependent K loop (perf-notes, "why wgrad_persistent cannot take the
 tutorial's form").
 
-The kernel here: one program per SM walking the library's tiles in the library's order; a producer warp keeps a
-STAGES-deep TMA ring full across tile boundaries (the next tile's first steps load while this tile's last steps
-and its epilogue run), and two 4-warp math groups each own 64 of the tile's 128 rows (A = P^T from shared memory,
-B = Q), each storing its half through its own shared-memory buffer and a TMA bulk store drained under the next
-tile. Each output element is still one fp32 sum over the expert's rows in order, 16 rows a wgmma: the library's
-bits are expected, and checked.
+The kernel (now the library's, ``kittenmoe/kernels/wgrad_gluon.py``, KernelConfig.wgrad_gluon): one program per SM
+walking the library's tiles in the library's order; a producer warp keeps a 3-deep TMA ring full across tile
+boundaries (the next tile's first steps load while this tile's last steps and its epilogue run), and two 4-warp
+math groups each own 64 of the tile's 128 rows, each storing its half through its own shared-memory buffer and a
+TMA bulk store drained under the next tile. Each output element is still one fp32 sum over the expert's rows in
+order, 16 rows a wgmma: the Triton kernel's bits, checked here. The first runs (2026-12-03) also timed rings of
+shorter steps, 32 x 6 and 16 x 12 stages: no faster (docs/perf-notes.md, session 16).
 
 Beside it in the same run: the library's launch as the backward makes it, and torch._grouped_mm (cutlass), the
 baseline's weight gradients.
@@ -30,125 +31,13 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+def launch_gluon(offsets, ends, p_op, q_op, out, progs: int):
+    """The library's Gluon launch (``kittenmoe.kernels.wgrad_gluon``, KernelConfig.wgrad_gluon) as the backward
+    makes it: 128 x 256 tiles of 64-row steps, 3 stages."""
+    from kittenmoe.kernels import wgrad_gluon
 
-
-@gluon.jit
-def _tile_at(t, offsets_ptr, ends_ptr, N, M, WN: gl.constexpr, WM: gl.constexpr):
-    """The library's ``_wgrad_tile_at``: tile t's group, output origin and rows [seg0, seg1)."""
-    n_n = (N + WN - 1) // WN
-    n_m = (M + WM - 1) // WM
-    g = t // (n_n * n_m)
-    q = t % (n_n * n_m)
-    return g, (q // n_m) * WN, (q % n_m) * WM, gl.load(offsets_ptr + g), gl.load(ends_ptr + g)
-
-
-@gluon.jit
-def _wgrad_consume(p_s, q_s, c_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles,
-                   HALF: gl.constexpr, STAGES: gl.constexpr):
-    """One math group: rows HALF * 64 .. +64 of each tile, acc += P^T Q a 64-row step at a time, one wgmma in
-    flight; a stage is given back (``empty``, count 2: both groups read it) once the wgmma that read it is done."""
-    WK: gl.constexpr = p_s.shape[1]
-    HN: gl.constexpr = p_s.shape[2]
-    WM: gl.constexpr = q_s.shape[2]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WM, 16])
-    it = 0
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
-        acc = gl.zeros((HN, WM), dtype=gl.float32, layout=layout)
-        for r in range(seg0, seg1, WK):
-            st = it % STAGES
-            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-            acc = warpgroup_mma(p_s.index(st).permute((1, 0)), q_s.index(st), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            # the previous step's wgmma is done: its stage goes back (a predicate, not a branch, between a
-            # wgmma and its wait)
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=r > seg0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=seg1 > seg0)
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_s
-        gl.thread_barrier()
-        c_s.store(acc.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [g * N + n0 + HALF * HN, m0], c_s)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _wgrad_partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty,
-                     offsets_ptr, ends_ptr, N, M, tiles, STAGES: gl.constexpr):
-    """ROLE 0 / 1: the math groups of the tile's rows 0-63 / 64-127; ROLE 2: the producer warp."""
-    WK: gl.constexpr = p_desc.block_type.shape[0]
-    HN: gl.constexpr = p_desc.block_type.shape[1]
-    WM: gl.constexpr = q_desc.block_type.shape[1]
-    if ROLE == 2:
-        it = 0
-        for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
-            for r in range(seg0, seg1, WK):
-                st = it % STAGES
-                mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # fresh barriers pass parity 1
-                mbarrier.expect(ready.index(st), 2 * p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(p_desc, [r, n0], ready.index(st), p0_s.index(st))
-                tma.async_copy_global_to_shared(p_desc, [r, n0 + HN], ready.index(st), p1_s.index(st))
-                tma.async_copy_global_to_shared(q_desc, [r, m0], ready.index(st), q_s.index(st))
-                it += 1
-    elif ROLE == 0:
-        _wgrad_consume(p0_s, q_s, c0_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
-    else:
-        _wgrad_consume(p1_s, q_s, c1_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
-
-
-@gluon.jit
-def gluon_wgrad_kernel(
-    offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_persistent_kernel's)
-    ends_ptr,  # [G] int32, end of the rows summed
-    p_desc,  # [rows, N] bf16, blocks [WK, 64] (each math group loads its own 64 columns)
-    q_desc,  # [rows, M] bf16, blocks [WK, WM]
-    out_desc,  # [G * N, M] bf16, blocks [64, WM]
-    N, M, tiles,
-    STAGES: gl.constexpr,
-):
-    """out[g] = P[seg_g]^T Q[seg_g] in 128 x WM tiles, one program an SM. Launched with num_warps=4 (the default
-    partition is math group 0)."""
-    p0_s = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
-    p1_s = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
-    q_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    c0_s = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    c1_s = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
-    args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, offsets_ptr, ends_ptr, N, M, tiles,
-            STAGES)
-    gl.warp_specialize([(_wgrad_partition, (0,) + args), (_wgrad_partition, (1,) + args),
-                        (_wgrad_partition, (2,) + args)], [4, 1], [224, 24])
-
-
-def launch_gluon(offsets, ends, p_op, q_op, out, stages: int = 3, wm: int = 256, progs: int | None = None,
-                 wk: int = 64):
-    """out [G, N, M] = per group P[seg]^T Q[seg]; P [rows, N], Q [rows, M] bf16; N % 128 == 0; segments and
-    ends multiples of wk."""
     G, N, M = out.shape
-    hn = 64
-    if N % (2 * hn) or M % 8 or p_op.dtype != torch.bfloat16 or q_op.dtype != torch.bfloat16:
-        raise ValueError(f"gluon wgrad probe: N={N} must be a multiple of 128, M={M} of 8, operands bf16")
-    lay = gl.NVMMASharedLayout.get_default_for
-    p_desc = TensorDescriptor.from_tensor(p_op, [wk, hn], lay([wk, hn], gl.bfloat16))
-    q_desc = TensorDescriptor.from_tensor(q_op, [wk, wm], lay([wk, wm], gl.bfloat16))
-    out_desc = TensorDescriptor.from_tensor(out.view(G * N, M), [hn, wm], lay([hn, wm], gl.bfloat16))
-    tiles = G * (N // (2 * hn)) * triton.cdiv(M, wm)
-    if progs is None:
-        progs = torch.cuda.get_device_properties(out.device).multi_processor_count
-    return gluon_wgrad_kernel[(min(tiles, progs),)](offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
-                                                     STAGES=stages, num_warps=4, maxnreg=168)
+    return wgrad_gluon.launch(offsets, ends, p_op, q_op, out, N, M, 64, 256, progs)
 
 
 def launch_library(offsets, ends, p_op, q_op, out, progs: int):
@@ -168,8 +57,8 @@ def launch_library(offsets, ends, p_op, q_op, out, progs: int):
         num_stages=3)
 
 
-def build_report(stages: int, wk: int) -> int:
-    """Build for sm_90 without a GPU (Kimi d_W13 widths) and print registers, stack, shared memory."""
+def build_report() -> int:
+    """Build the Gluon kernel for sm_90 without a GPU and print registers, stack, shared memory, TMA copies."""
     os.environ.pop("TRITON_INTERPRET", None)
     from kittenmoe.sm90_build import compile_only_sm90
 
@@ -179,9 +68,9 @@ def build_report(stages: int, wk: int) -> int:
     q = torch.zeros(G * rows, M, dtype=torch.bfloat16)
     out = torch.zeros(G, N, M, dtype=torch.bfloat16)
     with compile_only_sm90() as built:
-        launch_gluon(offsets, offsets[1:], p, q, out, stages, progs=132, wk=wk)
+        launch_gluon(offsets, offsets[1:], p, q, out, 132)
     kb = built[-1]
-    print(f"gluon wgrad {wk}x{stages}: {kb.line()}")
+    print(f"gluon wgrad: {kb.line()}")
     ptx = kb.kernel.asm["ptx"]
     print("  TMA loads", ptx.count("cp.async.bulk.tensor.2d.shared"), "stores",
           ptx.count("cp.async.bulk.tensor.2d.global"), "wgmma", ptx.count("wgmma.mma_async"),
@@ -204,17 +93,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi-k2.7,deepseek-v4-pro")
     ap.add_argument("--jobs", default="dw13,dw2")
-    ap.add_argument("--variants", default="64x3,32x6",
-                    help="row step x ring stages, comma-separated (a stage is WK x (128 + WM) x 2 bytes; with the"
-                         " 64 KB store buffers 64 x 3 and 32 x 6 fit, 64 x 4 does not)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--build", action="store_true", help="build for sm_90 only (no GPU)")
     args = ap.parse_args()
     if args.build:
-        for v in args.variants.split(","):
-            wk, st = (int(x) for x in v.split("x"))
-            build_report(st, wk)
-        return 0
+        return build_report()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from fwd_round import SLICES
 
@@ -245,10 +128,7 @@ def main() -> int:
             offs_gm = offsets[1:].clone()
             variants = {"library": lambda: launch_library(offsets, ends, p, q, out, progs),
                         "grouped_mm": lambda: torch._grouped_mm(p.T, q, offs=offs_gm, out_dtype=torch.bfloat16)}
-            for v in args.variants.split(","):
-                wk, st = (int(x) for x in v.split("x"))
-                variants[f"gluon {v}"] = lambda wk=wk, st=st: launch_gluon(offsets, ends, p, q, out, st, progs=progs,
-                                                                           wk=wk)
+            variants["gluon"] = lambda: launch_gluon(offsets, ends, p, q, out, progs)
             for label, fn in variants.items():
                 out.fill_(float("nan"))  # unwritten tiles show
                 try:

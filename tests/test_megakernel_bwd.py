@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -1217,7 +1218,10 @@ def test_gpu_phase_a_loop_knobs_same_bits(name, knobs, cuda_cleanup):
     dict(wgrad_two_per_sm=True, wgrad_persistent=True),  # both: two persistent programs an SM
     dict(bwd_num_stages=4),  # the megakernel's loops one stage deeper (229,408 B of shared memory on sm_90)
     dict(wgrad_persistent=True, bwd_num_stages=4),  # both: what default_config runs at block_m 128
-], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4", "heuristic-backward"])
+    dict(wgrad_gluon=True),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
+    dict(wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
+], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4", "heuristic-backward", "gluon",
+        "gluon-heuristic-backward"])
 def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     """The weight-gradient launch's knobs (and the backward megakernel's pipeline depth) on the Kimi slice (512
     tokens): each output element is still summed by one program over its expert's rows in row order, 64 rows an
@@ -1232,6 +1236,54 @@ def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     for gname in plain:
         assert_bitwise_equal(got[gname], plain[gname], f"{gname}: {knobs} vs the default launch")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts, total_rows", [
+    ([341, 0, 64, 1, 383, 128], None),  # ragged experts: an empty one (zeros stored), one row, whole and odd steps
+    ([7], 7),  # one group of 7 rows summed to its end (the shared expert's T): TMA reads the rest of the step as 0
+    ([0, 0, 0], None),  # every group empty: every tile stores zeros
+], ids=["ragged", "short-shared", "all-empty"])
+def test_gpu_wgrad_gluon_kernel_same_bits(counts, total_rows, cuda_cleanup):
+    """The Gluon weight-gradient kernel against the Triton one (``weight_grad_persistent_kernel``, TMA store) on
+    the same segments, outputs NaN-poisoned before each run: every tile written, bit for bit the same sums, and
+    an M that is not a multiple of the 256-column tile (a last tile TMA clips). 2 x 132 tiles and more: the
+    producer's ring wraps across tiles many times."""
+    import triton
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+
+    from kittenmoe.kernels import wgrad_gluon
+
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    N, M, wk = 256, 640, 64
+    seg = [(c + 127) // 128 * 128 for c in counts] if total_rows is None else [total_rows]
+    offsets = torch.tensor([0] + list(itertools.accumulate(seg)), dtype=torch.int32)
+    ends = (offsets[:-1] + torch.tensor([(c + wk - 1) // wk * wk for c in counts], dtype=torch.int32)
+            if total_rows is None else offsets[1:].clone())
+    rows = max(int(offsets[-1]), 1)
+    p = torch.randn(rows, N, generator=gen).to(dev, torch.bfloat16)
+    q = torch.randn(rows, M, generator=gen).to(dev, torch.bfloat16)
+    for e, c in enumerate(counts):  # padding rows are zeros, as the pull writes them
+        p[int(offsets[e]) + c:int(offsets[e + 1])] = 0
+        q[int(offsets[e]) + c:int(offsets[e + 1])] = 0
+    offsets, ends = offsets.to(dev), ends.to(torch.int32).to(dev)
+    G = len(counts)
+    want = torch.full((G, N, M), float("nan"), dtype=torch.bfloat16, device=dev)
+    tiles = G * (N // 128) * triton.cdiv(M, 256)
+    mb.weight_grad_persistent_kernel[(min(tiles, 132),)](
+        offsets, ends, TD.from_tensor(p, [wk, 128]), TD.from_tensor(q, [wk, 256]), want,
+        TD.from_tensor(want.view(-1, M), [128, 256]), N, M, N, M, tiles, WN=128, WM=256, WK=wk, USE_TMA=True,
+        TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
+    for progs in (132, 3):  # one program an SM; and 3 programs, each walking many tiles through its ring
+        got = torch.full_like(want, float("nan"))
+        wgrad_gluon.launch(offsets, ends, p, q, got, N, M, wk, 256, progs)
+        torch.cuda.synchronize()
+        assert not got.isnan().any(), f"{progs} programs: unwritten output"
+        assert_bitwise_equal(got, want, f"gluon ({progs} programs) vs the Triton kernel")
+    segs = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(G)]
+    ref = torch.stack([p[sl].double().T @ q[sl].double() for sl in segs])
+    assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-1), "gluon vs the float64 products"
 
 
 @pytest.mark.gpu

@@ -79,6 +79,7 @@ def prefetch_builds(request):
 FWD = ["dispatch_mlp_swiglu_combine_kernel", "combine_epilogue_kernel"]
 BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epilogue_kernel"]
 BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
+BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -114,6 +115,9 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
     (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
+    # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad_gluon), kept and replaying
+    (dict(which="bwd", resident=True, config=dict(wgrad_gluon=True)), BWD_GLUON),
+    (dict(which="bwd", config=dict(wgrad_gluon=True, wgrad_persistent=True)), BWD_GLUON),
     # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)
     (dict(which="bwd", resident=True, config=dict(wgrad_two_per_sm=True)), BWD),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
@@ -138,13 +142,18 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
     assert sorted(set(names)) == sorted(expected), names
     for b in out["builds"]:
         assert b["shared"] <= SHARED_MEMORY_LIMIT, b
-        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1]):
+        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1], BWD_GLUON[1]):
             assert b["wgmma"] and b["tma"], b
-        # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; nothing is
-        # warp-specialized (the one form that was, the weight gradients', computed wrong values on the H200)
+        # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; nothing Triton
+        # builds is warp-specialized (the one form that was, tl.range(warp_specialize=True) over the weight
+        # gradients, computed wrong values on the H200); the Gluon kernel is, by hand, with 3 partitions of
+        # 384 threads and no spills (its own GPU test holds it to the Triton kernel's bits)
         if b["name"] in (FWD[0], BWD[0]):
             assert b["timer"] == spec.get("trace", False), b
-        assert not b["warp_specialized"], b
+        if b["name"] == BWD_GLUON[1]:
+            assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
+        else:
+            assert not b["warp_specialized"], b
 
 
 def test_quantisers_build_for_sm90():

@@ -100,7 +100,8 @@ def _is_pow2(v: int) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "half_tail_tiles", "half_tail_wide")
+               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon", "half_tail_tiles",
+               "half_tail_wide")
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,14 @@ class KernelConfig:
         programs per SM. Each element is still summed by one program over its rows in order: the same bits.
         Off: on the H200 within noise (launch alone Kimi 3.96 ms against 3.90, DeepSeek 5.14 against 5.32;
         forward+backward 0.4-0.8% faster, 2026-12-01).
+    wgrad_gluon: the weight gradients from a warp-specialized Gluon kernel (``kernels/wgrad_gluon.py``): the
+        same tiles, order and bits as ``wgrad_persistent``'s, with a producer warp that keeps the TMA ring full
+        across tile boundaries (the next tile's first row steps load while this one's last wgmmas and epilogue
+        run) and two 64-row math groups. H200, the launches alone (2026-12-03): 1.10-1.26x faster than the
+        Triton kernel on the Kimi, DeepSeek and Qwen slices (Kimi d_W13 1.887 ms against 2.204, cutlass 2.180),
+        every output equal bit for bit. Hopper only (wgmma), 2-byte operands through TMA, block_n 128 and
+        64-row steps (min(block_k, block_m) = 64); not with ``wgrad_two_per_sm``. Gluon does not run under the
+        Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
         every row tile of the minibatch under one (the order timed so far): a weight tile serves its
         expert's 2-3 row tiles at once, but each 128-row x tile is read again for every column tile, after
@@ -278,6 +287,7 @@ class KernelConfig:
     copy_prefetch: bool = False
     wgrad_persistent: bool = False
     wgrad_two_per_sm: bool = False
+    wgrad_gluon: bool = False
     tile_group_m: int = 0
     half_tail_tiles: bool = False
     half_tail_wide: bool = False
@@ -314,6 +324,12 @@ class KernelConfig:
         if self.num_comm_programs_bwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_bwd=0 leaves no program to push the d_x rows: it "
                              "needs combine_gather=True (the backward's epilogue reads them)")
+        if self.wgrad_gluon and (self.wgrad_two_per_sm or self.block_n != 128
+                                 or min(self.block_k, self.block_m) != 64):
+            raise ValueError(f"KernelConfig.wgrad_gluon builds 128 x 256 weight-gradient tiles of 64-row steps: it "
+                             f"needs block_n=128 and min(block_k, block_m)=64, without wgrad_two_per_sm; got "
+                             f"block_n={self.block_n}, block_k={self.block_k}, block_m={self.block_m}, "
+                             f"wgrad_two_per_sm={self.wgrad_two_per_sm}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:

@@ -124,11 +124,12 @@ def compile_only_sm90():
 
     prev_driver = driver._active
     saved = {n: getattr(ops, n) for n in ("interpreting", "_tma_ok", "_bwd_tma_ok", "_num_programs",
-                                          "_check_device")}
+                                          "_check_device", "_check_gluon_device")}
     driver.set_active(_FakeSm90Driver())
     JITFunction.run = run
     ops.interpreting = lambda: False
     ops._check_device = lambda device: None
+    ops._check_gluon_device = lambda device: None
     ops._tma_ok = lambda config, *a_, **k_: config.tma
     ops._bwd_tma_ok = lambda config, *a_, **k_: config.tma
     ops._num_programs = lambda dev, num_comm: 132
