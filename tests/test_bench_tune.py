@@ -518,9 +518,9 @@ def test_grid_normalises_and_rejects():
     assert any("no ring" in r for r in reasons) and any(r.startswith("invalid") for r in reasons)
 
 
-def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
+def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem))
+                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem, major=major))
 
 
 @pytest.mark.parametrize("dims,ranks,dtype,expect", [
@@ -530,7 +530,7 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
                                                         num_comm_programs_fwd=0, combine_gather=True,
                                                         num_comm_programs_bwd=0,
                                                         macrobatch_size=None, wgrad_persistent=True,
-                                                        bwd_num_stages=4, tile_group_m=-1)),
+                                                        wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1)),
     # narrow experts (Qwen3.5 EP8, I=1024) on one rank: no comm programs either
     ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=0, num_comm_programs_bwd=0)),
     # the Kimi slice's widths over 8 ranks: pushes (no gather), forward comm programs by I (12), the backward's
@@ -543,11 +543,11 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30):
     # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages, and
     # the comm programs pushing)
     ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0,
-                                                       wgrad_persistent=False, tile_group_m=0,
+                                                       wgrad_persistent=False, wgrad_gluon=False, tile_group_m=0,
                                                        combine_gather=False, num_comm_programs_fwd=12)),
     # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
     ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
-                                                       wgrad_persistent=True)),
+                                                       wgrad_persistent=True, wgrad_gluon=True)),
     # a huge routed buffer (64 ranks x 8192 tokens x 8 routes x 2*7168+2048 wide): the ring window kicks in
     ((8192, 7168, 2048, 384, 8), 64, torch.bfloat16, dict(minibatch_size=2048)),
 ])
@@ -561,6 +561,13 @@ def test_default_config_on_a_gpu(monkeypatch, dims, ranks, dtype, expect):
     assert bwd_phase_a_smem_bytes(cfg, elem) <= SHARED_MEMORY_LIMIT
     if ranks == 64:
         assert cfg.macrobatch_size is not None and cfg.macrobatch_size % cfg.minibatch_size == 0
+
+
+def test_default_config_gluon_weight_gradients_on_hopper_only(monkeypatch):
+    # the Gluon weight-gradient kernel issues Hopper's wgmma: a newer GPU (sm_100) keeps the Triton kernel
+    _fake_gpu(monkeypatch, major=10)
+    cfg = default_config(2048, 7168, 2048, 48, 8, device="cuda")
+    assert not cfg.wgrad_gluon and cfg.wgrad_persistent, cfg
 
 
 def test_default_config_small_gpu_and_cpu(monkeypatch):

@@ -184,7 +184,10 @@ class KernelConfig:
         Triton kernel on the Kimi, DeepSeek and Qwen slices (Kimi d_W13 1.887 ms against 2.204, cutlass 2.180),
         every output equal bit for bit. Hopper only (wgmma), 2-byte operands through TMA, block_n 128 and
         64-row steps (min(block_k, block_m) = 64); not with ``wgrad_two_per_sm``. Gluon does not run under the
-        Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced.
+        Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced. Takes
+        precedence over ``wgrad_persistent``. Off in the dataclass; ``default_config`` sets it on Hopper with
+        2-byte operands: forward+backward medians -5.7% Kimi, -3.6% DeepSeek and GLM (15 of 15 paired rounds
+        lower, past the run's A/A gap of 1.3-1.8%), -0.9% Qwen (within its 4.4%) (H200, 2026-12-03).
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
         every row tile of the minibatch under one (the order timed so far): a weight tile serves its
         expert's 2-3 row tiles at once, but each 128-row x tile is read again for every column tile, after
@@ -497,6 +500,10 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       forward+backward 2.3-4.6% faster on the four slices (H200, 2026-12-01);
       and ``tile_group_m`` -1 (each expert's row tiles of a minibatch walked
       together): forward+backward another 2.7-4.0% (H200, 2026-12-02);
+      on Hopper (sm_90) also ``wgrad_gluon`` (the weight gradients from the
+      warp-specialized Gluon kernel, the same bits): forward+backward medians
+      3.6-5.7% lower on Kimi, DeepSeek and GLM, past the run's A/A gap, 0.9%
+      on Qwen (H200, 2026-12-03);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
       (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
       holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
@@ -557,6 +564,12 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         # paired rounds (H200, 2026-12-02, fwdbwd-20261202-161055.json / -161232.json); the forward alone
         # within +-1.7%. The order changes no bits.
         cfg = cfg.with_(wgrad_persistent=True, tile_group_m=-1)
+        # The weight gradients from the warp-specialized Gluon kernel on Hopper (wgmma; the same bits): forward+
+        # backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past the same
+        # run's A/A gap (1.3-1.8%) and lower in 15 of 15 paired rounds (H200, 2026-12-03, session 16,
+        # fwdbwd-20261203-145107.json). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
+        if props.major == 9:
+            cfg = cfg.with_(wgrad_gluon=True)
         if bm == 128 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
             cfg = cfg.with_(bwd_num_stages=4)
     cap = routed_capacity(ranks, t, k, local, bm)
