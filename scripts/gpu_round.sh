@@ -378,11 +378,14 @@ if [[ $what == s16c ]]; then  # session 16: KernelConfig.wgrad_gluon's GPU tests
   step gluonbwd timeout 330 python3 benchmarks/bwd_round.py --reps 5 --aa --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "wgrad_gluon=True"
 fi
-if [[ $what == s16d ]]; then  # session 16: wgrad_gluon as the default: the layer's, HF's and FP8's GPU tests, the table's rows
+if [[ $what == s16d ]]; then  # session 16: wgrad_gluon as the default: the layer's, HF's and FP8's GPU tests, the table's
+  # rows, the probe's two-stream variant, the HF step (~9 min)
   step layergpu16 timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_layer.py tests/test_transformers.py
   step fp8gpu16 timeout 120 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fp8.py -k heuristic
   step bwd16 timeout 300 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b
+  step gwgrad2 timeout 100 python3 benchmarks/gluon_wgrad_probe.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
+  step hf16 timeout 200 python3 benchmarks/hf_round.py --out "$OUT"  # last: the call may run out of device time
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
