@@ -570,6 +570,30 @@ def test_default_config_gluon_weight_gradients_on_hopper_only(monkeypatch):
     assert not cfg.wgrad_gluon and cfg.wgrad_persistent, cfg
 
 
+@pytest.mark.parametrize("h,i,s,gluon", [
+    (7168, 2048, None, True),  # the Kimi slice, shared width not given (assumed to fit)
+    (7168, 2048, 2048, True),  # ... and given: 2S a multiple of 128
+    (7168, 2048, 96, False),  # a shared expert of 96: its 2S = 192 rows would split a 128-row tile
+    (32, 16, 0, False),  # the tiny test shapes: H = 32 and 2I = 32 rows
+    (2880, 2048, 0, False),  # H = 2880 is not a multiple of 128 (d_W2's rows)
+])
+def test_default_config_gluon_weight_gradients_only_where_the_widths_fit(monkeypatch, h, i, s, gluon):
+    # where the widths do not fit the 128-row tiles the heuristic keeps the Triton kernel (the backward would
+    # refuse the knob there, so the heuristic must not set it)
+    _fake_gpu(monkeypatch)
+    cfg = default_config(2048, h, i, 48, 8, device="cuda", s=s)
+    assert cfg.wgrad_gluon == gluon and cfg.wgrad_persistent, cfg
+
+
+def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
+    # a tile point the Gluon kernel does not build (block_n 64) keeps its place in the grid with the Triton
+    # weight gradients, rather than being pruned as an invalid config
+    base = KernelConfig(wgrad_gluon=True, wgrad_persistent=True)
+    kept, pruned = expand_grid({"tiles": ((128, 4), (64, 4))}, base, 2048, 8, 48, 1, 2, 132)
+    assert not pruned, pruned
+    assert [(c.block_n, c.wgrad_gluon) for c in kept] == [(128, True), (64, False)]
+
+
 def test_default_config_small_gpu_and_cpu(monkeypatch):
     # fewer than 100 SMs: an eighth of them communicate
     _fake_gpu(monkeypatch, sms=40)

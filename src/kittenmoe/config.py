@@ -99,6 +99,23 @@ def _is_pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
+def gluon_wgrad_tiles_ok(block_n: int, block_k: int, block_m: int) -> bool:
+    """``KernelConfig.wgrad_gluon``'s tile: block_n x 2 block_n = 128 x 256 outputs, 64-row steps
+    (min(block_k, block_m)). One home for the condition: KernelConfig checks it, and the places that change a
+    config's tiles (``default_config``, the tuner's grid, the FP8 scale block's block_n) turn the knob off
+    where it fails rather than building a config that is refused."""
+    return block_n == 128 and min(block_k, block_m) == 64
+
+
+def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
+    """Widths the Gluon weight-gradient kernel takes: every gradient's rows (2I and H routed, 2S and H shared)
+    a multiple of its 128-row tile (a tile's TMA store must not run into the next expert's gradient) and its
+    columns (H, I, S) of 16-byte rows. ``s`` None: the shared width is not known here (assumed to fit; the
+    backward refuses one that does not, saying so)."""
+    widths_ok = h % 128 == 0 and (2 * i) % 128 == 0 and i % 8 == 0
+    return widths_ok and (not s or ((2 * s) % 128 == 0 and s % 8 == 0))
+
+
 _BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
                "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon", "half_tail_tiles",
                "half_tail_wide")
@@ -183,7 +200,9 @@ class KernelConfig:
         run) and two 64-row math groups. H200, the launches alone (2026-12-03): 1.10-1.26x faster than the
         Triton kernel on the Kimi, DeepSeek and Qwen slices (Kimi d_W13 1.887 ms against 2.204, cutlass 2.180),
         every output equal bit for bit. Hopper only (wgmma), 2-byte operands through TMA, block_n 128 and
-        64-row steps (min(block_k, block_m) = 64); not with ``wgrad_two_per_sm``. Gluon does not run under the
+        64-row steps (min(block_k, block_m) = 64; ``gluon_wgrad_tiles_ok``), every gradient's rows (2I, H, 2S)
+        a multiple of 128 and its columns of 16-byte rows (``gluon_wgrad_shape_ok``; the backward refuses other
+        widths before launching); not with ``wgrad_two_per_sm``. Gluon does not run under the
         Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced. Takes
         precedence over ``wgrad_persistent``. Off in the dataclass; ``default_config`` sets it on Hopper with
         2-byte operands: forward+backward medians -5.7% Kimi, -3.6% DeepSeek and GLM (15 of 15 paired rounds
@@ -327,8 +346,8 @@ class KernelConfig:
         if self.num_comm_programs_bwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_bwd=0 leaves no program to push the d_x rows: it "
                              "needs combine_gather=True (the backward's epilogue reads them)")
-        if self.wgrad_gluon and (self.wgrad_two_per_sm or self.block_n != 128
-                                 or min(self.block_k, self.block_m) != 64):
+        if self.wgrad_gluon and (self.wgrad_two_per_sm
+                                 or not gluon_wgrad_tiles_ok(self.block_n, self.block_k, self.block_m)):
             raise ValueError(f"KernelConfig.wgrad_gluon builds 128 x 256 weight-gradient tiles of 64-row steps: it "
                              f"needs block_n=128 and min(block_k, block_m)=64, without wgrad_two_per_sm; got "
                              f"block_n={self.block_n}, block_k={self.block_k}, block_m={self.block_m}, "
@@ -465,13 +484,14 @@ def _pow2_floor(v: int) -> int:
 
 
 def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, device=None,
-                   dtype=None) -> KernelConfig:
+                   dtype=None, s: int | None = None) -> KernelConfig:
     """The heuristic ``KernelConfig`` for a problem when no tuned config is cached.
 
     ``t`` tokens per rank, hidden ``h``, expert width ``i``, ``e`` routed
     experts in total over ``ranks`` EP ranks (``e // ranks`` local experts),
     top-``k``; ``device`` (default: CUDA if available) and ``dtype`` (default
-    bf16) of the operands. A balanced router sends about ``n = t * k`` rows to
+    bf16) of the operands; ``s`` the shared expert's width (0: none; None: not
+    known, only ``wgrad_gluon`` reads it). A balanced router sends about ``n = t * k`` rows to
     each rank, ``n_e = t * k * ranks / e`` to each expert.
 
     On CUDA (measured on the H200 for the seed shapes sliced to one EP8 rank,
@@ -501,9 +521,11 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       and ``tile_group_m`` -1 (each expert's row tiles of a minibatch walked
       together): forward+backward another 2.7-4.0% (H200, 2026-12-02);
       on Hopper (sm_90) also ``wgrad_gluon`` (the weight gradients from the
-      warp-specialized Gluon kernel, the same bits): forward+backward medians
-      3.6-5.7% lower on Kimi, DeepSeek and GLM, past the run's A/A gap, 0.9%
-      on Qwen (H200, 2026-12-03);
+      warp-specialized Gluon kernel, the same bits) where the widths fit its
+      128-row tiles (``gluon_wgrad_shape_ok``: H and 2I, and 2S when ``s`` is
+      given, multiples of 128): forward+backward medians 3.6-5.7% lower on
+      Kimi, DeepSeek and GLM, past the run's A/A gap, 0.9% on Qwen (H200,
+      2026-12-03);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
       (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
       holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
@@ -568,7 +590,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         # backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past the same
         # run's A/A gap (1.3-1.8%) and lower in 15 of 15 paired rounds (H200, 2026-12-03, session 16,
         # fwdbwd-20261203-145107.json). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
-        if props.major == 9:
+        if props.major == 9 and gluon_wgrad_shape_ok(h, i, s) and gluon_wgrad_tiles_ok(bn, bk, bm):
             cfg = cfg.with_(wgrad_gluon=True)
         if bm == 128 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
             cfg = cfg.with_(bwd_num_stages=4)

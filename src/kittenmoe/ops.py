@@ -183,6 +183,12 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
                                   "the interpreter runs the Triton weight-gradient kernel (wgrad_gluon=False), "
                                   "whose bits the Gluon kernel's GPU test holds it to")
     _check_gluon_device(dev)
+    try:  # here, not at the launch after the megakernel: a Triton without Gluon's Hopper API is refused up front
+        from kittenmoe.kernels import wgrad_gluon  # noqa: F401
+    except ImportError as exc:
+        raise NotImplementedError(f"KernelConfig.wgrad_gluon needs Gluon's Hopper API (triton.experimental.gluon, "
+                                  f"Triton 3.6 was timed); this Triton {triton.__version__} lacks it ({exc}): set "
+                                  f"wgrad_gluon=False") from exc
     if not use_tma:
         raise NotImplementedError("KernelConfig.wgrad_gluon loads through TMA: it needs tma=True, 2-byte operands "
                                   "and 16-byte row strides (the backward's TMA path)")
@@ -944,7 +950,8 @@ def launch_rank_backward(
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
     # The weight-gradient jobs, launched after the megakernel (below); listed first so that wgrad_gluon's
-    # conditions are checked before anything launches.
+    # conditions are checked before the megakernel launches (the schedule's kernels have run, as for every
+    # check here that needs the routed buffers).
     jobs = []  # (row offsets, ends of the rows summed, groups, P, Q, out, N, M)
     if phases & mb.PB_WGRAD:
         # Each expert's rows up to its real count rounded up to wk: the padding rows past are zeros (the pull

@@ -66,7 +66,8 @@ from typing import Callable
 
 import torch
 
-from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes, routed_capacity
+from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes,
+                              gluon_wgrad_tiles_ok, routed_capacity)
 
 ENV_CACHE_DIR = "KITTENMOE_CACHE_DIR"
 ENV_AUTOTUNE = "KITTENMOE_AUTOTUNE"
@@ -230,7 +231,7 @@ def config_for(t: int, h: int, i: int, e: int, k: int, ranks: int, device, dtype
     why = "KITTENMOE_AUTOTUNE=0" if not autotune_enabled() else "no tuned config cached"
     tdtype = dtype if isinstance(dtype, torch.dtype) else {"bf16": torch.bfloat16, "fp32": torch.float32,
                                                            "fp16": torch.float16}[_dtype_key(dtype)]
-    return default_config(t, h, i, e, k, ranks, dev, tdtype), f"heuristic ({why})"
+    return default_config(t, h, i, e, k, ranks, dev, tdtype, s), f"heuristic ({why})"
 
 
 # ----------------------------------------------------------------------------- grid
@@ -307,6 +308,9 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
         changes = {a: v for a, v in point.items() if a != "tiles"}
         if "tiles" in point:
             changes["block_n"], changes["num_stages"] = point["tiles"]
+        tiles = {a: changes.get(a, getattr(base, a)) for a in ("block_n", "block_k", "block_m")}
+        if base.wgrad_gluon and "wgrad_gluon" not in changes and not gluon_wgrad_tiles_ok(**tiles):
+            changes["wgrad_gluon"] = False  # the Gluon weight gradients' tile is 128 x 256: other tiles use Triton's
         try:
             cfg = base.with_(**changes)
         except (TypeError, ValueError) as exc:
@@ -504,7 +508,7 @@ def run_tune(args: argparse.Namespace, argv: list[str] | None = None, log: Calla
     reps, warmup = resolve_reps(args, device)
     env = environment(device)
     t, h, i, e, k = prob.dims
-    default = default_config(t, h, i, e, k, prob.ranks, device, prob.torch_dtype)
+    default = default_config(t, h, i, e, k, prob.ranks, device, prob.torch_dtype, prob.shared_width)
     base = apply_overrides(default, overrides)
     default = base  # "default" = what runs without a cache: the heuristic plus the user's overrides
     log(f"kittenmoe tune on {env['gpu']} ({env['device']}), torch {env['torch']}, triton {env['triton']}")
