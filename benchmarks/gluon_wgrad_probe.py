@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/gluon_wgrad_probe.py [--shapes kimi-k2.7,deepseek-v4-pro] [--jobs dw13,dw2]
     PYTHONPATH=.triton-device:src python benchmarks/gluon_wgrad_probe.py --build   # no GPU: sm_90 build only
 
-Why (docs/perf-notes.md, session 16): the four weight-gradient launches are the largest part of a forward+backward
+Why (docs/perf-notes.md, session 15): the four weight-gradient launches are the largest part of a forward+backward
 now (Kimi slice: 3.45 of ~9.7 ms of GPU time, 470 TFLOP/s; their floors are 2.0 ms of MMAs at the measured dense
 rate and 0.96 ms of stores, which can overlap). A tile sums an expert's ~341 rows (Kimi) in six 64-row steps, so
 each tile pays its pipeline fill, the drain of its last wgmma and its epilogue: the library's persistent form
@@ -17,7 +17,7 @@ boundaries (the next tile's first steps load while this tile's last steps and it
 math groups each own 64 of the tile's 128 rows, each storing its half through its own shared-memory buffer and a
 TMA bulk store drained under the next tile. Each output element is still one fp32 sum over the expert's rows in
 order, 16 rows a wgmma: the Triton kernel's bits, checked here. The first runs (2026-12-03) also timed rings of
-shorter steps, 32 x 6 and 16 x 12 stages: no faster (docs/perf-notes.md, session 16).
+shorter steps, 32 x 6 and 16 x 12 stages: no faster (docs/perf-notes.md, session 15).
 
 Beside it in the same run: the library's launch as the backward makes it, and torch._grouped_mm (cutlass), the
 baseline's weight gradients.

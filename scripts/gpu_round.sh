@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s16a|s16b|s16c|s16d|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -363,22 +363,22 @@ if [[ $what == s15 ]]; then  # next: the table's DeepSeek / GLM rows with an A/A
     --shapes deepseek-v4-pro,glm-5.2
   step hf15 timeout 240 python3 benchmarks/hf_round.py --out "$OUT"
 fi
-if [[ $what == s16a ]]; then  # session 16: where each slice's forward+backward GPU time goes now, then s15's A/A rows, ~9 min
+if [[ $what == s15a ]]; then  # session 15: where each slice's forward+backward GPU time goes now, then s15's A/A rows, ~9 min
   step prof16 timeout 240 python3 benchmarks/bwd_round.py --reps 1 --rounds 1 --profile --out "$OUT/prof" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b
   step bwd15 timeout 300 python3 benchmarks/bwd_round.py --reps 5 --aa --out "$OUT" \
     --shapes deepseek-v4-pro,glm-5.2
 fi
-if [[ $what == s16b ]]; then  # session 16: a warp-specialized Gluon weight-gradient kernel against the library's and cutlass's (~3 min)
+if [[ $what == s15b ]]; then  # session 15: a warp-specialized Gluon weight-gradient kernel against the library's and cutlass's (~3 min)
   step gwgrad timeout 240 python3 benchmarks/gluon_wgrad_probe.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
 fi
-if [[ $what == s16c ]]; then  # session 16: KernelConfig.wgrad_gluon's GPU tests, then forward+backward with it (~6 min)
+if [[ $what == s15c ]]; then  # session 15: KernelConfig.wgrad_gluon's GPU tests, then forward+backward with it (~6 min)
   step gluontests timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_bwd.py \
     -k "gluon or wgrad_launch_same_bits"
   step gluonbwd timeout 330 python3 benchmarks/bwd_round.py --reps 5 --aa --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b --config "wgrad_gluon=True"
 fi
-if [[ $what == s16d ]]; then  # session 16: wgrad_gluon as the default: the layer's, HF's and FP8's GPU tests, the table's
+if [[ $what == s15d ]]; then  # session 15: wgrad_gluon as the default: the layer's, HF's and FP8's GPU tests, the table's
   # rows, the probe's two-stream variant, the HF step (~9 min)
   step layergpu16 timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_layer.py tests/test_transformers.py
   step fp8gpu16 timeout 120 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fp8.py -k heuristic

@@ -588,7 +588,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         cfg = cfg.with_(wgrad_persistent=True, tile_group_m=-1)
         # The weight gradients from the warp-specialized Gluon kernel on Hopper (wgmma; the same bits): forward+
         # backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past the same
-        # run's A/A gap (1.3-1.8%) and lower in 15 of 15 paired rounds (H200, 2026-12-03, session 16,
+        # run's A/A gap (1.3-1.8%) and lower in 15 of 15 paired rounds (H200, 2026-12-03, session 15,
         # fwdbwd-20261203-145107.json). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
         if props.major == 9 and gluon_wgrad_shape_ok(h, i, s) and gluon_wgrad_tiles_ok(bn, bk, bm):
             cfg = cfg.with_(wgrad_gluon=True)

@@ -12,13 +12,14 @@ element one fp32 sum over the group's rows in order, WK rows a step and 16 a wgm
   wgmma group in flight) and store their half through their own shared-memory buffer and a TMA bulk store that
   drains under the next tile.
 
-H200 (2026-12-03, ``benchmarks/gluon_wgrad_probe.py``, the slices' ragged expert rows): Kimi d_W13 1.887 ms
-against the Triton kernel's 2.204 and cutlass's (torch._grouped_mm) 2.180, d_W2 0.956 / 1.153 / 1.100;
-DeepSeek 2.333 / 2.826, 1.222 / 1.540; Qwen 1.188 / 1.310, 0.590 / 0.653; every output equal bit for bit to the
-Triton kernel's (and to cutlass's). Deeper rings of shorter steps (32 x 6, 16 x 12) were no faster.
+H200 (2026-12-03, ``benchmarks/gluon_wgrad_probe.py``, the slices' ragged expert rows, ms, this kernel against
+the Triton kernel's and cutlass's (torch._grouped_mm)): Kimi d_W13 1.887 / 2.204 / 2.180, d_W2 0.958 / 1.153 /
+1.100; DeepSeek 2.329 / 2.826 / 2.818, 1.220 / 1.540 / 1.444; Qwen 1.189 / 1.310 / 1.326, 0.588 / 0.647 / 0.692;
+every output equal bit for bit to the Triton kernel's (and to cutlass's). Deeper rings of shorter steps
+(32 x 6, 16 x 12) were no faster.
 
-Gluon kernels do not run under the Triton interpreter: on CPU the Triton kernel is the one that runs (the knob
-is refused there), and the GPU test holds this kernel to its bits. Imported only when the knob is on, so a
+Gluon kernels do not run under the Triton interpreter: on CPU only the Triton kernel runs (with the knob on, the
+backward refuses it there, before launching), and GPU tests hold this kernel to the Triton kernel's bits. Imported only when the knob is on, so a
 Triton without Gluon's Hopper API fails there with the reason, not at ``import kittenmoe``.
 """
 
