@@ -154,6 +154,36 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     assert seen["config"].copy_prefetch is True
 
 
+@pytest.mark.parametrize("scale_block, gluon", [
+    (32, False),  # MXFP8: gate|up tiles 32 wide, which the Gluon weight gradients' 128 x 256 tile is not
+    (128, True),  # 128-blocks: block_n stays 128, and so does the heuristic's wgrad_gluon
+])
+def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block, gluon):
+    """The megakernel path's heuristic config on a Hopper GPU sets wgrad_gluon; the FP8 option then sets
+    block_n to the scale block. At 32 the knob must go (a config it refuses would fail in the forward's
+    KernelConfig check); at 128 it stays. The device and the heuristic are faked (no GPU here)."""
+    from kittenmoe.autograd import config_to_args
+    from kittenmoe.config import KernelConfig
+    from kittenmoe.fp8 import FP8Config
+
+    seen = {}
+    monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
+    monkeypatch.setattr(kt, "auto_config_args", lambda *a: config_to_args(
+        KernelConfig(wgrad_gluon=True, wgrad_persistent=True)))
+    monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
+    fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=FP8Config(scale_block, scale_block == 32)))
+
+    class Experts(torch.nn.Module):  # the attributes check_supported reads, as HF's experts modules have them
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 256, 128))
+            self.down_proj = torch.nn.Parameter(torch.randn(4, 128, 128))
+            self.act_fn = torch.nn.SiLU()
+
+    fwd(Experts(), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
+    assert seen["config"].block_n == scale_block and seen["config"].wgrad_gluon is gluon
+
+
 @pytest.mark.parametrize("attr,value,match", [
     ("has_bias", True, "expert biases"),  # GPT-OSS style biases
     ("has_gate", False, "without a gate"),  # up_proj-only experts
