@@ -107,13 +107,18 @@ def gluon_wgrad_tiles_ok(block_n: int, block_k: int, block_m: int) -> bool:
     return block_n == 128 and min(block_k, block_m) == 64
 
 
+def gluon_wgrad_gradient_ok(n: int, m: int) -> bool:
+    """One [N, M] weight gradient the Gluon kernel takes: N rows a multiple of its 128-row tile (a tile's TMA
+    store must not run into the next expert's gradient) and M columns of 16-byte rows (2-byte elements)."""
+    return n % 128 == 0 and m % 8 == 0
+
+
 def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
-    """Widths the Gluon weight-gradient kernel takes: every gradient's rows (2I and H routed, 2S and H shared)
-    a multiple of its 128-row tile (a tile's TMA store must not run into the next expert's gradient) and its
-    columns (H, I, S) of 16-byte rows. ``s`` None: the shared width is not known here (assumed to fit; the
-    backward refuses one that does not, saying so)."""
-    widths_ok = h % 128 == 0 and (2 * i) % 128 == 0 and i % 8 == 0
-    return widths_ok and (not s or ((2 * s) % 128 == 0 and s % 8 == 0))
+    """``gluon_wgrad_gradient_ok`` for every gradient of the layer: d_W13 [2I, H] and d_W2 [H, I], and the shared
+    expert's [2S, H] and [H, S]. ``s`` None: the shared width is not known here (assumed to fit; the backward
+    refuses one that does not, saying so)."""
+    grads = [(2 * i, h), (h, i)] + ([(2 * s, h), (h, s)] if s else [])
+    return all(gluon_wgrad_gradient_ok(n, m) for n, m in grads)
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from kittenmoe.checks import check_moe_inputs, interpreting
-from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
+from kittenmoe.config import KernelConfig, check_shared_memory, gluon_wgrad_gradient_ok, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule, build_schedule
@@ -193,7 +193,7 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
         raise NotImplementedError("KernelConfig.wgrad_gluon loads through TMA: it needs tma=True, 2-byte operands "
                                   "and 16-byte row strides (the backward's TMA path)")
     for p_op, q_op, dst, n, m in jobs:
-        if not (p_op.dtype == q_op.dtype == dst.dtype and dst.element_size() == 2 and n % 128 == 0 and m % 8 == 0
+        if not (p_op.dtype == q_op.dtype == dst.dtype and dst.element_size() == 2 and gluon_wgrad_gradient_ok(n, m)
                 and dst.is_contiguous()):
             raise NotImplementedError(
                 f"KernelConfig.wgrad_gluon: a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
