@@ -125,6 +125,16 @@ def test_fp8_option_type_checked():
         kt.Options(fp8="e4m3")
 
 
+class _Experts(torch.nn.Module):
+    """The attributes check_supported reads, as HF's experts modules have them: 4 experts, gate|up [2I, H]."""
+
+    def __init__(self, h: int, i: int):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 2 * i, h))
+        self.down_proj = torch.nn.Parameter(torch.randn(4, h, i))
+        self.act_fn = torch.nn.SiLU()
+
+
 def test_knobs_option_checked_and_applied(monkeypatch):
     """Options(knobs=...): KernelConfig fields on top of the per-call config, checked when the options are made;
     the experts forward hands kittenmoe.moe a config carrying them."""
@@ -143,14 +153,7 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     monkeypatch.setattr(kt, "moe", fake_moe)
     fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("copy_prefetch", True),)))
 
-    class Experts(torch.nn.Module):  # the attributes check_supported reads, as HF's experts modules have them
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 32, 16))
-            self.down_proj = torch.nn.Parameter(torch.randn(4, 16, 16))
-            self.act_fn = torch.nn.SiLU()
-
-    fwd(Experts(), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
+    fwd(_Experts(h=16, i=16), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
     assert seen["config"].copy_prefetch is True
 
 
@@ -173,14 +176,7 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block,
     monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
     fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=FP8Config(scale_block, scale_block == 32)))
 
-    class Experts(torch.nn.Module):  # the attributes check_supported reads, as HF's experts modules have them
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj = torch.nn.Parameter(torch.randn(4, 256, 128))
-            self.down_proj = torch.nn.Parameter(torch.randn(4, 128, 128))
-            self.act_fn = torch.nn.SiLU()
-
-    fwd(Experts(), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
+    fwd(_Experts(h=128, i=128), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
     assert seen["config"].block_n == scale_block and seen["config"].wgrad_gluon is gluon
 
 
