@@ -67,6 +67,73 @@ def check(name, shape, R, T, cfg, dev):
     return dict(worst_rel_l1=worst, min_cosine=cmin, deterministic=det, per_tensor=errs)
 
 
+def gaps(label, fn, out_dir, n=10):
+    """Where one call's wall time goes beyond its kernels (--gaps). Host ms: ``n`` back-to-back calls' enqueue
+    time on the host over ``n`` (the queue never fills at ~30 launches a call). Loop ms: the same calls' GPU time
+    over ``n`` (the host runs ahead, so no launch gaps unless a call syncs). Then one call after an L2 flush
+    under the profiler, as do_bench times it: its span from the first kernel to the last, the kernels' busy
+    time (union) and the largest idle gaps with the kernels either side. Synchronizing calls are counted with
+    ``torch.cuda.set_sync_debug_mode('warn')``."""
+    import time
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    b.record()
+    for _ in range(n):
+        fn()
+    e.record()
+    host_ms = (time.perf_counter() - t0) * 1e3 / n
+    torch.cuda.synchronize()
+    loop_ms = b.elapsed_time(e) / n
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        flush.zero_()
+        fn()
+        torch.cuda.synchronize()
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"gaps-{label}.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        ev = [x for x in json.load(f)["traceEvents"] if x.get("ph") == "X" and x.get("cat") in ("kernel", "gpu_memcpy",
+                                                                                                   "gpu_memset")]
+    ev.sort(key=lambda x: x["ts"])
+    ev = ev[1:]  # the flush's memset / fill kernel
+    busy, end, holes = 0.0, None, []
+    for x in ev:
+        s, d = x["ts"], x["dur"]
+        if end is not None and s > end:
+            holes.append((s - end, prev, x["name"]))
+        busy += max(0.0, s + d - max(s, end if end is not None else s))
+        if end is None or s + d > end:
+            end, prev = s + d, x["name"]
+    span = (end - ev[0]["ts"]) / 1e3
+    holes.sort(reverse=True)
+    res = dict(host_ms=host_ms, loop_ms=loop_ms, span_ms=span, busy_ms=busy / 1e3, idle_ms=span - busy / 1e3,
+               kernels=len(ev), syncs=syncs,
+               largest_gaps=[(round(g / 1e3, 4), a[:60], z[:60]) for g, a, z in holes[:6]])
+    print(f"  gaps {label}: host {host_ms:.3f} ms a call, back to back {loop_ms:.3f} ms a call; one call after a "
+          f"flush: span {span:.3f} ms, kernels busy {busy / 1e3:.3f}, idle {span - busy / 1e3:.3f} "
+          f"({len(ev)} kernels); syncs {len(syncs)}", flush=True)
+    for s in syncs:
+        print(f"    sync: {s}", flush=True)
+    for g, a, z in res["largest_gaps"]:
+        print(f"    gap {g:.3f} ms  after {a}  before {z}", flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="kimi-k2.7,qwen3.5-397b-a17b")
@@ -78,6 +145,10 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="also run the backward megakernel's traced build once and print kittenmoe.trace's summary")
     ap.add_argument("--profile", action="store_true", help="print the GPU kernel time table of three forward+backwards")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also say where a call's wall time goes beyond its kernels, for the heuristic and the "
+                         "baseline: host ms a call (enqueue), GPU ms a call back to back, and one call's GPU idle "
+                         "after an L2 flush (do_bench's setting) from a profiler trace, with the largest gaps")
     ap.add_argument("--aa", action="store_true",
                     help="time the heuristic a second time as its own variant ('heuristic-again'): the gap between "
                          "the two is a rough noise floor for the other variants' gaps (session 14: one config read "
@@ -208,6 +279,8 @@ def main() -> int:
             row["baseline_error"] = repr(exc)
         mk()
         row["peak_mb_kittenmoe"] = peak_mb(mk)
+        if args.gaps:
+            row["gaps"] = {k: gaps(f"{name}-{k}", fns[k], args.out) for k in ("kittenmoe", "grouped_mm") if k in fns}
         errors = {}  # a variant failing in the rounds is dropped and reported (the heuristic's own failure raises)
         timed = measure_interleaved(fns, dev, rounds=args.rounds, rep_ms=args.reps * 20 / args.rounds,
                                     warmup_ms=20, errors=errors)

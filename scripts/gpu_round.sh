@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|s16a|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -391,6 +391,11 @@ if [[ $what == s15e ]]; then  # session 15, with ~5 minutes of device time left:
   step layergpu15 timeout 100 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_layer.py
   step fp8gpu15 timeout 60 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fp8.py -k heuristic
   step bwdkimi15 timeout 80 python3 benchmarks/bwd_round.py --reps 3 --out "$OUT" --shapes kimi-k2.7
+fi
+if [[ $what == s16a ]]; then  # session 16: where forward+backward's wall time goes beyond its kernels (~3 min)
+  step gaps16 timeout 400 python3 benchmarks/bwd_round.py --reps 3 --gaps --out "$OUT" \
+    --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
+  step gluontest16 timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_bwd.py -k gluon
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
