@@ -16,8 +16,11 @@ walking the library's tiles in the library's order; a producer warp keeps a 3-de
 boundaries (the next tile's first steps load while this tile's last steps and its epilogue run), and two 4-warp
 math groups each own 64 of the tile's 128 rows, each storing its half through its own shared-memory buffer and a
 TMA bulk store drained under the next tile. Each output element is still one fp32 sum over the expert's rows in
-order, 16 rows a wgmma: the Triton kernel's bits, checked here. The first runs (2026-12-03) also timed rings of
-shorter steps, 32 x 6 and 16 x 12 stages: no faster (docs/perf-notes.md, session 15).
+order, 16 rows a wgmma: the Triton kernel's bits, checked here. Earlier runs (2026-12-03) also timed rings of
+shorter steps (32 x 6 and 16 x 12 stages) and a two-stream form (two producer warps and math groups an SM, each on
+its own 128 x 128 tiles): none faster (docs/perf-notes.md, sessions 15 and 16).
+Session 16 also timed a short tail (a last step of at most 32 rows issuing only the 16 or 32 rows' wgmmas that hold
+rows, peeled off the loop): the same bits, and slower (docs/perf-notes.md, session 16).
 
 Beside it in the same run: the library's launch as the backward makes it, and torch._grouped_mm (cutlass), the
 baseline's weight gradients.
@@ -31,124 +34,6 @@ import sys
 
 import torch
 import triton
-from triton.experimental import gluon
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                warpgroup_mma_wait)
-
-from kittenmoe.kernels.wgrad_gluon import _tile_at
-
-
-@gluon.jit
-def _two_consume(p_s, q_s, c_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles,
-                 GRP: gl.constexpr, STAGES: gl.constexpr):
-    """Variant ``two``: math group GRP runs whole 128 x WM tiles (two m64 wgmmas a k16 step) of its own ring: the
-    program's tiles j = GRP, GRP + 2, ... Two such streams share the SM, so one's drain and epilogue can run
-    under the other's wgmmas."""
-    WK: gl.constexpr = p_s.shape[1]
-    WN: gl.constexpr = p_s.shape[2]
-    WM: gl.constexpr = q_s.shape[2]
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WM, 16])
-    it = 0
-    for t in range(gl.program_id(0) + GRP * gl.num_programs(0), tiles, 2 * gl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, WN, WM)
-        acc = gl.zeros((WN, WM), dtype=gl.float32, layout=layout)
-        for r in range(seg0, seg1, WK):
-            st = it % STAGES
-            mbarrier.wait(ready.index(st), (it // STAGES) & 1)
-            acc = warpgroup_mma(p_s.index(st).permute((1, 0)), q_s.index(st), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=r > seg0)
-            it += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=seg1 > seg0)
-        tma.store_wait(pendings=0)
-        gl.thread_barrier()
-        c_s.store(acc.to(out_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [g * N + n0, m0], c_s)
-    tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _two_produce(p_desc, q_desc, p_s, q_s, ready, empty, offsets_ptr, ends_ptr, N, M, tiles,
-                 GRP: gl.constexpr, STAGES: gl.constexpr):
-    WK: gl.constexpr = p_desc.block_type.shape[0]
-    WN: gl.constexpr = p_desc.block_type.shape[1]
-    WM: gl.constexpr = q_desc.block_type.shape[1]
-    it = 0
-    for t in range(gl.program_id(0) + GRP * gl.num_programs(0), tiles, 2 * gl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, WN, WM)
-        for r in range(seg0, seg1, WK):
-            st = it % STAGES
-            mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(st), p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(p_desc, [r, n0], ready.index(st), p_s.index(st))
-            tma.async_copy_global_to_shared(q_desc, [r, m0], ready.index(st), q_s.index(st))
-            it += 1
-
-
-@gluon.jit
-def _two_partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, q0_s, p1_s, q1_s, c0_s, c1_s, ready0,
-                   empty0, ready1, empty1, offsets_ptr, ends_ptr, N, M, tiles, STAGES: gl.constexpr):
-    """ROLE 0 / 1: math groups of streams 0 / 1; ROLE 2 / 3: their producer warps."""
-    if ROLE == 0:
-        _two_consume(p0_s, q0_s, c0_s, ready0, empty0, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
-    elif ROLE == 1:
-        _two_consume(p1_s, q1_s, c1_s, ready1, empty1, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
-    elif ROLE == 2:
-        _two_produce(p_desc, q_desc, p0_s, q0_s, ready0, empty0, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
-    else:
-        _two_produce(p_desc, q_desc, p1_s, q1_s, ready1, empty1, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
-
-
-@gluon.jit
-def gluon_wgrad_two_kernel(
-    offsets_ptr,  # [G + 1] int32, first row of each group's segment
-    ends_ptr,  # [G] int32, end of the rows summed
-    p_desc,  # P [rows, N] descriptor, blocks [WK, WN]
-    q_desc,  # Q [rows, M] descriptor, blocks [WK, WM]
-    out_desc,  # out [G * N, M] descriptor, blocks [WN, WM]
-    N, M, tiles,
-    STAGES: gl.constexpr,
-):
-    """Variant ``two``: two independent tile streams an SM (a ring, a producer warp and a 4-warp math group
-    each), WN x WM tiles (128 x 128: 64 FLOP an operand byte against the library's 85)."""
-    p0_s = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
-    q0_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    p1_s = gl.allocate_shared_memory(p_desc.dtype, [STAGES] + p_desc.block_type.shape, p_desc.layout)
-    q1_s = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    c0_s = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    c1_s = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape, out_desc.layout)
-    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready0.index(i), count=1)
-        mbarrier.init(empty0.index(i), count=1)
-        mbarrier.init(ready1.index(i), count=1)
-        mbarrier.init(empty1.index(i), count=1)
-    args = (p_desc, q_desc, out_desc, p0_s, q0_s, p1_s, q1_s, c0_s, c1_s, ready0, empty0, ready1, empty1,
-            offsets_ptr, ends_ptr, N, M, tiles, STAGES)
-    gl.warp_specialize([(_two_partition, (0,) + args), (_two_partition, (1,) + args), (_two_partition, (2,) + args),
-                        (_two_partition, (3,) + args)], [4, 1, 1], [224, 24, 24])
-
-
-def launch_two(offsets, ends, p_op, q_op, out, progs: int, stages: int = 2, wm: int = 128):
-    """Variant ``two``: 128 x wm tiles, two streams an SM, ``stages`` a ring."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    G, N, M = out.shape
-    wk, wn = 64, 128
-    lay = gl.NVMMASharedLayout.get_default_for
-    bf = gl.bfloat16
-    p_desc = TensorDescriptor.from_tensor(p_op, [wk, wn], lay([wk, wn], bf))
-    q_desc = TensorDescriptor.from_tensor(q_op, [wk, wm], lay([wk, wm], bf))
-    out_desc = TensorDescriptor.from_tensor(out.view(G * N, M), [wn, wm], lay([wn, wm], bf))
-    tiles = G * (N // wn) * triton.cdiv(M, wm)
-    return gluon_wgrad_two_kernel[(min(triton.cdiv(tiles, 2), progs),)](
-        offsets, ends, p_desc, q_desc, out_desc, N, M, tiles, STAGES=stages, num_warps=4, maxnreg=168)
 
 
 def launch_gluon(offsets, ends, p_op, q_op, out, progs: int):
@@ -189,15 +74,36 @@ def build_report() -> int:
     out = torch.zeros(G, N, M, dtype=torch.bfloat16)
     with compile_only_sm90() as built:
         launch_gluon(offsets, offsets[1:], p, q, out, 132)
-        for st in (2,):
-            launch_two(offsets, offsets[1:], p, q, out, 132, st)
     for kb in built:
         print(f"{kb.line()}")
         ptx = kb.kernel.asm["ptx"]
         print("  TMA loads", ptx.count("cp.async.bulk.tensor.2d.shared"), "stores",
               ptx.count("cp.async.bulk.tensor.2d.global"), "wgmma", ptx.count("wgmma.mma_async"),
               "bar.sync", ptx.count("bar.sync"), "setmaxnreg", ptx.count("setmaxnreg"))
+        print("  ptxas:", ptxas_notes(ptx) or "no notes", "| wgmma descriptors unset on some path:",
+              list(kb.hgmma_unset) or "none")
     return 0
+
+
+def ptxas_notes(ptx: str) -> str:
+    """ptxas's notes on a PTX for sm_90a, e.g. 'wgmma.mma_async instructions are serialized' (C7515: an
+    accumulator touched while a wgmma is in flight makes ptxas wait after every wgmma, correct but slow)."""
+    import subprocess
+    import tempfile
+
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    notes = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "Performance" in ln or "error" in ln.lower()]
+    if r.returncode:
+        notes.append(f"ptxas exit {r.returncode}")
+    return "; ".join(notes)
 
 
 def ragged(L: int, routed: int, pad: int, wk: int, dev, gen):
@@ -251,8 +157,6 @@ def main() -> int:
             variants = {"library": lambda: launch_library(offsets, ends, p, q, out, progs),
                         "grouped_mm": lambda: torch._grouped_mm(p.T, q, offs=offs_gm, out_dtype=torch.bfloat16)}
             variants["gluon"] = lambda: launch_gluon(offsets, ends, p, q, out, progs)
-            if N % 128 == 0:
-                variants["two x 128"] = lambda: launch_two(offsets, ends, p, q, out, progs)
             for label, fn in variants.items():
                 out.fill_(float("nan"))  # unwritten tiles show
                 try:
@@ -271,13 +175,13 @@ def main() -> int:
                     check = f"bits equal {same}, rel L1 {err:.1e}, NaN {bool(val.isnan().any())}"
                 ms = triton.testing.do_bench(fn, warmup=10, rep=args.reps * 10, return_mode="median")
                 res[label] = ms
-                line = f"{name:<16} {job:<5} {label:<11} {ms:7.3f} ms {flop / ms / 1e9:5.0f} TF/s  {check}"
+                line = f"{name:<16} {job:<5} {label:<12} {ms:7.3f} ms {flop / ms / 1e9:5.0f} TF/s  {check}"
                 print(line, flush=True)
                 lines.append(line)
             if "library" in res:
                 for label, ms in res.items():
                     if label != "library":
-                        lines.append(f"{name:<16} {job:<5} {label:<11} library / this = {res['library'] / ms:.3f}")
+                        lines.append(f"{name:<16} {job:<5} {label:<12} library / this = {res['library'] / ms:.3f}")
     print("\n" + "\n".join(lines))
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|s16a|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|s16a|s16b|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -396,6 +396,14 @@ if [[ $what == s16a ]]; then  # session 16: where forward+backward's wall time g
   step gaps16 timeout 400 python3 benchmarks/bwd_round.py --reps 3 --gaps --out "$OUT" \
     --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
   step gluontest16 timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_bwd.py -k gluon
+fi
+if [[ $what == s16b ]]; then  # session 16: the Gluon weight gradients' probe, their GPU tests, the four rows (~4 min)
+  step gtail16 timeout 120 python3 benchmarks/gluon_wgrad_probe.py --shapes kimi-k2.7,deepseek-v4-pro,qwen3.5-397b-a17b
+  step gtailtest16 timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_bwd.py -k "gluon"
+  if grep -q " passed" "$OUT/gtailtest16.log" && ! grep -q -i "failed\|error" "$OUT/gtailtest16.log"; then
+    step bwdtail16 timeout 260 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
+      --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b
+  fi
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300

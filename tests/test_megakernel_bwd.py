@@ -1240,14 +1240,15 @@ def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("counts, total_rows", [
-    ([341, 0, 64, 1, 383, 128], None),  # ragged experts: an empty one (zeros stored), one row, whole and odd steps
+    # ragged experts: an empty one (zeros stored), one row, whole and odd steps, last steps of 16 / 32 / 33 / 63 rows
+    ([341, 0, 64, 1, 383, 128, 80, 96, 97], None),
     ([7], 7),  # one group of 7 rows summed to its end (the shared expert's T): TMA reads the rest of the step as 0
     ([0, 0, 0], None),  # every group empty: every tile stores zeros
 ], ids=["ragged", "short-shared", "all-empty"])
 def test_gpu_wgrad_gluon_kernel_same_bits(counts, total_rows, cuda_cleanup):
     """The Gluon weight-gradient kernel against the Triton one (``weight_grad_persistent_kernel``, TMA store) on
     the same segments, outputs NaN-poisoned before each run: every tile written, bit for bit the same sums, and
-    an M that is not a multiple of the 256-column tile (a last tile TMA clips). 6 to 36 tiles over 132 programs
+    an M that is not a multiple of the 256-column tile (a last tile TMA clips). 6 to 54 tiles over 132 programs
     (one tile or none each) and over 7, 5 and 3 (several tiles each, split unevenly: the producer's ring runs on
     across tile boundaries, and a program may walk one tile fewer than another)."""
     import triton

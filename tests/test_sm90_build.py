@@ -150,10 +150,45 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
         # 384 threads and no spills (its own GPU test holds it to the Triton kernel's bits)
         if b["name"] in (FWD[0], BWD[0]):
             assert b["timer"] == spec.get("trace", False), b
+        # every wgmma's descriptor registers set on every path to it (a ptxas miscompile, session 16)
+        assert not b["hgmma_unset"], b
         if b["name"] == BWD_GLUON[1]:
             assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
         else:
             assert not b["warp_specialized"], b
+
+
+# Two HGMMAs after a branch, as ptxas built wgrad_gluon's three-way short tail (session 16): the taken path
+# sets UR16..UR19 only; its second wgmma reads UR8..UR11, set in the other branch alone.
+_SASS_BRANCHES = """
+        /*0000*/                   UMOV UR16, 0x1 ;
+        /*0010*/                   UMOV UR17, 0x40000040 ;
+        /*0020*/                   UMOV UR18, 0x2 ;
+        /*0030*/                   UMOV UR19, 0x40000040 ;
+        /*0040*/              @!P2 BRA 0xa0 ;
+        /*0050*/                   UIADD3 UR8, UP0, UR16, 0x80, URZ ;
+        /*0060*/                   UIADD3.64 UR10, UR18, 0x80, URZ ;
+        /*0070*/                   UIADD3.X UR9, UR17, 0x0, URZ, UP0, !UPT ;
+        /*0080*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspA.tnspB, R24, gsb0 ;
+        /*0090*/                   BRA 0xd0 ;
+        /*00a0*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR16].tnspA.tnspB, R24 ;
+        /*00b0*/              @P3  UIADD3 UR8, UR16, 0x80, URZ ;
+        /*00c0*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspA.tnspB, R24, gsb0 ;
+        /*00d0*/                   EXIT ;
+"""
+
+
+def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
+    """sm90_build.hgmma_descriptors_unset: the wgmma at 0xc0 reads UR8..UR11, set only under the other branch
+    (and UR8 under a predicate, which does not count); the two others have theirs on every path. With the
+    descriptor set before the branch the same code passes."""
+    from kittenmoe.sm90_build import hgmma_descriptors_unset
+
+    bad = hgmma_descriptors_unset(_SASS_BRANCHES)
+    assert len(bad) == 1 and bad[0].startswith("0x00c0") and "[8, 9, 10, 11]" in bad[0], bad
+    fixed = _SASS_BRANCHES.replace("gdesc[UR8].tnspA.tnspB, R24, gsb0 ;\n        /*00d0*/",
+                                   "gdesc[UR16].tnspA.tnspB, R24, gsb0 ;\n        /*00d0*/")
+    assert hgmma_descriptors_unset(fixed) == []
 
 
 def test_quantisers_build_for_sm90():

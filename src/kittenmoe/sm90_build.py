@@ -53,7 +53,8 @@ class _FakeSm90Driver:
 class Build:
     """One compiled kernel: its name, registers a thread, stack and local (spill) bytes, shared memory, threads
     a program, and what the code holds: wgmma, TMA, warp specialization (``ttg.warp_specialize``), timer
-    reads (``%globaltimer``, the TRACE builds)."""
+    reads (``%globaltimer``, the TRACE builds); ``hgmma_unset``: the SASS's wgmmas whose descriptor registers
+    some path leaves unset (``hgmma_descriptors_unset``; empty in a sound build)."""
 
     name: str
     regs: int
@@ -65,6 +66,7 @@ class Build:
     threads: int = 0
     warp_specialized: bool = False
     timer: bool = False
+    hgmma_unset: tuple[str, ...] = ()
     kernel: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
@@ -86,6 +88,62 @@ def sass(cubin: bytes) -> str:
     return _cuobjdump(cubin, "-sass")
 
 
+_SASS_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+
+
+def hgmma_descriptors_unset(sass_text: str) -> list[str]:
+    """The HGMMAs (wgmma) of a SASS whose shared-memory descriptor registers (``gdesc[URk]``: URk..URk+3) are
+    not written on every path that reaches them: a forward must-define analysis over the branches, where a
+    predicated write does not count. Why: Triton 3.6's ptxas built a Gluon branch that issued a 32-row wgmma
+    with the descriptor of its second half computed only in a sibling branch (session 16: three branches of
+    16 / 32 / 32 + 16-row wgmmas in a short last step tried in ``wgrad_gluon``, since reverted); the H200 then
+    summed garbage and hit illegal addresses, and ptxas said nothing. A coarse check (uniform registers only, calls not followed),
+    but it flags that build and passes every kernel here."""
+    insns = [(int(m[1], 16), m[2] is not None, m[3], m[4]) for m in _SASS_INSN.finditer(sass_text)]
+    index = {a: i for i, (a, *_) in enumerate(insns)}
+    n = len(insns)
+
+    def written(i: int) -> set[int]:
+        _a, pred, op, args = insns[i]
+        if pred or not op.startswith(("U", "R2UR", "S2UR")) or op.startswith(("UTMA", "USETMAXREG")):
+            return set()
+        m = re.fullmatch(r"UR(\d+)", args.split(",")[0].strip())
+        return {int(m[1]) + j for j in range(2 if ".64" in op else 1)} if m else set()
+
+    def successors(i: int) -> list[int]:
+        _a, pred, op, args = insns[i]
+        if op.startswith("BRA"):
+            t = re.search(r"0x([0-9a-f]+)", args)
+            out = [index[int(t[1], 16)]] if t and int(t[1], 16) in index else []
+            return out + ([i + 1] if pred and i + 1 < n else [])
+        if op.startswith("EXIT") and not pred:
+            return []
+        return [i + 1] if i + 1 < n else []
+
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for i in range(n):
+        for j in successors(i):
+            preds[j].append(i)
+    every = frozenset(range(256))
+    set_in, set_out = [every] * n, [every] * n
+    changed = True
+    while changed:  # to the fixed point: a register is set at i when it is set at the end of every predecessor
+        changed = False
+        for i in range(n):
+            new_in = frozenset.intersection(*[set_out[p] for p in preds[i]]) if i and preds[i] else frozenset()
+            new_out = new_in | written(i)
+            if (new_in, new_out) != (set_in[i], set_out[i]):
+                set_in[i], set_out[i] = new_in, new_out
+                changed = True
+    bad = []
+    for i, (a, _p, op, args) in enumerate(insns):
+        m = re.search(r"gdesc\[UR(\d+)\]", args) if op.startswith("HGMMA") else None
+        missing = [int(m[1]) + j for j in range(4) if int(m[1]) + j not in set_in[i]] if m else []
+        if missing:
+            bad.append(f"{a:#06x} {op}{args.strip()[:48]}: UR{missing} unset on some path")
+    return bad
+
+
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     """(REG, STACK, LOCAL) from cuobjdump, shipped with Triton's NVIDIA backend."""
     out = _cuobjdump(cubin, "-res-usage")
@@ -99,9 +157,10 @@ def _build(name: str, k) -> Build:
     ptx = k.asm.get("ptx", "")
     regs, stack, local = _resource_usage(k.asm["cubin"])
     m = re.search(r"\.reqntid (\d+)", ptx)
-    return Build(name, regs, stack, local, k.metadata.shared, "wgmma.mma_async" in ptx,
-                 "cp.async.bulk.tensor" in ptx, int(m[1]) if m else 0,
-                 "ttg.warp_specialize" in k.asm.get("ttgir", ""), "%globaltimer" in ptx, k)
+    wgmma = "wgmma.mma_async" in ptx
+    return Build(name, regs, stack, local, k.metadata.shared, wgmma, "cp.async.bulk.tensor" in ptx,
+                 int(m[1]) if m else 0, "ttg.warp_specialize" in k.asm.get("ttgir", ""), "%globaltimer" in ptx,
+                 tuple(hgmma_descriptors_unset(sass(k.asm["cubin"]))) if wgmma else (), k)
 
 
 @contextlib.contextmanager
