@@ -370,6 +370,23 @@ def test_perf_table_keeps_fp8_rows_out_of_bf16_tables(monkeypatch):
     assert "FP8" not in pt.render_ep()
 
 
+def test_perf_table_gives_the_spread_of_same_config_runs(monkeypatch):
+    # Edge: three runs of one shape; two share the newest row's config and versions, one is another config.
+    # The row is the newest; its speedup cell gives the range of the two same-config runs only.
+    pt = _perf_table()
+    base = dict(kind="forward+backward", shape="kimi-k2.7", tokens=2048, dtype="bf16", routing="uniform",
+                experts_local=48, ms_kittenmoe=10.0, ms_grouped_mm=14.0, speedup=1.40, routed_tflops=430.0,
+                baseline_routed_tflops=300.0, rel_l1=2.7e-3, gpu="H200", torch="2", triton="3", config="A",
+                date="2026-12-03T10:00:00+00:00")
+    rows = [("a.json", dict(base)), ("b.json", dict(base, speedup=1.20, config="B", date="2026-12-03T11:00:00")),
+            ("c.json", dict(base, speedup=1.34, ms_kittenmoe=10.4, date="2026-12-03T12:00:00"))]
+    monkeypatch.setattr(pt, "_result_rows", lambda: iter([(n, dict(r)) for n, r in rows]))
+    table = pt.render(pt.load_rows())
+    assert "| 10.400 | 14.000 | 1.34x (1.34-1.40x in 2 runs) |" in table, table
+    monkeypatch.setattr(pt, "_result_rows", lambda: iter([rows[0]]))
+    assert "| 1.40x |" in pt.render(pt.load_rows())  # one run: no range
+
+
 # ----------------------------------------------------------------------------- the cache
 
 CFG = KernelConfig(num_comm_programs_fwd=12, minibatch_size=1024, macrobatch_size=4096, block_n=64, num_stages=3)
