@@ -99,7 +99,7 @@ def ptxas_notes(ptx: str) -> str:
         with open(src, "w") as f:
             f.write(ptx)
         r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, timeout=300)
     notes = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "Performance" in ln or "error" in ln.lower()]
     if r.returncode:
         notes.append(f"ptxas exit {r.returncode}")

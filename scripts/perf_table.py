@@ -55,12 +55,12 @@ def load_rows() -> list[dict]:
         key = (r["kind"], r["shape"], r["tokens"], r.get("dtype", "bf16"))
         if key not in latest or r["date"] > latest[key]["date"]:
             latest[key] = r
+    def same_config(o: dict) -> tuple:  # the rows hold no library revision: code changes that kept it merge
+        return (o["kind"], o["shape"], o["tokens"], o.get("dtype", "bf16"), o.get("config"), o.get("gpu"),
+                o.get("torch"), o.get("triton"))
+
     for r in latest.values():  # the speedups of every run of the same config on the same versions: the spread
-        same = (r["kind"], r["shape"], r["tokens"], r.get("dtype", "bf16"), r.get("config"), r["gpu"], r["torch"],
-                r["triton"])
-        r["_runs"] = sorted(o["speedup"] for o in rows if "speedup" in o and (
-            o["kind"], o["shape"], o["tokens"], o.get("dtype", "bf16"), o.get("config"), o["gpu"], o["torch"],
-            o["triton"]) == same)
+        r["_runs"] = sorted(o["speedup"] for o in rows if "speedup" in o and same_config(o) == same_config(r))
     return sorted(latest.values(), key=lambda r: (r["kind"], r["shape"], r["tokens"]))
 
 
@@ -79,7 +79,7 @@ def render(rows: list[dict]) -> str:
     ]
     for r in rows:
         runs = r.get("_runs", [])
-        spread = f" ({runs[0]:.2f}-{runs[-1]:.2f}x in {len(runs)} runs)" if len(runs) > 1 else ""
+        spread = f" ({runs[0]:.2f}-{runs[-1]:.2f}x in {len(runs)} runs)" if len(runs) > 1 and "speedup" in r else ""
         lines.append(
             f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['experts_local']} | {r['ms_kittenmoe']:.3f} "
             f"| {r.get('ms_grouped_mm', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x{spread} "
@@ -97,7 +97,8 @@ def render(rows: list[dict]) -> str:
                  "forward+backward row's that run's heuristic config (each recorded in the row's `config`; a "
                  "forward+backward row's other variants are in its `sweep_ms`); each row is its shape's newest "
                  "run, and where other runs of the same config on the same GPU and versions exist the speedup "
-                 "cell gives their range. Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
+                 "cell gives their range (the rows record no library revision, so a range can span code changes "
+                 "that kept the config). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
                  "gradient's). "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
     return "\n".join(lines)

@@ -178,10 +178,26 @@ _SASS_BRANCHES = """
 """
 
 
+# A branch whose condition is an operand (BRA.U !UP0): when UP0 it falls through to 0x20, which jumps to the
+# wgmma at 0x70 past the writes of UR8..UR11 that the taken path makes.
+_SASS_OPERAND_BRANCH = """
+        /*0000*/                   UMOV UR16, 0x1 ;
+        /*0010*/                   BRA.U !UP0, 0x30 ;
+        /*0020*/                   BRA 0x70 ;
+        /*0030*/                   UMOV UR8, 0x1 ;
+        /*0040*/                   UMOV UR9, 0x1 ;
+        /*0050*/                   UMOV UR10, 0x1 ;
+        /*0060*/                   UMOV UR11, 0x1 ;
+        /*0070*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8].tnspA.tnspB, R24, gsb0 ;
+        /*0080*/                   EXIT ;
+"""
+
+
 def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
     """sm90_build.hgmma_descriptors_unset: the wgmma at 0xc0 reads UR8..UR11, set only under the other branch
-    (and UR8 under a predicate, which does not count); the two others have theirs on every path. With the
-    descriptor set before the branch the same code passes."""
+    (and UR8 under a predicate, which does not count); the two others have theirs on every path. With that
+    wgmma reading UR16..UR19 (set before the branch) the same code passes; a second, clean function after it in
+    the listing (addresses restart at 0) does not hide it; nor does a branch whose condition is an operand."""
     from kittenmoe.sm90_build import hgmma_descriptors_unset
 
     bad = hgmma_descriptors_unset(_SASS_BRANCHES)
@@ -189,6 +205,23 @@ def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
     fixed = _SASS_BRANCHES.replace("gdesc[UR8].tnspA.tnspB, R24, gsb0 ;\n        /*00d0*/",
                                    "gdesc[UR16].tnspA.tnspB, R24, gsb0 ;\n        /*00d0*/")
     assert hgmma_descriptors_unset(fixed) == []
+    two = "\n\t\tFunction : bad" + _SASS_BRANCHES + "\n\t\tFunction : good" + fixed
+    assert [b[:6] for b in hgmma_descriptors_unset(two)] == ["0x00c0"]
+    assert [b[:6] for b in hgmma_descriptors_unset(_SASS_OPERAND_BRANCH)] == ["0x0070"]
+
+
+def test_hgmma_descriptor_check_flags_the_three_way_tail_build():
+    """The SASS of the build that failed on the H200 (session 16: wgrad_gluon with a three-way short last step,
+    Triton 3.6's ptxas; tests/data, encodings stripped): each math group's 32-row branch issues its second
+    wgmma with descriptor registers written only in the 48-row branch. Both are flagged, nothing else; the
+    warp-specialized partitions are reached through an indirect branch (BRX)."""
+    import gzip
+
+    from kittenmoe.sm90_build import hgmma_descriptors_unset
+
+    with gzip.open(os.path.join(ROOT, "tests", "data", "wgrad_gluon_three_way_tail.sass.gz"), "rt") as f:
+        bad = hgmma_descriptors_unset(f.read())
+    assert [b[:6] for b in bad] == ["0x18f0", "0x44f0"], bad
 
 
 def test_quantisers_build_for_sm90():

@@ -92,51 +92,86 @@ _SASS_INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-
 
 
 def hgmma_descriptors_unset(sass_text: str) -> list[str]:
-    """The HGMMAs (wgmma) of a SASS whose shared-memory descriptor registers (``gdesc[URk]``: URk..URk+3) are
-    not written on every path that reaches them: a forward must-define analysis over the branches, where a
-    predicated write does not count. Why: Triton 3.6's ptxas built a Gluon branch that issued a 32-row wgmma
-    with the descriptor of its second half computed only in a sibling branch (session 16: three branches of
-    16 / 32 / 32 + 16-row wgmmas in a short last step tried in ``wgrad_gluon``, since reverted); the H200 then
-    summed garbage and hit illegal addresses, and ptxas said nothing. A coarse check (uniform registers only, calls not followed),
-    but it flags that build and passes every kernel here."""
-    insns = [(int(m[1], 16), m[2] is not None, m[3], m[4]) for m in _SASS_INSN.finditer(sass_text)]
-    index = {a: i for i, (a, *_) in enumerate(insns)}
+    """The HGMMAs (wgmma) of a SASS listing whose shared-memory descriptor registers (``gdesc[URk]``: URk..URk+3)
+    are not written on every path from the function's entry: a forward must-define analysis over each function's
+    branches, where a predicated write does not count.
+
+    Why: Triton 3.6's ptxas built a Gluon branch that issued a 32-row wgmma with the descriptor of its second half
+    computed only in a sibling branch (session 16: three branches of 16 / 32 / 32 + 16-row wgmmas in a short last
+    step tried in ``wgrad_gluon``, since reverted; ``tests/data/wgrad_gluon_three_way_tail.sass.gz``); the H200
+    then summed garbage and hit illegal addresses, and ptxas said nothing.
+
+    Coarse, in the safe direction mostly: uniform registers only; writes it does not see (vote, elect,
+    complementary predicated pairs) give false alarms; calls are not followed; an indirect branch is taken to reach
+    every instruction no direct edge reaches; a register set on every path by an earlier, stale write passes."""
+    bad = []
+    for func in re.split(r"\n\s*Function : ", sass_text):
+        insns = [(int(m[1], 16), m[2] is not None, m[3], m[4]) for m in _SASS_INSN.finditer(func)]
+        bad += _hgmma_unset_in(insns)
+    return bad
+
+
+def _sass_successors(insns: list[tuple], index: dict[int, int], i: int) -> list[int]:
+    """Where control goes after instruction i: a branch's target, and the next instruction unless the branch is
+    unconditional (no ``@P`` guard, no predicate operand such as ``BRA.U !UP0, 0x..``, not ``.DIV``)."""
     n = len(insns)
+    _a, guarded, op, args = insns[i]
+    nxt = [i + 1] if i + 1 < n else []
+    if op.startswith(("RET", "EXIT")):
+        return nxt if guarded else []
+    if not op.startswith(("BRA", "JMP")):
+        return nxt
+    t = re.search(r"0x([0-9a-f]+)\s*$", args.strip())
+    target = [index[int(t[1], 16)]] if t and int(t[1], 16) in index else []
+    conditional = guarded or ".DIV" in op or re.search(r"(^|,)\s*!?U?P[T0-9]+\s*,", args) is not None
+    return target + (nxt if conditional else [])
+
+
+def _hgmma_unset_in(insns: list[tuple]) -> list[str]:
+    """hgmma_descriptors_unset for one function's instructions ((address, guarded, opcode, operands))."""
+    n = len(insns)
+    if not n:
+        return []
+    index = {a: i for i, (a, *_) in enumerate(insns)}
 
     def written(i: int) -> set[int]:
-        _a, pred, op, args = insns[i]
-        if pred or not op.startswith(("U", "R2UR", "S2UR")) or op.startswith(("UTMA", "USETMAXREG")):
+        _a, guarded, op, args = insns[i]
+        if guarded or not op.startswith(("U", "R2UR", "S2UR")) or op.startswith(("UTMA", "USETMAXREG")):
             return set()
         m = re.fullmatch(r"UR(\d+)", args.split(",")[0].strip())
-        return {int(m[1]) + j for j in range(2 if ".64" in op else 1)} if m else set()
+        return {int(m[1]) + j for j in range(2 if ".64" in op or ".WIDE" in op else 1)} if m else set()
 
-    def successors(i: int) -> list[int]:
-        _a, pred, op, args = insns[i]
-        if op.startswith("BRA"):
-            t = re.search(r"0x([0-9a-f]+)", args)
-            out = [index[int(t[1], 16)]] if t and int(t[1], 16) in index else []
-            return out + ([i + 1] if pred and i + 1 < n else [])
-        if op.startswith("EXIT") and not pred:
-            return []
-        return [i + 1] if i + 1 < n else []
-
+    succ = [_sass_successors(insns, index, i) for i in range(n)]
+    # An indirect branch (BRX / JMX: gl.warp_specialize dispatches its partitions through one) may go to any
+    # instruction that no direct edge reaches: give it those as successors.
+    orphans = sorted(set(range(1, n)) - {j for js in succ for j in js})
+    for i, (_a, _g, op, _args) in enumerate(insns):
+        if op.startswith(("BRX", "JMX")):
+            succ[i] = sorted(set(succ[i]) | set(orphans))
+    reached, todo = {0}, [0]
+    while todo:  # only paths from the entry count: dead code does not make a register unset
+        for j in succ[todo.pop()]:
+            if j not in reached:
+                reached.add(j)
+                todo.append(j)
     preds: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        for j in successors(i):
+    for i in reached:
+        for j in succ[i]:
             preds[j].append(i)
     every = frozenset(range(256))
-    set_in, set_out = [every] * n, [every] * n
+    set_in, set_out = [every] * n, [every] * n  # the must-analysis starts from "all set" and only shrinks
     changed = True
     while changed:  # to the fixed point: a register is set at i when it is set at the end of every predecessor
         changed = False
-        for i in range(n):
+        for i in sorted(reached):
             new_in = frozenset.intersection(*[set_out[p] for p in preds[i]]) if i and preds[i] else frozenset()
             new_out = new_in | written(i)
             if (new_in, new_out) != (set_in[i], set_out[i]):
                 set_in[i], set_out[i] = new_in, new_out
                 changed = True
     bad = []
-    for i, (a, _p, op, args) in enumerate(insns):
+    for i in sorted(reached):
+        a, _g, op, args = insns[i]
         m = re.search(r"gdesc\[UR(\d+)\]", args) if op.startswith("HGMMA") else None
         missing = [int(m[1]) + j for j in range(4) if int(m[1]) + j not in set_in[i]] if m else []
         if missing:
