@@ -101,9 +101,9 @@ def _is_pow2(v: int) -> bool:
 
 def gluon_wgrad_tiles_ok(block_n: int, block_k: int, block_m: int) -> bool:
     """``KernelConfig.wgrad_gluon``'s tile: block_n x 2 block_n = 128 x 256 outputs, 64-row steps
-    (min(block_k, block_m)). One home for the condition: KernelConfig checks it, and the places that change a
-    config's tiles (``default_config``, the tuner's grid, the FP8 scale block's block_n) turn the knob off
-    where it fails rather than building a config that is refused."""
+    (min(block_k, block_m)). One home for the condition: KernelConfig checks it, ``default_config`` sets the
+    knob only where it holds, and ``KernelConfig.with_tiles`` (the tuner's grid, the FP8 scale block's block_n)
+    turns the knob off where a tile change breaks it rather than building a config that is refused."""
     return block_n == 128 and min(block_k, block_m) == 64
 
 
@@ -406,6 +406,16 @@ class KernelConfig:
 
     def with_(self, **changes) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
+
+    def with_tiles(self, **changes) -> "KernelConfig":
+        """``with_(**changes)`` for changes that may move the tiles (block_n, block_k, block_m): ``wgrad_gluon``
+        stays on only where its tile still fits (``gluon_wgrad_tiles_ok``), so a heuristic that set it and a
+        caller that changes the tiles (the tuner's grid, the FP8 scale block) build a config that runs; unless
+        ``changes`` set ``wgrad_gluon`` themselves, which is then checked as given."""
+        tiles = {a: changes.get(a, getattr(self, a)) for a in ("block_n", "block_k", "block_m")}
+        if self.wgrad_gluon and "wgrad_gluon" not in changes and not gluon_wgrad_tiles_ok(**tiles):
+            changes = {**changes, "wgrad_gluon": False}  # other tiles take the Triton weight-gradient kernel
+        return self.with_(**changes)
 
     @property
     def half_tails(self) -> bool:

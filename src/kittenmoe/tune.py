@@ -66,8 +66,7 @@ from typing import Callable
 
 import torch
 
-from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes,
-                              gluon_wgrad_tiles_ok, routed_capacity)
+from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes, routed_capacity
 
 ENV_CACHE_DIR = "KITTENMOE_CACHE_DIR"
 ENV_AUTOTUNE = "KITTENMOE_AUTOTUNE"
@@ -308,11 +307,8 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
         changes = {a: v for a, v in point.items() if a != "tiles"}
         if "tiles" in point:
             changes["block_n"], changes["num_stages"] = point["tiles"]
-        tiles = {a: changes.get(a, getattr(base, a)) for a in ("block_n", "block_k", "block_m")}
-        if base.wgrad_gluon and "wgrad_gluon" not in changes and not gluon_wgrad_tiles_ok(**tiles):
-            changes["wgrad_gluon"] = False  # the Gluon weight gradients' tile is 128 x 256: other tiles use Triton's
         try:
-            cfg = base.with_(**changes)
+            cfg = base.with_tiles(**changes)  # (wgrad_gluon off where a point's tiles are not its 128 x 256)
         except (TypeError, ValueError) as exc:
             pruned.append((point, f"invalid: {exc}"))
             continue

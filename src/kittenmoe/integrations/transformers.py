@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kittenmoe.config import KernelConfig, gluon_wgrad_tiles_ok
+from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config
 from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
 from kittenmoe.layer import auto_config_args
@@ -104,9 +104,8 @@ def make_experts_forward(options: Options = Options()):
                                                      0, 1, str(hidden_states.device),
                                                      str(self.gate_up_proj.dtype).removeprefix("torch.")))
             if options.fp8 is not None:  # one hidden scale per gate|up tile row: its width is the scale block
-                bn = options.fp8.scale_block  # (the Gluon weight gradients' 128-wide tile only at 128)
-                config = config.with_(block_n=bn, wgrad_gluon=config.wgrad_gluon
-                                      and gluon_wgrad_tiles_ok(bn, config.block_k, config.block_m))
+                # (with_tiles: the Gluon weight gradients' 128-wide tile only at 128)
+                config = config.with_tiles(block_n=options.fp8.scale_block)
         if options.knobs:
             config = (config if config is not None else KernelConfig()).with_(**dict(options.knobs))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
