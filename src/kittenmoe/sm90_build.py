@@ -141,6 +141,7 @@ def _hgmma_unset_in(insns: list[tuple]) -> list[str]:
         m = re.fullmatch(r"UR(\d+)", args.split(",")[0].strip())
         return {int(m[1]) + j for j in range(2 if ".64" in op or ".WIDE" in op else 1)} if m else set()
 
+    writes = [written(i) for i in range(n)]  # once, not on every pass to the fixed point
     succ = [_sass_successors(insns, index, i) for i in range(n)]
     # An indirect branch (BRX / JMX: gl.warp_specialize dispatches its partitions through one) may go to any
     # instruction that no direct edge reaches: give it those as successors.
@@ -165,7 +166,7 @@ def _hgmma_unset_in(insns: list[tuple]) -> list[str]:
         changed = False
         for i in sorted(reached):
             new_in = frozenset.intersection(*[set_out[p] for p in preds[i]]) if i and preds[i] else frozenset()
-            new_out = new_in | written(i)
+            new_out = new_in | writes[i]
             if (new_in, new_out) != (set_in[i], set_out[i]):
                 set_in[i], set_out[i] = new_in, new_out
                 changed = True
