@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that re-checks and re-measures everything GPU-side, logs under $OUT, a summary last.
 #
-#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|s16a|s16b|all]
+#   bash scripts/gpu_round.sh [tests|tests1|tests2|bench|phases|tune|train|ep|eptests|hf|fp8|fp8next|quant|fp8gemm|wquant|next|next2|dwsum|halftail|bm64|profile|widea|wgrad|wgradfloor|bwdstages|ab|next7|next8|next9|next10|next11|swaptail|swapbwd|swaptrace|commsweep|s11a|s11b|s11c|ncu[:SHAPE[:fwd]]|fold|foldbwd|order|orderbwd|selfpull|gather|gather2|gather3|bwdpull|bwdpull2|gluongrp|s14|s15|s15a|s15b|s15c|s15d|s15e|s16a|s16b|s17a|s17b|all]
 #   (default all; on the nvidia-h200 device; the GPU tests need three calls: tests, tests1, tests2)
 #   bash scripts/gpu_round.sh [multi|epbench|epbench2048|epbench4096|epbenchfp8|epbenchknobs]   (issue 8, on nvidia-h200-x2/x4/x8:
 #   one process per GPU)
@@ -404,6 +404,15 @@ if [[ $what == s16b ]]; then  # session 16: the Gluon weight gradients' probe, t
     step bwdtail16 timeout 260 python3 benchmarks/bwd_round.py --reps 5 --out "$OUT" \
       --shapes kimi-k2.7,deepseek-v4-pro,glm-5.2,qwen3.5-397b-a17b
   fi
+fi
+if [[ $what == s17a ]]; then  # session 17: the single-process GPU suite (tests1 + tests2 + the schedule's) in one call
+  step tests1 timeout 330 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider "${second[@]}"
+  step tests2 timeout 200 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider tests "${first[@]/#/--ignore=}" \
+    "${second[@]/#/--ignore=}"
+  step sched timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_schedule.py -k triton
+fi
+if [[ $what == s17b ]]; then  # session 17: the multi-process GPU tests (processes sharing the one H200), ~7 min
+  step tests timeout 560 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider "${first[@]}"
 fi
 if [[ $what == train || $what == all ]]; then
   step train python3 -m kittenmoe.cli train --device cuda --steps 300
