@@ -26,7 +26,7 @@ import torch
 
 import kittenmoe
 from kittenmoe import cli
-from kittenmoe.bench import parse_config_overrides, parse_routing, parse_shape
+from kittenmoe.bench import apply_overrides, parse_config_overrides, parse_routing, parse_shape
 from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, bwd_phase_a_smem_bytes, default_config,
                               gate_up_smem_bytes)
 from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key, cache_path, config_for,
@@ -164,6 +164,23 @@ def test_parse_shape_and_config():
     assert parse_config_overrides("macrobatch_size=None,push_in_epilogue=True,block_m=64") == dict(
         macrobatch_size=None, push_in_epilogue=True, block_m=64)
     assert parse_config_overrides("") == {}
+
+
+@pytest.mark.parametrize("spec, gluon", [
+    ("block_n=64,block_m=64", False),  # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
+    ("num_comm_programs_fwd=8,minibatch_size=256", True),  # tiles untouched: the heuristic's Gluon kernel stays
+])
+def test_config_overrides_on_a_gluon_heuristic(spec, gluon):
+    """--config on top of a Hopper heuristic (wgrad_gluon set, as default_config gives on an H200): overrides
+    that move the tiles take the Triton weight gradients instead of a config every launch refuses (the GPU
+    suite's two-process bench test hit that, 2026-12-03); asking for the Gluon kernel with such tiles is still
+    the config's error."""
+    base = KernelConfig(block_m=128, block_n=128, block_k=64, wgrad_gluon=True)
+    cfg = apply_overrides(base, parse_config_overrides(spec))
+    assert cfg.wgrad_gluon is gluon
+    assert cfg == base.with_(**parse_config_overrides(spec), wgrad_gluon=gluon)
+    with pytest.raises(ValueError, match="bad --config: KernelConfig.wgrad_gluon"):
+        apply_overrides(base, parse_config_overrides("block_n=64,wgrad_gluon=True"))
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch, capsys, tmp_path):

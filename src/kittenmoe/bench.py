@@ -193,9 +193,12 @@ def parse_config_overrides(spec: str | None) -> dict:
 
 
 def apply_overrides(base: KernelConfig, overrides: dict) -> KernelConfig:
-    """``base`` with ``overrides``; KernelConfig's own validation gives the error for a bad value."""
+    """``base`` with ``overrides``; KernelConfig's own validation gives the error for a bad value. Through
+    ``KernelConfig.with_tiles``: a heuristic base with ``wgrad_gluon`` (Hopper) and overrides that move the
+    tiles off its 128 x 256 take the Triton weight gradients, as the tuner's grid does; ``wgrad_gluon=True``
+    given with such tiles is still an error."""
     try:
-        return base.with_(**overrides)
+        return base.with_tiles(**overrides)
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad --config: {e}") from None
 
