@@ -413,8 +413,9 @@ if [[ $what == s17a ]]; then  # session 17: the single-process GPU suite (tests1
 fi
 if [[ $what == s17b ]]; then  # session 17: what s17a's tests2 did not reach, the bench test it failed, then the
   # multi-process GPU tests (processes sharing the one H200), ~9 min
-  step tests2b timeout 150 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_fwd.py \
-    -k "bitwise_across_configs or combine_gather_same_bits or spin_wait_timeout" tests/test_schedule.py tests/test_trace.py \
+  step tests2b timeout 60 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_megakernel_fwd.py \
+    -k "bitwise_across_configs or combine_gather_same_bits or spin_wait_timeout"
+  step tests2c timeout 120 python3 -m pytest -v -m gpu -p no:cacheprovider tests/test_schedule.py tests/test_trace.py \
     tests/test_train.py tests/test_transformers.py tests/test_bench_tune.py
   step tests timeout 420 python3 -m pytest -v --durations=25 -m gpu -p no:cacheprovider "${first[@]}"
 fi
