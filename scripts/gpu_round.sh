@@ -281,7 +281,7 @@ if [[ $what == ncu* ]]; then  # hardware counters (Nsight Compute) of one forwar
   step ncuquery timeout 60 bash -c "'$ncu_bin' --version; '$ncu_bin' --query-metrics --chip gh100 > '$OUT/ncu-metrics.txt' 2>&1; grep -c . '$OUT/ncu-metrics.txt'"
   rep="$OUT/ncu-$shape${mode:+-$mode}${NCU_TAG:+-$NCU_TAG}"
   step ncu timeout 420 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
-    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|cutlass|gemm|grouped|device_kernel" \
+    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|wgrad|cutlass|gemm|grouped|device_kernel" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
