@@ -705,7 +705,7 @@ def config_for_problem(problem: Problem, device: torch.device, overrides: dict) 
                                  f"the scale block {b} (each gate|up tile holds whole scale blocks); leave it out "
                                  f"for {max(128, b)}")
         elif cfg.block_n != max(128, b):
-            cfg = cfg.with_(block_n=max(128, b))
+            cfg = cfg.with_tiles(block_n=max(128, b))
             source += f" + block_n {cfg.block_n} for --fp8 {b}"
     return cfg, source
 

@@ -214,7 +214,7 @@ class MoELayer(nn.Module):
                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
         # FP8: a gate|up tile holds whole hidden scale blocks, so its width is a multiple of the scale block
         # (128 wide for both 128- and MXFP8's 32-blocks)
-        return cfg if self.fp8 is None else cfg.with_(block_n=max(128, self.fp8.scale_block))
+        return cfg if self.fp8 is None else cfg.with_tiles(block_n=max(128, self.fp8.scale_block))
 
     def extra_repr(self) -> str:
         sh = self.shape
