@@ -259,7 +259,7 @@ def main() -> int:
         for over in extra:
             key = ",".join(f"{k}={v}" for k, v in over.items())  # as asked, even where it equals the heuristic
             try:
-                c = cfg.with_tiles(**over)  # (in the try: an override invalid here is reported, not fatal)
+                c = cfg.with_overrides(**over)  # (in the try: an override invalid here is reported, not fatal)
                 row.setdefault("sweep_check", {})[key] = check(f"{name} [{key}]", shape, 1, T, c, dev)["worst_rel_l1"]
                 fn = lambda c=c: mk(keep=c.keep_activations, c=c)
                 fn()  # compiled before the timed rounds

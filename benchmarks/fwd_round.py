@@ -116,7 +116,7 @@ def main() -> int:
         sl = forward_slice(name, args.ep, args.tokens, dev)
         shape, L, T, heur = sl.shape, sl.experts, sl.tokens, sl.config
         w, x, ids, wts, peers, args_k = sl.weights, sl.x, sl.ids, sl.wts, sl.peers, sl.args
-        cfgs = [heur.with_tiles(**parse_config_overrides(c)) for c in args.config.split(";")]
+        cfgs = [heur.with_overrides(**parse_config_overrides(c)) for c in args.config.split(";")]
         cfg = cfgs[0]
         print(f"  {name}: heuristic {heur}", flush=True)
 

@@ -166,23 +166,6 @@ def test_parse_shape_and_config():
     assert parse_config_overrides("") == {}
 
 
-@pytest.mark.parametrize("spec, gluon", [
-    ("block_n=64,block_m=64", False),  # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
-    ("num_comm_programs_fwd=8,minibatch_size=256", True),  # tiles untouched: the heuristic's Gluon kernel stays
-])
-def test_config_overrides_on_a_gluon_heuristic(spec, gluon):
-    """--config on top of a Hopper heuristic (wgrad_gluon set, as default_config gives on an H200): overrides
-    that move the tiles take the Triton weight gradients instead of a config every launch refuses (the GPU
-    suite's two-process bench test hit that, 2026-12-03); asking for the Gluon kernel with such tiles is still
-    the config's error."""
-    base = KernelConfig(block_m=128, block_n=128, block_k=64, wgrad_gluon=True)
-    cfg = apply_overrides(base, parse_config_overrides(spec))
-    assert cfg.wgrad_gluon is gluon
-    assert cfg == base.with_(**parse_config_overrides(spec), wgrad_gluon=gluon)
-    with pytest.raises(ValueError, match="bad --config: KernelConfig.wgrad_gluon"):
-        apply_overrides(base, parse_config_overrides("block_n=64,wgrad_gluon=True"))
-
-
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch, capsys, tmp_path):
     # On CPU the megakernel needs TRITON_INTERPRET=1; without it bench says so instead of crashing.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -460,7 +443,12 @@ CORRUPT = [
     # the key inside does not match the file's key (a renamed or hand-copied file)
     ("key", lambda e: json.dumps(dict(e, key=dict(e["key"], t=1))), "does not match"),
     # a config field this version does not have
-    ("field", lambda e: json.dumps(dict(e, config=dict(e["config"], warp_specialize=1))), "not a valid KernelConfig"),
+    ("field", lambda e: json.dumps(dict(e, config=dict(e["config"], warp_specialize=1))),
+     "another set of KernelConfig knobs .*unknown: warp_specialize"),
+    # tuned before a knob existed (as every entry written before wgrad_gluon: the package version did not move,
+    # and the knob would silently take its dataclass default over what the heuristic now sets)
+    ("missing-knob", lambda e: json.dumps(dict(e, config={k: v for k, v in e["config"].items() if k != "wgrad_gluon"})),
+     "stale: tuned with another set of KernelConfig knobs \\(missing: wgrad_gluon; unknown: none\\)"),
     # a config value KernelConfig rejects
     ("value", lambda e: json.dumps(dict(e, config=dict(e["config"], block_m=24))), "not a valid KernelConfig"),
     # config missing altogether
@@ -525,8 +513,9 @@ def test_default_grid_prunes_what_cannot_fit():
 
 def test_grid_under_a_gathering_base():
     """The one-rank default gathers with no forward comm programs (default_config). Its grid points with a
-    wrapping ring push instead (the rows would be overwritten before the epilogue reads them) or, with no comm
-    programs, are pruned; a base that pushes (several ranks) prunes 0 comm programs as an invalid config."""
+    wrapping ring push instead (the rows would be overwritten before the epilogue reads them) or, where the point
+    itself sets no forward comm programs, are pruned as invalid (nothing would push); a base that pushes (several
+    ranks) prunes 0 comm programs as an invalid config."""
     base = KernelConfig(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)
     grid = {"num_comm_programs_fwd": (0, 8), "macrobatch_size": (None, 4096), "tiles": ((128, 4),)}
     kept, pruned = expand_grid(grid, base, 2048, 8, 48, 1, 2, 132)
@@ -535,7 +524,8 @@ def test_grid_under_a_gathering_base():
     assert ring == [base.with_(num_comm_programs_fwd=8, macrobatch_size=4096, combine_gather=False,
                                num_comm_programs_bwd=KernelConfig().num_comm_programs_bwd)]
     assert base in kept and base.with_(num_comm_programs_fwd=8) in kept  # no ring: gathering, with 0 or 8
-    assert any("ring that does not wrap" in r for _, r in pruned)
+    assert any("num_comm_programs_fwd=0 leaves no program to push" in r for p, r in pruned
+               if p["macrobatch_size"] is not None)
     kept, pruned = expand_grid(grid, KernelConfig(), 2048, 8, 384, 8, 2, 132)
     assert all(c.num_comm_programs_fwd == 8 and not c.combine_gather for c in kept)
     assert any("num_comm_programs_fwd=0" in r for _, r in pruned)
@@ -626,6 +616,50 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
     kept, pruned = expand_grid({"tiles": ((128, 4), (64, 4))}, base, 2048, 8, 48, 1, 2, 132)
     assert not pruned, pruned
     assert [(c.block_n, c.wgrad_gluon) for c in kept] == [(128, True), (64, False)]
+
+
+@pytest.mark.parametrize("spec, want", [
+    # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
+    ("block_n=64", dict(block_n=64, wgrad_gluon=False)),
+    # two programs an SM, or no TMA: the Gluon kernel cannot run either; the Triton one does
+    ("wgrad_two_per_sm=True", dict(wgrad_two_per_sm=True, wgrad_gluon=False)),
+    ("tma=False", dict(tma=False, wgrad_gluon=False)),
+    # a deeper K step: the backward's phase-A tile no longer fits at 4 stages, so it takes bwd_stages' default
+    ("block_k=128,num_stages=2", dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad_gluon=False)),
+    # a ring, or pushes: the one-rank gather goes (a wrapping ring would overwrite the rows it reads) and the
+    # comm programs that push come back at KernelConfig()'s counts
+    ("macrobatch_size=8192", dict(macrobatch_size=8192, combine_gather=False, num_comm_programs_fwd=16,
+                                  num_comm_programs_bwd=16)),
+    ("push_in_epilogue=True", dict(push_in_epilogue=True, combine_gather=False, num_comm_programs_fwd=16,
+                                   num_comm_programs_bwd=16)),
+    ("combine_gather=False,num_comm_programs_fwd=8", dict(combine_gather=False, num_comm_programs_fwd=8,
+                                                          num_comm_programs_bwd=16)),
+    # knobs that touch none of those: nothing else changes
+    ("minibatch_size=1024,tile_group_m=0", dict(minibatch_size=1024, tile_group_m=0)),
+])
+def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
+    """--config (and the tuner's grid, the FP8 tile width, the transformers knobs) on top of the H200's one-rank
+    heuristic for the Kimi slice (Gluon weight gradients, 4 backward stages, the gather with no comm programs):
+    every knob the heuristic derived from the changed ones follows them, so the result is a config the launches
+    accept (an audit found each of these refused at launch, 2026-12-03), and nothing else moves."""
+    _fake_gpu(monkeypatch)
+    base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
+    assert base.wgrad_gluon and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
+    cfg = apply_overrides(base, parse_config_overrides(spec))
+    assert cfg == base.with_(**want)
+    assert bwd_phase_a_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT and gate_up_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("block_n=64,wgrad_gluon=True", "KernelConfig.wgrad_gluon builds 128 x 256"),  # asked for: checked as given
+    ("push_in_epilogue=True,combine_gather=True", "choose one"),  # both named: the config's own error
+    ("macrobatch_size=8192,num_comm_programs_fwd=0", "leaves no program to push"),  # no pusher, and none given back
+])
+def test_overrides_that_name_the_conflicting_knob_are_errors(monkeypatch, spec, match):
+    _fake_gpu(monkeypatch)
+    base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
+    with pytest.raises(ValueError, match=match):
+        apply_overrides(base, parse_config_overrides(spec))
 
 
 def test_default_config_small_gpu_and_cpu(monkeypatch):

@@ -544,3 +544,26 @@ def test_gpu_cuda_graph_capture_forward_backward():
     assert_bitwise_equal(cap_out, out.detach(), "replayed out")
     for (n, _), a, b in zip([("x", None), *layer.named_parameters()], cap_grads, grads, strict=True):
         assert_bitwise_equal(a, b, f"replayed d_{n}")
+
+
+@pytest.mark.parametrize("max_tokens, want", [
+    (None, 5),  # every rank brings the same T: the config for T
+    (64, 64),  # SymmetricPeers(max_tokens=64): every routed buffer is sized for 64 tokens a rank, so is the config
+])
+def test_ep_layer_picks_its_config_for_the_buffers_token_rows(monkeypatch, max_tokens, want):
+    """Under expert parallelism the kernels size the routed buffers for max_tokens rows a rank (``ep.token_slots``)
+    whatever this rank brings; a config chosen for the rank's own T would size the ring for the wrong problem
+    (an audit's example: Kimi at EP 8, max_tokens 8,192, T 64: ~24 GiB of routed buffers a layer instead of an
+    8 GiB ring). The peers and the EP op are stubs (no process group on CPU); what is checked is the T the
+    layer asks its config for."""
+    import types
+
+    import kittenmoe.ep as kep
+
+    layer = MoELayer(TINY, backend="megakernel", device="cpu")
+    layer.ep = types.SimpleNamespace(max_tokens=max_tokens, num_ranks=2, rank=0)
+    asked = []
+    monkeypatch.setattr(layer, "config_for_tokens", lambda t, device: asked.append(t) or KernelConfig())
+    monkeypatch.setattr(kep, "moe_ep", lambda x, *a, **k: torch.zeros_like(x))
+    layer(torch.randn(5, TINY.h))
+    assert asked == [want]

@@ -96,15 +96,20 @@ def test_megakernel_backend_matches_eager_fp32():
         assert_close(grads_k[n], grads_e[n], torch.float32, f"d {n}")
 
 
-def test_fp8_option_close_to_eager():
-    """Options(backend="megakernel", fp8=FP8Config()): a DeepSeek-V3 whose expert widths are multiples of the 128
-    scale block runs its experts in e4m3; logits and every gradient within the fp8 bar (rel L1 <= 0.1, cosine
-    >= 0.996) of eager, the config's block_n set to the scale block by the integration."""
+@pytest.mark.parametrize("scale_block", [
+    128,  # DeepSeek-V3's 1 x 128 / 128 x 128 blocks
+    32,  # MXFP8's 32-blocks with power-of-two scales (every call raised until 2026-12-03: 32-wide tiles)
+])
+def test_fp8_option_close_to_eager(scale_block):
+    """Options(backend="megakernel", fp8=FP8Config(...)): a DeepSeek-V3 whose expert widths are multiples of 128
+    runs its experts in e4m3; logits and every gradient within the fp8 bar (rel L1 <= 0.1, cosine >= 0.996) of
+    eager, the config's block_n set by the integration to MoELayer's FP8 tile width."""
     from kittenmoe.fp8 import FP8Config
     from kittenmoe.testing import cosine, rel_l1
 
     try:
-        kt.register(kt.Options(backend="megakernel", fp8=FP8Config()), name="kittenmoe-fp8")
+        kt.register(kt.Options(backend="megakernel", fp8=FP8Config(scale_block, pow2_scales=scale_block == 32)),
+                    name="kittenmoe-fp8")
         torch.manual_seed(0)
         model = _deepseek_v3(hidden_size=128, moe_intermediate_size=128, intermediate_size=128,
                              n_routed_experts=4).float()
@@ -157,27 +162,34 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     assert seen["config"].copy_prefetch is True
 
 
-@pytest.mark.parametrize("scale_block, gluon", [
-    (32, False),  # MXFP8: gate|up tiles 32 wide, which the Gluon weight gradients' 128 x 256 tile is not
-    (128, True),  # 128-blocks: block_n stays 128, and so does the heuristic's wgrad_gluon
+@pytest.mark.parametrize("scale_block", [
+    32,  # MXFP8: 128-wide tiles hold four scale blocks (32-wide ones would give the backward 16-wide d(gate|up)
+    # blocks, which the FP8 launch refuses)
+    128,  # DeepSeek-V3's blocks: one a tile
 ])
-def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block, gluon):
-    """The megakernel path's heuristic config on a Hopper GPU sets wgrad_gluon; the FP8 option then sets
-    block_n to the scale block. At 32 the knob must go (a config it refuses would fail in the forward's
-    KernelConfig check); at 128 it stays. The device and the heuristic are faked (no GPU here)."""
+def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block):
+    """The megakernel path's heuristic config on a Hopper GPU sets wgrad_gluon; with FP8 the integration takes
+    MoELayer's gate|up tile width (``FP8Config.tile_block_n``, 128 for both blocks), so the knob stays, and the
+    tiles pass what the FP8 launch checks (at 32 wide they did not: every MXFP8 call raised). The device and
+    the heuristic are faked (no GPU here)."""
     from kittenmoe.autograd import config_to_args
     from kittenmoe.config import KernelConfig
     from kittenmoe.fp8 import FP8Config
+    from kittenmoe.ops import fp8_dgu_block
 
     seen = {}
     monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
     monkeypatch.setattr(kt, "auto_config_args", lambda *a: config_to_args(
         KernelConfig(wgrad_gluon=True, wgrad_persistent=True)))
     monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
-    fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=FP8Config(scale_block, scale_block == 32)))
+    fp8 = FP8Config(scale_block, scale_block == 32)
+    fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=fp8))
 
     fwd(_Experts(h=128, i=128), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
-    assert seen["config"].block_n == scale_block and seen["config"].wgrad_gluon is gluon
+    cfg = seen["config"]
+    assert cfg.block_n == 128 and cfg.wgrad_gluon is True
+    # what ops._check_fp8 asks of the tiles: whole scale blocks a tile, d(gate|up) blocks >= 32 for e4m3 dots
+    assert cfg.block_n % scale_block == 0 and fp8_dgu_block(cfg, scale_block) >= 32
 
 
 @pytest.mark.parametrize("attr,value,match", [

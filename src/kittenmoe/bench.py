@@ -194,11 +194,11 @@ def parse_config_overrides(spec: str | None) -> dict:
 
 def apply_overrides(base: KernelConfig, overrides: dict) -> KernelConfig:
     """``base`` with ``overrides``; KernelConfig's own validation gives the error for a bad value. Through
-    ``KernelConfig.with_tiles``: a heuristic base with ``wgrad_gluon`` (Hopper) and overrides that move the
-    tiles off its 128 x 256 take the Triton weight gradients, as the tuner's grid does; ``wgrad_gluon=True``
-    given with such tiles is still an error."""
+    ``KernelConfig.with_overrides``: the heuristic's derived knobs follow the overrides (on Hopper, tiles off
+    the Gluon kernel's 128 x 256 take the Triton weight gradients; a ring or a push turns the one-rank gather
+    off), as the tuner's grid does; a knob the overrides name is checked as given."""
     try:
-        return base.with_tiles(**overrides)
+        return base.with_overrides(**overrides)
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad --config: {e}") from None
 
@@ -699,13 +699,14 @@ def config_for_problem(problem: Problem, device: torch.device, overrides: dict) 
         source += " + --config overrides"
     b = problem.fp8_block
     if b is not None:
+        tile_n = problem.fp8_config().tile_block_n
         if "block_n" in overrides:
             if cfg.block_n % b:
                 raise ValueError(f"bad --config block_n={cfg.block_n} with --fp8 {b}: block_n must be a multiple of "
                                  f"the scale block {b} (each gate|up tile holds whole scale blocks); leave it out "
-                                 f"for {max(128, b)}")
-        elif cfg.block_n != max(128, b):
-            cfg = cfg.with_tiles(block_n=max(128, b))
+                                 f"for {tile_n}")
+        elif cfg.block_n != tile_n:
+            cfg = cfg.with_overrides(block_n=tile_n)
             source += f" + block_n {cfg.block_n} for --fp8 {b}"
     return cfg, source
 

@@ -102,8 +102,8 @@ def _is_pow2(v: int) -> bool:
 def gluon_wgrad_tiles_ok(block_n: int, block_k: int, block_m: int) -> bool:
     """``KernelConfig.wgrad_gluon``'s tile: block_n x 2 block_n = 128 x 256 outputs, 64-row steps
     (min(block_k, block_m)). One home for the condition: KernelConfig checks it, ``default_config`` sets the
-    knob only where it holds, and ``KernelConfig.with_tiles`` (the tuner's grid, the FP8 scale block's block_n)
-    turns the knob off where a tile change breaks it rather than building a config that is refused."""
+    knob only where it holds, and ``KernelConfig.with_overrides`` (``--config``, the tuner's grid, the FP8 tile
+    width) turns the knob off where a tile change breaks it rather than building a config that is refused."""
     return block_n == 128 and min(block_k, block_m) == 64
 
 
@@ -407,15 +407,40 @@ class KernelConfig:
     def with_(self, **changes) -> "KernelConfig":
         return dataclasses.replace(self, **changes)
 
-    def with_tiles(self, **changes) -> "KernelConfig":
-        """``with_(**changes)`` for changes that may move the tiles (block_n, block_k, block_m): ``wgrad_gluon``
-        stays on only where its tile still fits (``gluon_wgrad_tiles_ok``), so a heuristic that set it and a
-        caller that changes the tiles (the tuner's grid, the FP8 scale block) build a config that runs; unless
-        ``changes`` set ``wgrad_gluon`` themselves, which is then checked as given."""
-        tiles = {a: changes.get(a, getattr(self, a)) for a in ("block_n", "block_k", "block_m")}
-        if self.wgrad_gluon and "wgrad_gluon" not in changes and not gluon_wgrad_tiles_ok(**tiles):
-            changes = {**changes, "wgrad_gluon": False}  # other tiles take the Triton weight-gradient kernel
-        return self.with_(**changes)
+    def with_overrides(self, **changes) -> "KernelConfig":
+        """``with_(**changes)`` for a caller's knobs on top of a tuned or heuristic config (``--config``, the
+        tuner's grid, the FP8 tile width, the transformers integration's ``knobs``). The knobs the heuristic
+        derived from the ones that change follow them, so the result runs where ``with_`` would build a config
+        a launch refuses; a knob ``changes`` names is never touched (and is then checked as given):
+
+        - ``wgrad_gluon`` off where its 128 x 256 tile no longer fits (``gluon_wgrad_tiles_ok``), or with
+          ``wgrad_two_per_sm`` or ``tma=False`` (the Triton weight gradients run instead);
+        - ``bwd_num_stages`` back to 0 (``bwd_stages``' default) where the backward's phase-A tile no longer
+          fits shared memory at the set depth (``bwd_phase_a_smem_bytes``, 2-byte operands: the heuristic sets
+          the depth only for those);
+        - ``combine_gather`` off when ``changes`` ask for a ring (``macrobatch_size``; the caller passes None
+          where its ring would not wrap), for ``push_in_epilogue``, or turn it off; then communication
+          programs at 0 take ``KernelConfig()``'s counts, since something must push."""
+        # the knobs as they would merge, unvalidated: the merged config may be one KernelConfig refuses
+        v = {f.name: changes.get(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
+        derived = {}
+        if v["wgrad_gluon"] and "wgrad_gluon" not in changes and (
+                not gluon_wgrad_tiles_ok(v["block_n"], v["block_k"], v["block_m"]) or v["wgrad_two_per_sm"]
+                or not v["tma"]):
+            derived["wgrad_gluon"] = False  # the Triton weight-gradient kernel
+        if self.combine_gather and "combine_gather" not in changes and (
+                changes.get("macrobatch_size") is not None or changes.get("push_in_epilogue")):
+            derived["combine_gather"] = False
+        if self.combine_gather and not derived.get("combine_gather", v["combine_gather"]):
+            plain = KernelConfig()
+            for knob in ("num_comm_programs_fwd", "num_comm_programs_bwd"):
+                if v[knob] == 0 and knob not in changes:
+                    derived[knob] = getattr(plain, knob)
+        cfg = self.with_(**changes, **derived)
+        if cfg.bwd_num_stages and "bwd_num_stages" not in changes \
+                and bwd_phase_a_smem_bytes(cfg) > SHARED_MEMORY_LIMIT:
+            cfg = cfg.with_(bwd_num_stages=0)
+        return cfg
 
     @property
     def half_tails(self) -> bool:

@@ -89,12 +89,12 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
     # What every rank must share; a mismatch raises on every rank (one host collective per new combination).
     # With max_tokens, T may differ between ranks: the token buffers' height (max_tokens) is what must agree.
     peers.agree("the EP problem (T or max_tokens, H, I, K, experts per rank, shared width, swiglu_limit, dtype)",
-                (_slots(peers, dims.t), dims.h, dims.i, dims.k, dims.e, dims.s, swiglu_limit,
+                (token_slots(peers, dims.t), dims.h, dims.i, dims.k, dims.e, dims.s, swiglu_limit,
                  str(w13_L2IH.dtype)))
     return dims
 
 
-def _slots(peers: SymmetricPeers, t: int) -> int:
+def token_slots(peers: SymmetricPeers, t: int) -> int:
     """Token rows of the symmetric buffers: max_tokens when set (ranks' T may differ), else T."""
     return t if peers.max_tokens is None else peers.max_tokens
 
@@ -147,7 +147,7 @@ def megakernel_forward_ep(
                   swiglu_limit, config)
     R, rank = peers.num_ranks, peers.rank
     T, H, K, L = dims.t, dims.h, dims.k, dims.e
-    N = _slots(peers, T)
+    N = token_slots(peers, T)
     dtype = w13_L2IH.dtype
     _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
     _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], topk_ids_TK, T, NO_ROUTE)
@@ -208,7 +208,7 @@ def megakernel_backward_ep(
     dtype = w13_L2IH.dtype
     if tuple(d_out_TH.shape) != (T, H):
         raise ValueError(f"d_out must be [T, H] = {(T, H)}, got {tuple(d_out_TH.shape)}")
-    N = _slots(peers, T)
+    N = token_slots(peers, T)
     # Padding tokens: zero x and d_out rows (the shared expert's backward sums them), no routes.
     _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
     _put_tokens(peers.alloc("d_out", (N, H), dtype)[rank], d_out_TH, T, 0.0)

@@ -78,6 +78,14 @@ class FP8Config:
             raise ValueError("FP8Config: scale_block=32 (the MXFP8 family) needs pow2_scales=True "
                              "(E8M0-representable power-of-two scales)")
 
+    @property
+    def tile_block_n(self) -> int:
+        """The gate|up tile width (``KernelConfig.block_n``) the FP8 path gets from ``MoELayer``, ``kittenmoe
+        bench --fp8`` and the transformers integration: 128 for both scale blocks. A tile's hidden rows must hold
+        whole scale blocks (a multiple of ``scale_block``), and the backward's d(gate|up) blocks, half a tile
+        wide, must stay >= 32 for e4m3 dots: a 32-wide tile would give 16 (``ops._check_fp8`` refuses it)."""
+        return max(128, self.scale_block)
+
 
 # ---------------------------------------------------------------- checks and scale rule
 

@@ -190,11 +190,13 @@ class MoELayer(nn.Module):
         x_TH = x.reshape(-1, h).contiguous()
         topk_ids_TK, topk_weights_TK = self.route(x_TH)
         if self.ep is not None:
-            from kittenmoe.ep import moe_ep
+            from kittenmoe.ep import moe_ep, token_slots
 
+            # the config for the rows the kernels size every routed buffer by (max_tokens a rank when set): a
+            # rank bringing fewer tokens would otherwise pick a config without the ring those rows need
             out_TH = moe_ep(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                             self.shared_w2_HS, self.shape.swiglu_limit, self.ep,
-                            self.config_for_tokens(x_TH.shape[0], x_TH.device), fp8=self.fp8)
+                            self.config_for_tokens(token_slots(self.ep, x_TH.shape[0]), x_TH.device), fp8=self.fp8)
             return out_TH.reshape(x.shape)
         out_TH = moe(x_TH, topk_ids_TK, topk_weights_TK, self.w13_E2IH, self.w2_EHI, self.shared_w13_2SH,
                      self.shared_w2_HS, self.shape.swiglu_limit, backend=self.backend,
@@ -214,7 +216,7 @@ class MoELayer(nn.Module):
                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
         # FP8: a gate|up tile holds whole hidden scale blocks, so its width is a multiple of the scale block
         # (128 wide for both 128- and MXFP8's 32-blocks)
-        return cfg if self.fp8 is None else cfg.with_tiles(block_n=max(128, self.fp8.scale_block))
+        return cfg if self.fp8 is None else cfg.with_overrides(block_n=self.fp8.tile_block_n)
 
     def extra_repr(self) -> str:
         sh = self.shape

@@ -184,6 +184,15 @@ def _read_entry(path: Path, key: dict) -> KernelConfig | None:
         ignore(f"its key {entry.get('key')!r} does not match {key!r}")
         return None
     cfg = entry.get("config")
+    if isinstance(cfg, dict):
+        # A knob added since the entry was tuned would take its dataclass default, silently replacing what
+        # the heuristic now sets (the package version has not moved, so the check above cannot see it).
+        fields = {f.name for f in dataclasses.fields(KernelConfig)}
+        if set(cfg) != fields:
+            ignore(f"stale: tuned with another set of KernelConfig knobs (missing: "
+                   f"{', '.join(sorted(fields - set(cfg))) or 'none'}; unknown: "
+                   f"{', '.join(sorted(set(cfg) - fields)) or 'none'})")
+            return None
     try:
         if not isinstance(cfg, dict):
             raise TypeError(f"config is a {type(cfg).__name__}, not an object")
@@ -307,12 +316,10 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
         changes = {a: v for a, v in point.items() if a != "tiles"}
         if "tiles" in point:
             changes["block_n"], changes["num_stages"] = point["tiles"]
-        try:
-            cfg = base.with_tiles(**changes)  # (wgrad_gluon off where a point's tiles are not its 128 x 256)
-        except (TypeError, ValueError) as exc:
-            pruned.append((point, f"invalid: {exc}"))
-            continue
-        bm, mb = cfg.block_m, cfg.minibatch_size
+        # the point's row tile and minibatch as they merge (validated below): a ring holding every routed row
+        # does not wrap, so it is no ring (None), and the one-rank gather can stay
+        bm = changes.get("block_m", base.block_m)
+        mb = changes.get("minibatch_size", base.minibatch_size)
         cap = routed_capacity(ranks, t, k, experts_local, bm)
         cap_r = math.ceil(cap / bm) * bm
         if mb > cap_r:
@@ -321,17 +328,17 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
                 pruned.append((point, f"minibatch {mb} > routed capacity {cap_r} rows (the smaller "
                                       f"{bigger[0]} already holds every row)"))
                 continue
-        full = math.ceil(cap / mb) * mb
-        if cfg.macrobatch_size is not None and cfg.macrobatch_size >= full:
-            cfg = cfg.with_(macrobatch_size=None)
-        if cfg.macrobatch_size is not None and cfg.combine_gather:
-            # a wrapping ring cannot gather at the end (the rows are overwritten): such a point pushes
-            if cfg.num_comm_programs_fwd == 0:
-                pruned.append((point, "no comm programs need a ring that does not wrap"))
-                continue
-            # (the pushing backward needs comm programs: KernelConfig's default count where the point had none)
-            cfg = cfg.with_(combine_gather=False,
-                            num_comm_programs_bwd=cfg.num_comm_programs_bwd or KernelConfig().num_comm_programs_bwd)
+        if changes.get("macrobatch_size") is not None and changes["macrobatch_size"] >= math.ceil(cap / mb) * mb:
+            changes["macrobatch_size"] = None
+        try:
+            # the heuristic's derived knobs follow the point's (a wrapping ring pushes: the gather's rows would
+            # be overwritten; a point that also sets no comm programs is then invalid)
+            cfg = base.with_overrides(**changes)
+        except (TypeError, ValueError) as exc:
+            pruned.append((point, f"invalid: {exc}"))
+            continue
+        if cfg.macrobatch_size is not None and cfg.macrobatch_size >= math.ceil(cap / mb) * mb:
+            cfg = cfg.with_(macrobatch_size=None)  # (the base's ring, where the point's minibatch holds every row)
         smem = gate_up_smem_bytes(cfg, elem_bytes)
         if smem > SHARED_MEMORY_LIMIT:
             pruned.append((point, f"shared memory ~{smem // 1024} KB > {SHARED_MEMORY_LIMIT // 1024} KB"))

@@ -103,11 +103,10 @@ def make_experts_forward(options: Options = Options()):
             config = KernelConfig(*auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
                                                      0, 1, str(hidden_states.device),
                                                      str(self.gate_up_proj.dtype).removeprefix("torch.")))
-            if options.fp8 is not None:  # one hidden scale per gate|up tile row: its width is the scale block
-                # (with_tiles: the Gluon weight gradients' 128-wide tile only at 128)
-                config = config.with_tiles(block_n=options.fp8.scale_block)
-        if options.knobs:
-            config = (config if config is not None else KernelConfig()).with_(**dict(options.knobs))
+            if options.fp8 is not None:  # gate|up tiles holding whole scale blocks, as MoELayer's
+                config = config.with_overrides(block_n=options.fp8.tile_block_n)
+        if options.knobs:  # (with_overrides: the heuristic's derived knobs follow them, as under --config)
+            config = (config if config is not None else KernelConfig()).with_overrides(**dict(options.knobs))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
         out = moe(hidden_states.contiguous(), top_k_index, top_k_weights.float(), self.gate_up_proj,
                   self.down_proj, backend=options.backend, config=config, fp8=options.fp8)
