@@ -214,8 +214,7 @@ class MoELayer(nn.Module):
         ranks = 1 if self.ep is None else self.ep.num_ranks
         cfg = KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
                                               str(self.w13_E2IH.dtype).removeprefix("torch.")))
-        # FP8: a gate|up tile holds whole hidden scale blocks, so its width is a multiple of the scale block
-        # (128 wide for both 128- and MXFP8's 32-blocks)
+        # FP8: gate|up tiles holding whole hidden scale blocks (FP8Config.tile_block_n says why 128)
         return cfg if self.fp8 is None else cfg.with_overrides(block_n=self.fp8.tile_block_n)
 
     def extra_repr(self) -> str:

@@ -328,7 +328,8 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
                 pruned.append((point, f"minibatch {mb} > routed capacity {cap_r} rows (the smaller "
                                       f"{bigger[0]} already holds every row)"))
                 continue
-        if changes.get("macrobatch_size") is not None and changes["macrobatch_size"] >= math.ceil(cap / mb) * mb:
+        full = math.ceil(cap / mb) * mb
+        if changes.get("macrobatch_size") is not None and changes["macrobatch_size"] >= full:
             changes["macrobatch_size"] = None
         try:
             # the heuristic's derived knobs follow the point's (a wrapping ring pushes: the gather's rows would
@@ -337,7 +338,7 @@ def expand_grid(grid: dict[str, tuple], base: KernelConfig, t: int, k: int, expe
         except (TypeError, ValueError) as exc:
             pruned.append((point, f"invalid: {exc}"))
             continue
-        if cfg.macrobatch_size is not None and cfg.macrobatch_size >= math.ceil(cap / mb) * mb:
+        if cfg.macrobatch_size is not None and cfg.macrobatch_size >= full:
             cfg = cfg.with_(macrobatch_size=None)  # (the base's ring, where the point's minibatch holds every row)
         smem = gate_up_smem_bytes(cfg, elem_bytes)
         if smem > SHARED_MEMORY_LIMIT:
