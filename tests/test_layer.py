@@ -400,8 +400,8 @@ def test_bad_inputs_raise():
         moe(x, ids, w, *weights, swiglu_limit=-1.0)
     with pytest.raises(TypeError, match="KernelConfig"):
         moe(x, ids, w, *weights, config={"block_m": 16})
-    with pytest.raises(ValueError, match="contiguous"):
-        moe(x.t().contiguous().t(), ids, w, *weights)
+    with pytest.raises(ValueError, match="w13 must be contiguous"):  # activations are copied, weights never
+        moe(x.t().contiguous().t(), ids, w, weights[0].transpose(1, 2).contiguous().transpose(1, 2), *weights[1:])
     with pytest.raises(TypeError, match="ModelShape"):
         MoELayer("tiny")
     with pytest.raises(ValueError, match="'sync' or 'deferred'"):

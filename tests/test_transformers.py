@@ -172,6 +172,7 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     MoELayer's gate|up tile width (``FP8Config.tile_block_n``, 128 for both blocks), so the knob stays, and the
     tiles pass what the FP8 launch checks (at 32 wide they did not: every MXFP8 call raised). The device and
     the heuristic are faked (no GPU here)."""
+    from kittenmoe import autoconfig
     from kittenmoe.autograd import config_to_args
     from kittenmoe.config import KernelConfig
     from kittenmoe.fp8 import FP8Config
@@ -179,7 +180,7 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
 
     seen = {}
     monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
-    monkeypatch.setattr(kt, "auto_config_args", lambda *a: config_to_args(
+    monkeypatch.setattr(autoconfig, "_auto_config_args", lambda *a: config_to_args(
         KernelConfig(wgrad_gluon=True, wgrad_persistent=True)))
     monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
     fp8 = FP8Config(scale_block, scale_block == 32)

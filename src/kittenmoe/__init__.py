@@ -1,13 +1,22 @@
 """kittenmoe: Mixture-of-Experts layers with one persistent Triton megakernel per rank.
 
-Shape legend: T tokens per rank, H hidden, I expert width, S shared-expert
-width, E experts (global), K top-k, R ranks, L = E // R experts per rank,
-N routed rows on a rank, C the routed-row capacity.
+The API:
+
+- ``moe(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, ...)``: one differentiable MoE layer call with
+  your own routing (``kittenmoe.functional``);
+- ``MoELayer(shape, ...)``: router, routed experts and shared expert as an ``nn.Module``;
+- ``moe_ep(..., peers)`` with ``SymmetricPeers()``: expert parallelism, one process per rank;
+- ``KernelConfig`` (the megakernel's knobs; None everywhere picks the tuned or heuristic one), ``FP8Config``
+  (e4m3 experts), ``ModelShape`` / ``get_shape`` (layer shapes, the seed models among them);
+- ``check_errors()`` / ``set_error_check(mode)``: device-side errors (spin-wait timeouts, expert ids out of
+  range) raised as ``MegakernelError``.
+
+Shape legend: T tokens per rank, H hidden, I expert width, S shared-expert width, E experts (global), K top-k,
+R ranks, L = E // R experts per rank, N routed rows on a rank.
 """
 
-from kittenmoe.config import SEED_SHAPES, SHAPES, TEST_SHAPES, KernelConfig, ModelShape, get_shape
-from kittenmoe.peers import LocalPeers, SymmetricPeers
-from kittenmoe.schedule import Schedule, build_schedule
+from kittenmoe.config import KernelConfig, ModelShape, get_shape
+from kittenmoe.peers import SymmetricPeers
 
 __version__ = "0.1.0"
 
@@ -16,9 +25,11 @@ __version__ = "0.1.0"
 _LAZY = {
     "MoELayer": "kittenmoe.layer",
     "moe": "kittenmoe.functional",
+    "moe_ep": "kittenmoe.ep",
+    "FP8Config": "kittenmoe.fp8",
     "set_error_check": "kittenmoe.autograd",
     "check_errors": "kittenmoe.autograd",
-    "moe_ep": "kittenmoe.ep",
+    "MegakernelError": "kittenmoe.ops",
 }
 
 
@@ -31,16 +42,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "FP8Config",
     "KernelConfig",
-    "LocalPeers",
+    "MegakernelError",
     "MoELayer",
     "ModelShape",
-    "Schedule",
-    "SEED_SHAPES",
     "SymmetricPeers",
-    "SHAPES",
-    "TEST_SHAPES",
-    "build_schedule",
     "check_errors",
     "get_shape",
     "moe",

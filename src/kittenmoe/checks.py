@@ -82,11 +82,13 @@ def check_moe_inputs(
     shared_w13_2SH: torch.Tensor | None,
     shared_w2_HS: torch.Tensor | None,
     expert_parallel: int = 1,
+    allow_empty: bool = False,
 ) -> MoEDims:
     """Validate every rank's inputs and the (global) weights; return the dimensions.
 
     ``expert_parallel``: the number of processes the experts are split over when this call sees one rank's
-    share of them (``kittenmoe.ep``); the top-k bound then applies to all ``expert_parallel * E`` experts."""
+    share of them (``kittenmoe.ep``); the top-k bound then applies to all ``expert_parallel * E`` experts.
+    ``allow_empty``: T = 0 is valid (the public entries return an empty output); the launchers refuse it."""
     for name, v in (("x", x_RTH), ("topk_ids", topk_ids_RTK), ("topk_weights", topk_weights_RTK)):
         if not isinstance(v, (list, tuple)) or not v:
             raise TypeError(f"{name} must be a non-empty list with one tensor per rank, got {type(v).__name__}")
@@ -126,8 +128,9 @@ def check_moe_inputs(
         if tuple(ids.shape) != (t, k) or tuple(w.shape) != (t, k):
             raise ValueError(f"topk_ids[{rank}] {tuple(ids.shape)} and topk_weights[{rank}] {tuple(w.shape)} "
                              f"must both be [T, K] = {(t, k)}")
-    if t == 0:
-        raise ValueError("x has no tokens (T=0)")
+    if t == 0 and not allow_empty:
+        raise ValueError("x has no tokens (T=0); kittenmoe.moe and MoELayer accept an empty batch, the "
+                         "launchers do not")
     if k < 1:
         raise ValueError("topk_ids has K=0 columns; at least one expert per token is needed")
     if k > e * expert_parallel:

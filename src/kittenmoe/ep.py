@@ -37,9 +37,11 @@ import triton
 import triton.language as tl
 
 from kittenmoe import ops
+from kittenmoe.autoconfig import auto_config
 from kittenmoe.checks import check_moe_inputs
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, resolve_expert_weights
+from kittenmoe.functional import contiguous_activations, no_tokens_output
 from kittenmoe.peers import SymmetricPeers
 from kittenmoe.schedule import NO_ROUTE
 
@@ -70,7 +72,7 @@ def all_gather_routing(peers: SymmetricPeers) -> torch.Tensor:
 
 
 def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, swiglu_limit,
-           config):
+           config, allow_empty: bool = False):
     if not isinstance(peers, SymmetricPeers):
         raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
                         f"{type(peers).__name__}; for R virtual ranks in one process use "
@@ -80,7 +82,8 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
     # Shapes and dtypes as one rank holding its L experts (ids are global; out-of-range ones are counted on
     # the device against E = R * L and raised by check_errors).
     dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
-                            shared_w2_HS, expert_parallel=peers.num_ranks)
+                            shared_w2_HS, expert_parallel=peers.num_ranks,
+                            allow_empty=allow_empty or peers.max_tokens is not None)
     if w13_L2IH.device != peers.device:
         raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
     if peers.max_tokens is not None and dims.t > peers.max_tokens:
@@ -280,8 +283,29 @@ def moe_ep(
     """Differentiable MoE under expert parallelism (collective, forward and backward): ``kittenmoe.moe`` for
     one rank that holds experts ``[rank * L, (rank + 1) * L)``. Gradients: this rank's tokens (d_x, router
     weights), this rank's experts, and this rank's tokens' share of the shared expert's. ``fp8``: as
-    ``kittenmoe.moe``'s (an ``FP8Config`` quantises this rank's experts now)."""
-    config = config or KernelConfig()
+    ``kittenmoe.moe``'s (an ``FP8Config`` quantises this rank's experts now). ``config`` None: the tuned or
+    heuristic config for the rows every routed buffer is sized by (``max_tokens`` a rank when set), as
+    ``kittenmoe.moe`` picks one (``kittenmoe.autoconfig``).
+
+    ``T = 0``: with ``SymmetricPeers(max_tokens=N)`` a rank may bring no tokens while others bring some; it
+    still serves its experts to the others (collective), returns ``[0, H]``, and gets zero token gradients and
+    its experts' gradients from the other ranks' rows. Without ``max_tokens`` every rank brings the same T
+    (checked collectively), so T = 0 on one means T = 0 on all: ``[0, H]`` and zero gradients everywhere."""
+    x_TH, topk_ids_TK, topk_weights_TK = contiguous_activations(x_TH, topk_ids_TK, topk_weights_TK)
+    if not isinstance(peers, SymmetricPeers):
+        raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
+                        f"{type(peers).__name__}")
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+    dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
+                            shared_w2_HS, expert_parallel=peers.num_ranks, allow_empty=True)
+    if dims.t == 0 and peers.max_tokens is None:
+        _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+               swiglu_limit, config, allow_empty=True)  # collective: every rank must agree on T = 0
+        return no_tokens_output(x_TH, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS)
+    if config is None:
+        config = auto_config(token_slots(peers, dims.t), dims.h, dims.i, dims.e * peers.num_ranks, dims.k, dims.s,
+                             peers.num_ranks, x_TH.device, x_TH.dtype, fp8)
     fp8 = resolve_expert_weights(fp8, w13_L2IH, w2_LHI)
     return _MoEEP.apply(x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                         swiglu_limit, peers, config, fp8)

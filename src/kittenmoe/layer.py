@@ -27,25 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kittenmoe import ops
+from kittenmoe.autoconfig import auto_config
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, moe, resolve_backend
-from kittenmoe.autograd import config_to_args
 from kittenmoe.checks import canonical_device
 from kittenmoe.reference import route
-from kittenmoe.tune import config_for
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8Config
     from kittenmoe.peers import SymmetricPeers
-
-
-@torch._dynamo.assume_constant_result
-def auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: str, dtype: str) -> tuple:
-    """``tune.config_for``'s choice as KernelConfig field values. Under ``torch.compile`` it runs once at trace
-    time and its result is a constant of the graph (it reads the tune cache from disk, which dynamo cannot
-    trace); eagerly it runs on every forward (a stat of the cache file, memoised by tune)."""
-    cfg, _ = config_for(t, h, i, e, k, ranks, torch.device(device), getattr(torch, dtype), s)
-    return config_to_args(cfg)
 
 
 def check_backend_runs(backend: str, device: torch.device | str) -> str:
@@ -212,10 +202,7 @@ class MoELayer(nn.Module):
             return self.config
         sh = self.shape
         ranks = 1 if self.ep is None else self.ep.num_ranks
-        cfg = KernelConfig(*auto_config_args(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, str(device),
-                                              str(self.w13_E2IH.dtype).removeprefix("torch.")))
-        # FP8: gate|up tiles holding whole hidden scale blocks (FP8Config.tile_block_n says why 128)
-        return cfg if self.fp8 is None else cfg.with_overrides(block_n=self.fp8.tile_block_n)
+        return auto_config(t, sh.h, sh.i, sh.e, sh.k, sh.shared_width, ranks, device, self.w13_E2IH.dtype, self.fp8)
 
     def extra_repr(self) -> str:
         sh = self.shape

@@ -27,7 +27,7 @@ from torch import nn
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config
 from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
-from kittenmoe.layer import auto_config_args
+from kittenmoe.autoconfig import auto_config
 
 IMPLEMENTATION_NAME = "kittenmoe"
 
@@ -100,11 +100,8 @@ def make_experts_forward(options: Options = Options()):
         if config is None and resolve_backend(options.backend, hidden_states.device) == "megakernel":
             # as MoELayer: the tune cache's entry for this call, else the heuristic (trace-time under compile)
             e, two_i, h = self.gate_up_proj.shape
-            config = KernelConfig(*auto_config_args(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1],
-                                                     0, 1, str(hidden_states.device),
-                                                     str(self.gate_up_proj.dtype).removeprefix("torch.")))
-            if options.fp8 is not None:  # gate|up tiles holding whole scale blocks, as MoELayer's
-                config = config.with_overrides(block_n=options.fp8.tile_block_n)
+            config = auto_config(hidden_states.shape[0], h, two_i // 2, e, top_k_index.shape[1], 0, 1,
+                                 hidden_states.device, self.gate_up_proj.dtype, options.fp8)
         if options.knobs:  # (with_overrides: the heuristic's derived knobs follow them, as under --config)
             config = (config if config is not None else KernelConfig()).with_overrides(**dict(options.knobs))
         # Router weights join the fp32 combine as fp32; autograd casts their gradient back to their dtype.
