@@ -253,3 +253,65 @@ def test_python_dash_m_kittenmoe_runs():
     res = subprocess.run([sys.executable, "-m", "kittenmoe", "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "bench" in res.stdout and "demo" in res.stdout
+
+
+# --------------------------------------------------------------------------- on the GPU
+
+GPU_SHAPE = get_shape("small")  # E=16 H=128 I=64 K=4, shared width 64
+
+
+def _gpu_inputs(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = make_weights(GPU_SHAPE, dtype=torch.bfloat16, device="cuda", generator=g)
+    x = torch.randn(t, GPU_SHAPE.h, generator=g).to("cuda", torch.bfloat16)
+    ids, wts = routing_uniform(t, GPU_SHAPE.e, GPU_SHAPE.k, generator=g, device="cuda")
+    return x, ids, wts, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,view", [
+    (1000, None),  # the auto config on a T that is a multiple of nothing
+    (1000, "x_column_slice"),  # x a slice of a wider activation
+    (0, None),  # an empty batch on the megakernel backend
+])
+def test_gpu_public_path_auto_config_matches_reference(t, view):
+    x, ids, wts, w = _gpu_inputs(t)
+    if view == "x_column_slice":
+        wide = torch.randn(t, GPU_SHAPE.h + 8, device="cuda").bfloat16()
+        wide[:, :GPU_SHAPE.h] = x
+        x = wide[:, :GPU_SHAPE.h]
+    x = x.detach().requires_grad_(True)
+    w.requires_grad_()
+    out = _call(x, ids, wts, w)  # backend auto -> megakernel, config None -> tuned or heuristic
+    kittenmoe.check_errors()
+    assert out.shape == (t, GPU_SHAPE.h)
+    if t:
+        assert_close(out.float(), _reference(x.detach(), ids, wts, w).float(), torch.bfloat16, "out")
+    out.float().square().sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None for p in w.tensors())
+
+
+@pytest.mark.gpu
+def test_gpu_auto_config_under_compile_and_cuda_graph():
+    """config=None stays host-only work: a fullgraph torch.compile traces it (the choice is a graph constant)
+    and forward+backward capture in a CUDA graph after one eager warm-up, with the eager run's bits."""
+    x, ids, wts, w = _gpu_inputs(512, seed=1)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wts, *w.tensors())]
+    d_out = torch.randn_like(x)
+
+    def step():
+        out = kittenmoe.moe(leaves[0], ids, leaves[1], *leaves[2:])
+        return (out, *torch.autograd.grad(out, leaves, d_out))
+
+    eager = step()
+    compiled = torch.compile(lambda: kittenmoe.moe(leaves[0], ids, leaves[1], *leaves[2:]), fullgraph=True)
+    assert torch.equal(compiled(), eager[0])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    kittenmoe.check_errors()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)

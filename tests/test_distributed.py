@@ -930,6 +930,9 @@ _TASKS["ep_layer"] = _task_ep_layer
     ([128] * 4, None),  # 4 ranks, the same T
     ([128, 72], 128),  # 2 ranks with different T: rank 1 pads 56 tokens (NO_ROUTE) up to max_tokens
     ([40, 128, 1, 96], 160),  # 4 ranks, every rank padded, one with a single token
+    ([0, 128], 128),  # one rank brings no tokens: it still serves its experts to the other
+    ([96, 0, 0, 64], 128),  # ranks with and without tokens mixed over 4 processes
+    ([0, 0], None),  # every rank empty (the same T everywhere): [0, H] and zero gradients, no launch
 ])
 def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, ts, max_tokens):
     """MoELayer(ep=SymmetricPeers(max_tokens)) over len(ts) processes (``rank_gpu``) against one process's
@@ -945,6 +948,23 @@ def test_gpu_ep_layer_matches_single_process_layer(gpu_worlds, ts, max_tokens):
     state = {k: v.cpu() for k, v in ref.state_dict().items()}
     got = gpu_worlds(r).run_ok("ep_layer", [dict(shape=SMALL, config=EP_CFG, state=state, x=xs[k], d_out=d_outs[k],
                                                  max_tokens=max_tokens) for k in range(r)], timeout_s=EP_TIMEOUT_S)
+    _compare_ep_layer(got, ref, xs, d_outs, ts, SMALL)
+
+
+@pytest.mark.gpu
+def test_gpu_ep_layer_without_config_runs_the_auto_config(gpu_worlds):
+    """config=None under EP: every rank resolves the tuned-or-heuristic config for the buffers' rows
+    (kittenmoe.autoconfig, the same on every rank of one machine) and the layer matches one process's."""
+    from kittenmoe import MoELayer
+
+    ts = [128, 72]
+    ref = MoELayer(SMALL, dtype=torch.bfloat16, device="cuda", generator=torch.Generator().manual_seed(3))
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for t in ts]
+    d_outs = [torch.randn(t, SMALL.h, generator=gen).to(torch.bfloat16) for t in ts]
+    state = {k: v.cpu() for k, v in ref.state_dict().items()}
+    got = gpu_worlds(2).run_ok("ep_layer", [dict(shape=SMALL, config=None, state=state, x=xs[k], d_out=d_outs[k],
+                                                 max_tokens=128) for k in range(2)], timeout_s=EP_TIMEOUT_S)
     _compare_ep_layer(got, ref, xs, d_outs, ts, SMALL)
 
 
