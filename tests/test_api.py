@@ -306,7 +306,11 @@ def test_gpu_auto_config_under_compile_and_cuda_graph():
     eager = step()
     compiled = torch.compile(lambda: kittenmoe.moe(leaves[0], ids, leaves[1], *leaves[2:]), fullgraph=True)
     assert torch.equal(compiled(), eager[0])
-    torch.cuda.synchronize()
+    side = torch.cuda.Stream()  # autograd's warm-up for capture runs on a side stream
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
