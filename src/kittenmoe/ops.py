@@ -538,6 +538,8 @@ def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts:
     (``KernelConfig.combine_gather``) ``combine_TKH`` is y_routed and route t*K + j reads its row there."""
     T, H = out_TH.shape
     K = w_TK.shape[1]
+    if T == 0:  # an EP rank that brought no tokens (it still served its experts): nothing to sum, no launch
+        return
     bt, bh = 16, min(256, triton.next_power_of_2(H))
     gather = route_row_TK is not None
     mk.combine_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
@@ -1033,6 +1035,8 @@ def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: in
     H = dx_comb_TKH.shape[-1]
     dx = torch.empty(T, H, dtype=dx_comb_TKH.dtype, device=dx_comb_TKH.device)
     dw = torch.empty(T, K, dtype=torch.float32, device=dx_comb_TKH.device)
+    if T == 0:  # an EP rank that brought no tokens: empty gradients, no launch
+        return dx, dw
     bt, bh = 16, min(256, triton.next_power_of_2(H))
     gather = route_row_TK is not None
     mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
