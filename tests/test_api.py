@@ -296,24 +296,29 @@ def test_gpu_auto_config_under_compile_and_cuda_graph():
     """config=None stays host-only work: a fullgraph torch.compile traces it (the choice is a graph constant)
     and forward+backward capture in a CUDA graph after one eager warm-up, with the eager run's bits."""
     x, ids, wts, w = _gpu_inputs(512, seed=1)
-    leaves = [t.detach().clone().requires_grad_(True) for t in (x, wts, *w.tensors())]
     d_out = torch.randn_like(x)
 
-    def step():
-        out = kittenmoe.moe(leaves[0], ids, leaves[1], *leaves[2:])
-        return (out, *torch.autograd.grad(out, leaves, d_out))
+    def leaves():  # fresh leaves: an autograd graph touched on another stream must not reach the capture
+        return [t.detach().clone().requires_grad_(True) for t in (x, wts, *w.tensors())]
 
-    eager = step()
-    compiled = torch.compile(lambda: kittenmoe.moe(leaves[0], ids, leaves[1], *leaves[2:]), fullgraph=True)
+    def step(ls):
+        out = kittenmoe.moe(ls[0], ids, ls[1], *ls[2:])
+        return (out, *torch.autograd.grad(out, ls, d_out))
+
+    eager_leaves = leaves()
+    eager = step(eager_leaves)
+    compiled = torch.compile(lambda: kittenmoe.moe(eager_leaves[0], ids, eager_leaves[1], *eager_leaves[2:]),
+                             fullgraph=True)
     assert torch.equal(compiled(), eager[0])
+    cap_leaves = leaves()
     side = torch.cuda.Stream()  # autograd's warm-up for capture runs on a side stream
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step()
+        step(cap_leaves)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step()
+        captured = step(cap_leaves)
     graph.replay()
     torch.cuda.synchronize()
     kittenmoe.check_errors()

@@ -69,6 +69,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     """Elementwise (rtol/atol), rel-L1 and cosine checks at ``dtype``'s tolerance; NaN never passes."""
     tol = tolerance_for(dtype)
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    if expected.numel() == 0:  # an empty batch's output or token gradients: the shapes are the whole check
+        return
     assert torch.isfinite(actual).all(), f"{name}: non-finite values in the result"
     err = rel_l1(actual, expected)
     assert err <= tol.rel_l1, f"{name}: relative L1 error {err:.3e} > {tol.rel_l1:.1e}"
