@@ -26,11 +26,12 @@ import torch
 
 import kittenmoe
 from kittenmoe import cli
-from kittenmoe.bench import apply_overrides, parse_config_overrides, parse_routing, parse_shape
+from kittenmoe.bench.problems import apply_overrides, parse_config_overrides, parse_routing, parse_shape
 from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, bwd_phase_a_smem_bytes, default_config,
                               gate_up_smem_bytes)
-from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key, cache_path, config_for,
-                            expand_grid, lookup_config, parse_grid, store_config)
+from kittenmoe.tune import DEFAULT_GRID, expand_grid, parse_grid
+from kittenmoe.tune_cache import (TuneCacheWarning, cache_dir, cache_key, cache_path, config_for, lookup_config,
+                                  store_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "20,32,16,8,2"  # T=20 tokens, H=32, I=16, E=8 experts, K=2
@@ -340,7 +341,7 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
     ({"block_n": 64}, None, 64),  # BF16: no FP8 rule
 ])
 def test_fp8_block_n_in_config(overrides, block, block_n):
-    from kittenmoe.bench import config_for_problem, make_problems
+    from kittenmoe.bench.problems import config_for_problem, make_problems
 
     prob, = make_problems(None, FP8_TINY, None, None, None, "bf16", "uniform", block)
     cfg, source = config_for_problem(prob, torch.device("cpu"), overrides)
@@ -781,7 +782,7 @@ def test_ep_baseline_without_torchrun_is_an_error(monkeypatch, capsys, tmp_path)
 def test_detect_launch_reads_torchrun_environment():
     # Edge: the seam between the environment and the bench: no WORLD_SIZE is one process (virtual ranks);
     # torchrun's variables give this rank; KITTENMOE_EP_SHARE_GPU=1 puts every rank on one GPU.
-    from kittenmoe.bench import Launch, detect_launch
+    from kittenmoe.bench.launch import Launch, detect_launch
 
     assert detect_launch({}) is None
     assert detect_launch({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == Launch(4, 3, 1, False, True)
@@ -800,7 +801,7 @@ def test_detect_launch_reads_torchrun_environment():
     ({**TORCHRUN_ENV, "KITTENMOE_EP_SHARE_GPU": "yes"}, "KITTENMOE_EP_SHARE_GPU='yes'"),
 ])
 def test_detect_launch_rejects_broken_environment(environ, message):
-    from kittenmoe.bench import detect_launch
+    from kittenmoe.bench.launch import detect_launch
 
     with pytest.raises(ValueError, match=re.escape(message)):
         detect_launch(environ)
@@ -809,7 +810,7 @@ def test_detect_launch_rejects_broken_environment(environ, message):
 def test_check_world_and_device_under_torchrun(monkeypatch):
     # Edge: an absent or equal --ranks gives the world size; each rank's GPU is cuda:LOCAL_RANK, cuda:0 when
     # the ranks share it; LOCAL_RANK past the GPUs and a --device naming another GPU are clear errors.
-    from kittenmoe.bench import check_world, detect_launch, resolve_ep_device
+    from kittenmoe.bench.launch import check_world, detect_launch, resolve_ep_device
 
     _fake_cuda(monkeypatch, 2)
     launch = detect_launch({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
@@ -832,7 +833,7 @@ def test_check_world_and_device_under_torchrun(monkeypatch):
 def test_table_marks_process_ranks():
     # Edge: rows of real ranks and of virtual ranks look alike in the table except for R ("2p" = processes)
     # and the baseline's name.
-    from kittenmoe.bench import format_table
+    from kittenmoe.bench.report import format_table
 
     row = dict(kind="forward", shape="H32-I16-E8-K2", tokens=20, ranks=2, experts_local=4, routing="uniform",
                dtype="bf16", ms_kittenmoe=1.0, ms_kittenmoe_p20=0.9, ms_kittenmoe_p80=1.1, ms_baseline=2.0,
@@ -890,7 +891,7 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
     (3, 7),  # more rounds than variants: the rotation wraps
 ])
 def test_interleaved_order_rotates(n, rounds):
-    from kittenmoe.bench import interleaved_order
+    from kittenmoe.bench.timing import interleaved_order
 
     names = [f"v{j}" for j in range(n)]
     order = interleaved_order(names, rounds)
@@ -906,7 +907,7 @@ def test_interleaved_order_rotates(n, rounds):
 def test_measure_rounds_on_cpu():
     """kittenmoe bench's timing on CPU: warm-up calls once, then rounds (5, or fewer when reps are fewer, rounded
     up to a multiple of the callables' count) of reps // rounds timed calls."""
-    from kittenmoe.bench import measure_rounds
+    from kittenmoe.bench.timing import measure_rounds
 
     calls = {"a": 0, "b": 0}
 
@@ -926,7 +927,7 @@ def test_measure_rounds_on_cpu():
 def test_measure_interleaved_drops_a_failing_variant():
     """With errors={}, a callable that raises in round 2 is dropped and reported; the others keep every round.
     Without it, the exception propagates."""
-    from kittenmoe.bench import measure_interleaved
+    from kittenmoe.bench.timing import measure_interleaved
 
     n = {"bad": 0}
 
@@ -946,7 +947,7 @@ def test_measure_interleaved_drops_a_failing_variant():
 
 def test_measure_interleaved_times_each_variant_every_round():
     """On CPU: the calls go in the rotated order, each variant has one time a round, the median is theirs."""
-    from kittenmoe.bench import interleaved_order, measure_interleaved
+    from kittenmoe.bench.timing import interleaved_order, measure_interleaved
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
@@ -964,7 +965,7 @@ def test_measure_interleaved_times_each_variant_every_round():
     (3, {}),  # nothing to time
 ])
 def test_measure_interleaved_refuses_empty(rounds, fns):
-    from kittenmoe.bench import measure_interleaved
+    from kittenmoe.bench.timing import measure_interleaved
 
     with pytest.raises(ValueError, match="measure_interleaved needs"):
         measure_interleaved(fns, torch.device("cpu"), rounds=rounds)
@@ -974,18 +975,18 @@ def test_measure_ranks_rounds_orchestration(monkeypatch):
     """The torchrun path's interleaving, with measure_ranks (CUDA events, collectives) stood in for: every name in
     every round in the rotated order, warm-up calls in the first round only, reps split over the rounds, and
     each quantile the median of the rounds'."""
-    from kittenmoe import bench
+    from kittenmoe.bench import timing
 
     seen = []
 
     def fake_measure_ranks(fn, device, group, reps, warmup):
         p50 = float(len(seen) ** 2)  # the call's position, squared: distinct medians for the two names
         seen.append((fn(), reps, warmup))
-        return bench.Timing(p50 - 0.5, p50, p50 + 0.5, reps)
+        return timing.Timing(p50 - 0.5, p50, p50 + 0.5, reps)
 
-    monkeypatch.setattr(bench, "measure_ranks", fake_measure_ranks)
+    monkeypatch.setattr(timing, "measure_ranks", fake_measure_ranks)
     fns = {"kittenmoe": lambda: "k", "baseline": lambda: "b"}
-    got = bench.measure_ranks_rounds(fns, torch.device("cpu"), None, reps=13, warmup=3, rounds=5)
+    got = timing.measure_ranks_rounds(fns, torch.device("cpu"), None, reps=13, warmup=3, rounds=5)
     # 5 rounds rounded up to 6 (a multiple of 2), rotated; 13 // 6 = 2 iterations a round; warm-up in round 0 only
     assert [s[0] for s in seen] == ["k", "b", "b", "k", "k", "b", "b", "k", "k", "b", "b", "k"]
     assert all(s[1] == 2 for s in seen) and [s[2] for s in seen] == [3, 3] + [0] * 10

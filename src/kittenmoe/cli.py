@@ -64,7 +64,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kittenmoe.bench import run_bench
+    from kittenmoe.bench.main import run_bench
 
     return run_bench(args, args.argv)
 
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--block-m", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_demo)
-    from kittenmoe.bench import add_bench_args
+    from kittenmoe.bench.main import add_bench_args
     from kittenmoe.tune import add_tune_args
 
     b = sub.add_parser("bench", help="time the megakernel layer against the grouped_mm baseline (table, JSON, plot)")
