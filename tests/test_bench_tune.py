@@ -162,8 +162,8 @@ def test_parse_routing(spec, name, alpha):
 
 def test_parse_shape_and_config():
     assert parse_shape(" 20, 32,16,8,2") == (20, 32, 16, 8, 2)
-    assert parse_config_overrides("macrobatch_size=None,push_in_epilogue=True,block_m=64") == dict(
-        macrobatch_size=None, push_in_epilogue=True, block_m=64)
+    assert parse_config_overrides("macrobatch_size=None,combine_gather=True,num_stages=3") == dict(
+        macrobatch_size=None, combine_gather=True, num_stages=3)
     assert parse_config_overrides("") == {}
 
 
@@ -622,8 +622,7 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
 @pytest.mark.parametrize("spec, want", [
     # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
     ("block_n=64", dict(block_n=64, wgrad_gluon=False)),
-    # two programs an SM, or no TMA: the Gluon kernel cannot run either; the Triton one does
-    ("wgrad_two_per_sm=True", dict(wgrad_two_per_sm=True, wgrad_gluon=False)),
+    # no TMA: the Gluon kernel cannot run; the Triton one does
     ("tma=False", dict(tma=False, wgrad_gluon=False)),
     # a deeper K step: the backward's phase-A tile no longer fits at 4 stages, so it takes bwd_stages' default
     ("block_k=128,num_stages=2", dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad_gluon=False)),
@@ -631,8 +630,7 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
     # comm programs that push come back at KernelConfig()'s counts
     ("macrobatch_size=8192", dict(macrobatch_size=8192, combine_gather=False, num_comm_programs_fwd=16,
                                   num_comm_programs_bwd=16)),
-    ("push_in_epilogue=True", dict(push_in_epilogue=True, combine_gather=False, num_comm_programs_fwd=16,
-                                   num_comm_programs_bwd=16)),
+    ("combine_gather=False", dict(combine_gather=False, num_comm_programs_fwd=16, num_comm_programs_bwd=16)),
     ("combine_gather=False,num_comm_programs_fwd=8", dict(combine_gather=False, num_comm_programs_fwd=8,
                                                           num_comm_programs_bwd=16)),
     # knobs that touch none of those: nothing else changes
@@ -642,7 +640,7 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
     """--config (and the tuner's grid, the FP8 tile width, the transformers knobs) on top of the H200's one-rank
     heuristic for the Kimi slice (Gluon weight gradients, 4 backward stages, the gather with no comm programs):
     every knob the heuristic derived from the changed ones follows them, so the result is a config the launches
-    accept (an audit found each of these refused at launch, 2026-12-03), and nothing else moves."""
+    accept (an audit found each of these refused at launch), and nothing else moves."""
     _fake_gpu(monkeypatch)
     base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
     assert base.wgrad_gluon and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
@@ -653,7 +651,8 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
 
 @pytest.mark.parametrize("spec, match", [
     ("block_n=64,wgrad_gluon=True", "KernelConfig.wgrad_gluon builds 128 x 256"),  # asked for: checked as given
-    ("push_in_epilogue=True,combine_gather=True", "choose one"),  # both named: the config's own error
+    # both named: the config's own error (no program would push the backward's d_x rows)
+    ("combine_gather=False,num_comm_programs_bwd=0", "num_comm_programs_bwd=0 leaves no program to push"),
     ("macrobatch_size=8192,num_comm_programs_fwd=0", "leaves no program to push"),  # no pusher, and none given back
 ])
 def test_overrides_that_name_the_conflicting_knob_are_errors(monkeypatch, spec, match):
