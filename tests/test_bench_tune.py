@@ -94,6 +94,10 @@ BAD_ARGS = [
     (["bench", "--shape", TINY, "--ranks", "0"], "--ranks must be a positive integer"),
     # --reps 0
     (["bench", "--shape", TINY, "--reps", "0"], "--reps must be >= 1"),
+    # the public path is one rank per call: 2 virtual ranks in one process run only the launchers
+    (["bench", "--shape", TINY, "--ranks", "2", "--path", "public"],
+     "--path public times kittenmoe.moe, one rank per call; --ranks 2 virtual ranks in one process run only the "
+     "launchers: pass --path launcher"),
     # --plot to something that is not a PNG
     (["bench", "--shape", TINY, "--plot", "out.pdf"], "--plot must name a .png file"),
     # tune validates the shape the same way (unknown model)
@@ -138,6 +142,8 @@ def test_cli_rejects_bad_arguments(argv, message, capsys, tmp_path):
     ["tune", "--shape", TINY, "--mode", "both"],  # tune times one mode, not both
     ["bench", "--shape", TINY, "--ranks", "two"],  # an int option given a word
     ["bench", "--shape", FP8_TINY, "--fp8", "64"],  # --fp8 outside its scale blocks 128|32
+    ["bench", "--shape", TINY, "--path", "autograd"],  # --path outside public|launcher
+    ["tune", "--shape", TINY, "--path", "public"],  # tune sweeps the launchers: no --path there
     ["tune", "--shape", FP8_TINY, "--fp8", "128"],  # tune stays BF16: no --fp8 there
 ])
 def test_cli_argparse_errors(argv, capsys):
@@ -165,6 +171,50 @@ def test_parse_shape_and_config():
     assert parse_config_overrides("macrobatch_size=None,combine_gather=True,num_stages=3") == dict(
         macrobatch_size=None, combine_gather=True, num_stages=3)
     assert parse_config_overrides("") == {}
+
+
+@pytest.mark.parametrize("given,ranks,processes,want", [
+    (None, 1, False, "public"),  # one rank: the public entry point by default
+    ("launcher", 1, False, "launcher"),  # ... or the launchers when asked
+    (None, 2, False, "launcher"),  # virtual ranks in one process: only the launchers run them
+    ("launcher", 4, False, "launcher"),
+    (None, 2, True, "public"),  # torchrun ranks: kittenmoe.ep.moe_ep by default
+    ("public", 8, True, "public"),
+    ("launcher", 2, True, "launcher"),  # ... or the EP launchers
+])
+def test_resolve_path(given, ranks, processes, want):
+    from kittenmoe.bench.main import resolve_path
+
+    assert resolve_path(given, ranks, processes) == want
+
+
+def test_bench_help_documents_the_ranks_rule(capsys):
+    # --help says what each path times and that virtual ranks take the launchers
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--path {public,launcher}" in text and "kittenmoe.moe(backend='megakernel')" in text
+    assert "kittenmoe.ep.moe_ep" in text and "--ranks R > 1 virtual ranks in one process" in text
+
+
+def test_tune_cache_and_bench_import_no_tuner_or_kernels():
+    """The layer's hot-path lookup (kittenmoe.tune_cache) loads neither the benchmark, the tuner, the kernels nor
+    Triton; the benchmark package does not import the tuner (tune builds on bench, not the other way round)."""
+    code = (
+        "import sys\n"
+        "import kittenmoe.tune_cache\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] == 'triton' or m in ('kittenmoe.tune', 'kittenmoe.ops',"
+        " 'kittenmoe.autograd') or m.startswith(('kittenmoe.bench', 'kittenmoe.kernels'))]\n"
+        "assert not heavy, heavy\n"
+        "import kittenmoe.bench, kittenmoe.bench.main, kittenmoe.bench.runner, kittenmoe.bench.ep_runner\n"
+        "assert 'kittenmoe.tune' not in sys.modules\n"
+        "import kittenmoe.tune\n"
+        "assert kittenmoe.tune.config_for is kittenmoe.tune_cache.config_for\n"
+        "assert 'kittenmoe.ops' not in sys.modules, 'importing the tuner loaded the launchers'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                      if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -228,15 +278,25 @@ def _bench_rows(argv, out, capsys):
 # The interpreter computes on the uninitialised padding rows of the routed buffers; numpy warns there.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run; on a GPU bench times the real thing")
-def test_bench_end_to_end(tmp_path, capsys):
-    # A tiny forward and forward+backward run, checked against the fp32 reference, written as JSON rows
-    # that scripts/perf_table.py can render, stamped as CPU-interpreter figures.
+@pytest.mark.parametrize("path_args,path,timed", [
+    # the default: the public autograd entry point users call, kittenmoe.moe(backend="megakernel")
+    ([], "public", "kittenmoe.moe(backend='megakernel')"),
+    # the launchers without the autograd layer
+    (["--path", "launcher"], "launcher", "ops.megakernel_forward_multirank"),
+])
+def test_bench_end_to_end(tmp_path, capsys, path_args, path, timed):
+    # A tiny forward and forward+backward run, checked against the fp32 reference (output and every gradient),
+    # written as JSON rows that scripts/perf_table.py can render, stamped as CPU-interpreter figures and with the
+    # path kittenmoe was timed along.
     out = tmp_path / "results"
     png = tmp_path / "plot.png"
     argv = ["bench", "--shape", TINY, "--mode", "both", "--dtype", "fp32", "--reps", "2", "--warmup", "0",
-            "--out", str(out), "--plot", str(png)]
-    rows, text, path = _bench_rows(argv, out, capsys)
+            "--out", str(out), "--plot", str(png)] + path_args
+    rows, text, path_file = _bench_rows(argv, out, capsys)
+    assert rows[0]["timed_call"] == timed and rows[1]["timed_call"].startswith(timed + " + ")
+    assert f"timed along the {path} path" in text
     for r in rows:
+        assert r["path"] == path
         assert r["device"] == "cpu-interpreter" and r["gpu"] == "cpu"
         assert (r["tokens"], r["h"], r["i"], r["e"], r["k"], r["ranks"], r["experts_local"]) == (20, 32, 16, 8, 2, 1, 8)
         assert r["shape"] == "H32-I16-E8-K2" and r["dtype"] == "fp32" and r["routing"] == "uniform"
@@ -250,16 +310,19 @@ def test_bench_end_to_end(tmp_path, capsys):
         assert r["command"] == "kittenmoe " + " ".join(argv[0:])
         assert r["skipped_baselines"] == ["skipped: deep_ep not importable"] or \
             importlib.util.find_spec("deep_ep") is not None
-    assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    # the output, and in forward+backward every gradient (x, router weights, each expert weight), vs fp32
+    assert set(rows[0]["rel_l1_per_tensor"]) == {"out[0]"}
+    assert set(rows[1]["rel_l1_per_tensor"]) == {"out[0]", "d_x[0]", "d_topk_weights[0]", "d_w13", "d_w2",
+                                                 "d_shared_w13", "d_shared_w2"}
     # terminal: the note, the skipped baseline, the table, the JSON path and the plot (or why not)
     assert "not GPU figures" in text and "skipped: deep_ep not importable" in text
-    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(path) in text
+    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(path_file) in text
     if importlib.util.find_spec("matplotlib") is None:
         assert "plot skipped: matplotlib is not installed" in text and not png.exists()
     else:
         assert png.exists() and png.stat().st_size > 0
     pt = _perf_table()
-    table = pt.render([dict(r, _file=path.name) for r in rows])
+    table = pt.render([dict(r, _file=path_file.name) for r in rows])
     assert "H32-I16-E8-K2" in table and "forward+backward" in table
 
 
@@ -321,6 +384,8 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
             "--out", str(out)] + extra
     rows, text, _ = _bench_rows(argv, out, capsys)
     for r in rows:
+        # one rank: the public path (kittenmoe.moe with the quantised experts); 2 virtual ranks: the launchers
+        assert r["path"] == ("launcher" if extra else "public")
         assert r["precision"] == f"fp8-e4m3/{block}" and r["baseline_precision"] == "bf16" and r["dtype"] == "bf16"
         assert r["baseline"] == "grouped_mm" and r["ranks"] == (2 if extra else 1)
         for f in ("ms_kittenmoe", "ms_baseline", "speedup", "ms_fp8_weight_quantisation"):
@@ -331,6 +396,7 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
         assert r["config"]["block_n"] == 128 and f"block_n 128 for --fp8 {block}" in r["config_source"]
     assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
     assert f"fp8-e4m3/{block}" in text and "routed experts in" in text
+    assert ("2 virtual ranks in one process run only the launchers" in text) == bool(extra)
 
 
 @pytest.mark.parametrize("overrides,block,block_n", [
@@ -851,7 +917,11 @@ EP_SMOKE_CONFIG = ("num_comm_programs_fwd=8,num_comm_programs_bwd=8,minibatch_si
 
 
 @pytest.mark.gpu
-def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
+@pytest.mark.parametrize("path,timed", [
+    ("public", "kittenmoe.ep.moe_ep"),  # the default: the autograd entry point under EP
+    ("launcher", "ep.megakernel_forward_ep"),
+])
+def test_bench_torchrun_two_processes_share_one_gpu(tmp_path, path, timed):
     # Edge: real ranks. torchrun starts 2 processes on one GPU (KITTENMOE_EP_SHARE_GPU=1: gloo group, symmetric
     # memory allowed to overlap); each is one EP rank of kittenmoe.ep over SymmetricPeers, timed against the
     # NCCL + PyTorch EP baseline in the same run; rank 0 alone prints and writes one JSON file.
@@ -861,14 +931,16 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "kittenmoe.cli", "bench", "--shape", EP_SMOKE_SHAPE, "--ep", "2", "--mode", "both",
-           "--config", EP_SMOKE_CONFIG, "--reps", "5", "--warmup", "2", "--out", str(out)]
+           "--config", EP_SMOKE_CONFIG, "--reps", "5", "--warmup", "2", "--out", str(out), "--path", path]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     files = list(out.glob("bench-*.json"))
     assert len(files) == 1, files
     rows = json.loads(files[0].read_text())
     assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    assert rows[0]["timed_call"] == timed and rows[1]["timed_call"].startswith(timed + " + ")
     for r in rows:
+        assert r["path"] == path
         assert r["ranks"] == 2 and r["ranks_mode"] == "processes" and r["share_gpu"] and r["process_group"] == "gloo"
         assert (r["e"], r["experts_local"], r["device"]) == (16, 8, "cuda")
         assert r["baseline"] == "all_to_all_forward"
@@ -877,7 +949,8 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
         assert r["ms_kittenmoe_p20"] <= r["ms_kittenmoe"] <= r["ms_kittenmoe_p80"]
         assert r["rel_l1_ok"] and r["baseline_rel_l1"] <= r["rel_l1_tolerance"], r
         assert "out[0]" in r["rel_l1_per_tensor"] and "out[1]" in r["rel_l1_per_tensor"]
-    assert "d_w13[1]" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    assert {f"{n}[{r}]" for n in ("out", "d_x", "d_topk_weights", "d_w13", "d_w2", "d_shared_w13", "d_shared_w2")
+            for r in (0, 1)} == set(rows[1]["rel_l1_per_tensor"])
     assert proc.stdout.count("kmoe ms p50 [p20-p80]") == 1  # one table: rank 0's
 
 
