@@ -26,11 +26,12 @@ import torch
 
 import kittenmoe
 from kittenmoe import cli
-from kittenmoe.bench import apply_overrides, parse_config_overrides, parse_routing, parse_shape
+from kittenmoe.bench.problems import apply_overrides, parse_config_overrides, parse_routing, parse_shape
 from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, bwd_phase_a_smem_bytes, default_config,
                               gate_up_smem_bytes)
-from kittenmoe.tune import (DEFAULT_GRID, TuneCacheWarning, cache_dir, cache_key, cache_path, config_for,
-                            expand_grid, lookup_config, parse_grid, store_config)
+from kittenmoe.tune import DEFAULT_GRID, expand_grid, parse_grid
+from kittenmoe.tune_cache import (TuneCacheWarning, cache_dir, cache_key, cache_path, config_for, lookup_config,
+                                  store_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "20,32,16,8,2"  # T=20 tokens, H=32, I=16, E=8 experts, K=2
@@ -93,6 +94,10 @@ BAD_ARGS = [
     (["bench", "--shape", TINY, "--ranks", "0"], "--ranks must be a positive integer"),
     # --reps 0
     (["bench", "--shape", TINY, "--reps", "0"], "--reps must be >= 1"),
+    # the public path is one rank per call: 2 virtual ranks in one process run only the launchers
+    (["bench", "--shape", TINY, "--ranks", "2", "--path", "public"],
+     "--path public times kittenmoe.moe, one rank per call; --ranks 2 virtual ranks in one process run only the "
+     "launchers: pass --path launcher"),
     # --plot to something that is not a PNG
     (["bench", "--shape", TINY, "--plot", "out.pdf"], "--plot must name a .png file"),
     # tune validates the shape the same way (unknown model)
@@ -137,6 +142,8 @@ def test_cli_rejects_bad_arguments(argv, message, capsys, tmp_path):
     ["tune", "--shape", TINY, "--mode", "both"],  # tune times one mode, not both
     ["bench", "--shape", TINY, "--ranks", "two"],  # an int option given a word
     ["bench", "--shape", FP8_TINY, "--fp8", "64"],  # --fp8 outside its scale blocks 128|32
+    ["bench", "--shape", TINY, "--path", "autograd"],  # --path outside public|launcher
+    ["tune", "--shape", TINY, "--path", "public"],  # tune sweeps the launchers: no --path there
     ["tune", "--shape", FP8_TINY, "--fp8", "128"],  # tune stays BF16: no --fp8 there
 ])
 def test_cli_argparse_errors(argv, capsys):
@@ -161,9 +168,53 @@ def test_parse_routing(spec, name, alpha):
 
 def test_parse_shape_and_config():
     assert parse_shape(" 20, 32,16,8,2") == (20, 32, 16, 8, 2)
-    assert parse_config_overrides("macrobatch_size=None,push_in_epilogue=True,block_m=64") == dict(
-        macrobatch_size=None, push_in_epilogue=True, block_m=64)
+    assert parse_config_overrides("macrobatch_size=None,combine_gather=True,num_stages=3") == dict(
+        macrobatch_size=None, combine_gather=True, num_stages=3)
     assert parse_config_overrides("") == {}
+
+
+@pytest.mark.parametrize("given,ranks,processes,want", [
+    (None, 1, False, "public"),  # one rank: the public entry point by default
+    ("launcher", 1, False, "launcher"),  # ... or the launchers when asked
+    (None, 2, False, "launcher"),  # virtual ranks in one process: only the launchers run them
+    ("launcher", 4, False, "launcher"),
+    (None, 2, True, "public"),  # torchrun ranks: kittenmoe.ep.moe_ep by default
+    ("public", 8, True, "public"),
+    ("launcher", 2, True, "launcher"),  # ... or the EP launchers
+])
+def test_resolve_path(given, ranks, processes, want):
+    from kittenmoe.bench.main import resolve_path
+
+    assert resolve_path(given, ranks, processes) == want
+
+
+def test_bench_help_documents_the_ranks_rule(capsys):
+    # --help says what each path times and that virtual ranks take the launchers
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--path {public,launcher}" in text and "kittenmoe.moe(backend='megakernel')" in text
+    assert "kittenmoe.ep.moe_ep" in text and "--ranks R > 1 virtual ranks in one process" in text
+
+
+def test_tune_cache_and_bench_import_no_tuner_or_kernels():
+    """The layer's hot-path lookup (kittenmoe.tune_cache) loads neither the benchmark, the tuner, the kernels nor
+    Triton; the benchmark package does not import the tuner (tune builds on bench, not the other way round)."""
+    code = (
+        "import sys\n"
+        "import kittenmoe.tune_cache\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] == 'triton' or m in ('kittenmoe.tune', 'kittenmoe.ops',"
+        " 'kittenmoe.autograd') or m.startswith(('kittenmoe.bench', 'kittenmoe.kernels'))]\n"
+        "assert not heavy, heavy\n"
+        "import kittenmoe.bench, kittenmoe.bench.main, kittenmoe.bench.runner, kittenmoe.bench.ep_runner\n"
+        "assert 'kittenmoe.tune' not in sys.modules\n"
+        "import kittenmoe.tune\n"
+        "assert kittenmoe.tune.config_for is kittenmoe.tune_cache.config_for\n"
+        "assert 'kittenmoe.ops' not in sys.modules, 'importing the tuner loaded the launchers'\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                      if p))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch, capsys, tmp_path):
@@ -227,15 +278,25 @@ def _bench_rows(argv, out, capsys):
 # The interpreter computes on the uninitialised padding rows of the routed buffers; numpy warns there.
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter run; on a GPU bench times the real thing")
-def test_bench_end_to_end(tmp_path, capsys):
-    # A tiny forward and forward+backward run, checked against the fp32 reference, written as JSON rows
-    # that scripts/perf_table.py can render, stamped as CPU-interpreter figures.
+@pytest.mark.parametrize("path_args,path,timed", [
+    # the default: the public autograd entry point users call, kittenmoe.moe(backend="megakernel")
+    ([], "public", "kittenmoe.moe(backend='megakernel')"),
+    # the launchers without the autograd layer
+    (["--path", "launcher"], "launcher", "ops.megakernel_forward_multirank"),
+])
+def test_bench_end_to_end(tmp_path, capsys, path_args, path, timed):
+    # A tiny forward and forward+backward run, checked against the fp32 reference (output and every gradient),
+    # written as JSON rows that scripts/perf_table.py can render, stamped as CPU-interpreter figures and with the
+    # path kittenmoe was timed along.
     out = tmp_path / "results"
     png = tmp_path / "plot.png"
     argv = ["bench", "--shape", TINY, "--mode", "both", "--dtype", "fp32", "--reps", "2", "--warmup", "0",
-            "--out", str(out), "--plot", str(png)]
-    rows, text, path = _bench_rows(argv, out, capsys)
+            "--out", str(out), "--plot", str(png)] + path_args
+    rows, text, path_file = _bench_rows(argv, out, capsys)
+    assert rows[0]["timed_call"] == timed and rows[1]["timed_call"].startswith(timed + " + ")
+    assert f"timed along the {path} path" in text
     for r in rows:
+        assert r["path"] == path
         assert r["device"] == "cpu-interpreter" and r["gpu"] == "cpu"
         assert (r["tokens"], r["h"], r["i"], r["e"], r["k"], r["ranks"], r["experts_local"]) == (20, 32, 16, 8, 2, 1, 8)
         assert r["shape"] == "H32-I16-E8-K2" and r["dtype"] == "fp32" and r["routing"] == "uniform"
@@ -249,16 +310,19 @@ def test_bench_end_to_end(tmp_path, capsys):
         assert r["command"] == "kittenmoe " + " ".join(argv[0:])
         assert r["skipped_baselines"] == ["skipped: deep_ep not importable"] or \
             importlib.util.find_spec("deep_ep") is not None
-    assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    # the output, and in forward+backward every gradient (x, router weights, each expert weight), vs fp32
+    assert set(rows[0]["rel_l1_per_tensor"]) == {"out[0]"}
+    assert set(rows[1]["rel_l1_per_tensor"]) == {"out[0]", "d_x[0]", "d_topk_weights[0]", "d_w13", "d_w2",
+                                                 "d_shared_w13", "d_shared_w2"}
     # terminal: the note, the skipped baseline, the table, the JSON path and the plot (or why not)
     assert "not GPU figures" in text and "skipped: deep_ep not importable" in text
-    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(path) in text
+    assert "forward+backward" in text and "kmoe ms p50 [p20-p80]" in text and str(path_file) in text
     if importlib.util.find_spec("matplotlib") is None:
         assert "plot skipped: matplotlib is not installed" in text and not png.exists()
     else:
         assert png.exists() and png.stat().st_size > 0
     pt = _perf_table()
-    table = pt.render([dict(r, _file=path.name) for r in rows])
+    table = pt.render([dict(r, _file=path_file.name) for r in rows])
     assert "H32-I16-E8-K2" in table and "forward+backward" in table
 
 
@@ -320,6 +384,8 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
             "--out", str(out)] + extra
     rows, text, _ = _bench_rows(argv, out, capsys)
     for r in rows:
+        # one rank: the public path (kittenmoe.moe with the quantised experts); 2 virtual ranks: the launchers
+        assert r["path"] == ("launcher" if extra else "public")
         assert r["precision"] == f"fp8-e4m3/{block}" and r["baseline_precision"] == "bf16" and r["dtype"] == "bf16"
         assert r["baseline"] == "grouped_mm" and r["ranks"] == (2 if extra else 1)
         for f in ("ms_kittenmoe", "ms_baseline", "speedup", "ms_fp8_weight_quantisation"):
@@ -330,6 +396,7 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
         assert r["config"]["block_n"] == 128 and f"block_n 128 for --fp8 {block}" in r["config_source"]
     assert "d_w13" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
     assert f"fp8-e4m3/{block}" in text and "routed experts in" in text
+    assert ("2 virtual ranks in one process run only the launchers" in text) == bool(extra)
 
 
 @pytest.mark.parametrize("overrides,block,block_n", [
@@ -340,7 +407,7 @@ def test_bench_fp8_end_to_end(tmp_path, capsys, block, extra):
     ({"block_n": 64}, None, 64),  # BF16: no FP8 rule
 ])
 def test_fp8_block_n_in_config(overrides, block, block_n):
-    from kittenmoe.bench import config_for_problem, make_problems
+    from kittenmoe.bench.problems import config_for_problem, make_problems
 
     prob, = make_problems(None, FP8_TINY, None, None, None, "bf16", "uniform", block)
     cfg, source = config_for_problem(prob, torch.device("cpu"), overrides)
@@ -621,8 +688,7 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
 @pytest.mark.parametrize("spec, want", [
     # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
     ("block_n=64", dict(block_n=64, wgrad_gluon=False)),
-    # two programs an SM, or no TMA: the Gluon kernel cannot run either; the Triton one does
-    ("wgrad_two_per_sm=True", dict(wgrad_two_per_sm=True, wgrad_gluon=False)),
+    # no TMA: the Gluon kernel cannot run; the Triton one does
     ("tma=False", dict(tma=False, wgrad_gluon=False)),
     # a deeper K step: the backward's phase-A tile no longer fits at 4 stages, so it takes bwd_stages' default
     ("block_k=128,num_stages=2", dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad_gluon=False)),
@@ -630,8 +696,7 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
     # comm programs that push come back at KernelConfig()'s counts
     ("macrobatch_size=8192", dict(macrobatch_size=8192, combine_gather=False, num_comm_programs_fwd=16,
                                   num_comm_programs_bwd=16)),
-    ("push_in_epilogue=True", dict(push_in_epilogue=True, combine_gather=False, num_comm_programs_fwd=16,
-                                   num_comm_programs_bwd=16)),
+    ("combine_gather=False", dict(combine_gather=False, num_comm_programs_fwd=16, num_comm_programs_bwd=16)),
     ("combine_gather=False,num_comm_programs_fwd=8", dict(combine_gather=False, num_comm_programs_fwd=8,
                                                           num_comm_programs_bwd=16)),
     # knobs that touch none of those: nothing else changes
@@ -641,7 +706,7 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
     """--config (and the tuner's grid, the FP8 tile width, the transformers knobs) on top of the H200's one-rank
     heuristic for the Kimi slice (Gluon weight gradients, 4 backward stages, the gather with no comm programs):
     every knob the heuristic derived from the changed ones follows them, so the result is a config the launches
-    accept (an audit found each of these refused at launch, 2026-12-03), and nothing else moves."""
+    accept (an audit found each of these refused at launch), and nothing else moves."""
     _fake_gpu(monkeypatch)
     base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
     assert base.wgrad_gluon and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
@@ -652,7 +717,8 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
 
 @pytest.mark.parametrize("spec, match", [
     ("block_n=64,wgrad_gluon=True", "KernelConfig.wgrad_gluon builds 128 x 256"),  # asked for: checked as given
-    ("push_in_epilogue=True,combine_gather=True", "choose one"),  # both named: the config's own error
+    # both named: the config's own error (no program would push the backward's d_x rows)
+    ("combine_gather=False,num_comm_programs_bwd=0", "num_comm_programs_bwd=0 leaves no program to push"),
     ("macrobatch_size=8192,num_comm_programs_fwd=0", "leaves no program to push"),  # no pusher, and none given back
 ])
 def test_overrides_that_name_the_conflicting_knob_are_errors(monkeypatch, spec, match):
@@ -781,7 +847,7 @@ def test_ep_baseline_without_torchrun_is_an_error(monkeypatch, capsys, tmp_path)
 def test_detect_launch_reads_torchrun_environment():
     # Edge: the seam between the environment and the bench: no WORLD_SIZE is one process (virtual ranks);
     # torchrun's variables give this rank; KITTENMOE_EP_SHARE_GPU=1 puts every rank on one GPU.
-    from kittenmoe.bench import Launch, detect_launch
+    from kittenmoe.bench.launch import Launch, detect_launch
 
     assert detect_launch({}) is None
     assert detect_launch({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}) == Launch(4, 3, 1, False, True)
@@ -800,7 +866,7 @@ def test_detect_launch_reads_torchrun_environment():
     ({**TORCHRUN_ENV, "KITTENMOE_EP_SHARE_GPU": "yes"}, "KITTENMOE_EP_SHARE_GPU='yes'"),
 ])
 def test_detect_launch_rejects_broken_environment(environ, message):
-    from kittenmoe.bench import detect_launch
+    from kittenmoe.bench.launch import detect_launch
 
     with pytest.raises(ValueError, match=re.escape(message)):
         detect_launch(environ)
@@ -809,7 +875,7 @@ def test_detect_launch_rejects_broken_environment(environ, message):
 def test_check_world_and_device_under_torchrun(monkeypatch):
     # Edge: an absent or equal --ranks gives the world size; each rank's GPU is cuda:LOCAL_RANK, cuda:0 when
     # the ranks share it; LOCAL_RANK past the GPUs and a --device naming another GPU are clear errors.
-    from kittenmoe.bench import check_world, detect_launch, resolve_ep_device
+    from kittenmoe.bench.launch import check_world, detect_launch, resolve_ep_device
 
     _fake_cuda(monkeypatch, 2)
     launch = detect_launch({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"})
@@ -832,7 +898,7 @@ def test_check_world_and_device_under_torchrun(monkeypatch):
 def test_table_marks_process_ranks():
     # Edge: rows of real ranks and of virtual ranks look alike in the table except for R ("2p" = processes)
     # and the baseline's name.
-    from kittenmoe.bench import format_table
+    from kittenmoe.bench.report import format_table
 
     row = dict(kind="forward", shape="H32-I16-E8-K2", tokens=20, ranks=2, experts_local=4, routing="uniform",
                dtype="bf16", ms_kittenmoe=1.0, ms_kittenmoe_p20=0.9, ms_kittenmoe_p80=1.1, ms_baseline=2.0,
@@ -851,7 +917,11 @@ EP_SMOKE_CONFIG = ("num_comm_programs_fwd=8,num_comm_programs_bwd=8,minibatch_si
 
 
 @pytest.mark.gpu
-def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
+@pytest.mark.parametrize("path,timed", [
+    ("public", "kittenmoe.ep.moe_ep"),  # the default: the autograd entry point under EP
+    ("launcher", "ep.megakernel_forward_ep"),
+])
+def test_bench_torchrun_two_processes_share_one_gpu(tmp_path, path, timed):
     # Edge: real ranks. torchrun starts 2 processes on one GPU (KITTENMOE_EP_SHARE_GPU=1: gloo group, symmetric
     # memory allowed to overlap); each is one EP rank of kittenmoe.ep over SymmetricPeers, timed against the
     # NCCL + PyTorch EP baseline in the same run; rank 0 alone prints and writes one JSON file.
@@ -861,14 +931,16 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "kittenmoe.cli", "bench", "--shape", EP_SMOKE_SHAPE, "--ep", "2", "--mode", "both",
-           "--config", EP_SMOKE_CONFIG, "--reps", "5", "--warmup", "2", "--out", str(out)]
+           "--config", EP_SMOKE_CONFIG, "--reps", "5", "--warmup", "2", "--out", str(out), "--path", path]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
     files = list(out.glob("bench-*.json"))
     assert len(files) == 1, files
     rows = json.loads(files[0].read_text())
     assert [r["kind"] for r in rows] == ["forward", "forward+backward"]
+    assert rows[0]["timed_call"] == timed and rows[1]["timed_call"].startswith(timed + " + ")
     for r in rows:
+        assert r["path"] == path
         assert r["ranks"] == 2 and r["ranks_mode"] == "processes" and r["share_gpu"] and r["process_group"] == "gloo"
         assert (r["e"], r["experts_local"], r["device"]) == (16, 8, "cuda")
         assert r["baseline"] == "all_to_all_forward"
@@ -877,7 +949,8 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
         assert r["ms_kittenmoe_p20"] <= r["ms_kittenmoe"] <= r["ms_kittenmoe_p80"]
         assert r["rel_l1_ok"] and r["baseline_rel_l1"] <= r["rel_l1_tolerance"], r
         assert "out[0]" in r["rel_l1_per_tensor"] and "out[1]" in r["rel_l1_per_tensor"]
-    assert "d_w13[1]" in rows[1]["rel_l1_per_tensor"] and "d_x[0]" in rows[1]["rel_l1_per_tensor"]
+    assert {f"{n}[{r}]" for n in ("out", "d_x", "d_topk_weights", "d_w13", "d_w2", "d_shared_w13", "d_shared_w2")
+            for r in (0, 1)} == set(rows[1]["rel_l1_per_tensor"])
     assert proc.stdout.count("kmoe ms p50 [p20-p80]") == 1  # one table: rank 0's
 
 
@@ -890,7 +963,7 @@ def test_bench_torchrun_two_processes_share_one_gpu(tmp_path):
     (3, 7),  # more rounds than variants: the rotation wraps
 ])
 def test_interleaved_order_rotates(n, rounds):
-    from kittenmoe.bench import interleaved_order
+    from kittenmoe.bench.timing import interleaved_order
 
     names = [f"v{j}" for j in range(n)]
     order = interleaved_order(names, rounds)
@@ -906,7 +979,7 @@ def test_interleaved_order_rotates(n, rounds):
 def test_measure_rounds_on_cpu():
     """kittenmoe bench's timing on CPU: warm-up calls once, then rounds (5, or fewer when reps are fewer, rounded
     up to a multiple of the callables' count) of reps // rounds timed calls."""
-    from kittenmoe.bench import measure_rounds
+    from kittenmoe.bench.timing import measure_rounds
 
     calls = {"a": 0, "b": 0}
 
@@ -926,7 +999,7 @@ def test_measure_rounds_on_cpu():
 def test_measure_interleaved_drops_a_failing_variant():
     """With errors={}, a callable that raises in round 2 is dropped and reported; the others keep every round.
     Without it, the exception propagates."""
-    from kittenmoe.bench import measure_interleaved
+    from kittenmoe.bench.timing import measure_interleaved
 
     n = {"bad": 0}
 
@@ -946,7 +1019,7 @@ def test_measure_interleaved_drops_a_failing_variant():
 
 def test_measure_interleaved_times_each_variant_every_round():
     """On CPU: the calls go in the rotated order, each variant has one time a round, the median is theirs."""
-    from kittenmoe.bench import interleaved_order, measure_interleaved
+    from kittenmoe.bench.timing import interleaved_order, measure_interleaved
 
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
@@ -964,7 +1037,7 @@ def test_measure_interleaved_times_each_variant_every_round():
     (3, {}),  # nothing to time
 ])
 def test_measure_interleaved_refuses_empty(rounds, fns):
-    from kittenmoe.bench import measure_interleaved
+    from kittenmoe.bench.timing import measure_interleaved
 
     with pytest.raises(ValueError, match="measure_interleaved needs"):
         measure_interleaved(fns, torch.device("cpu"), rounds=rounds)
@@ -974,18 +1047,18 @@ def test_measure_ranks_rounds_orchestration(monkeypatch):
     """The torchrun path's interleaving, with measure_ranks (CUDA events, collectives) stood in for: every name in
     every round in the rotated order, warm-up calls in the first round only, reps split over the rounds, and
     each quantile the median of the rounds'."""
-    from kittenmoe import bench
+    from kittenmoe.bench import timing
 
     seen = []
 
     def fake_measure_ranks(fn, device, group, reps, warmup):
         p50 = float(len(seen) ** 2)  # the call's position, squared: distinct medians for the two names
         seen.append((fn(), reps, warmup))
-        return bench.Timing(p50 - 0.5, p50, p50 + 0.5, reps)
+        return timing.Timing(p50 - 0.5, p50, p50 + 0.5, reps)
 
-    monkeypatch.setattr(bench, "measure_ranks", fake_measure_ranks)
+    monkeypatch.setattr(timing, "measure_ranks", fake_measure_ranks)
     fns = {"kittenmoe": lambda: "k", "baseline": lambda: "b"}
-    got = bench.measure_ranks_rounds(fns, torch.device("cpu"), None, reps=13, warmup=3, rounds=5)
+    got = timing.measure_ranks_rounds(fns, torch.device("cpu"), None, reps=13, warmup=3, rounds=5)
     # 5 rounds rounded up to 6 (a multiple of 2), rotated; 13 // 6 = 2 iterations a round; warm-up in round 0 only
     assert [s[0] for s in seen] == ["k", "b", "b", "k", "k", "b", "b", "k", "k", "b", "b", "k"]
     assert all(s[1] == 2 for s in seen) and [s[2] for s in seen] == [3, 3] + [0] * 10

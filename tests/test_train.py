@@ -1,4 +1,4 @@
-"""The training demo (``kittenmoe.train``): a small MoE transformer LM on the standard library's source bytes.
+"""The training demo (``examples/train_lm.py``): a small MoE transformer LM on the standard library's source bytes.
 
 CPU: a 40-step run of a tiny model with the torch backend learns (the loss falls clearly) and is bitwise
 repeatable; two steps with the megakernel (interpreted) match the torch backend. GPU: 50 steps of the demo
@@ -7,14 +7,21 @@ model with the megakernel learn and are bitwise repeatable.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
-from kittenmoe.cli import main
 from kittenmoe.config import KernelConfig
-from kittenmoe.train import TrainConfig, load_stdlib_bytes, train
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the demo is an example script, not part of the package
+
+from train_lm import TrainConfig, load_stdlib_bytes, main, train  # noqa: E402
 
 # Tiny and fast: ~0.03 s a step on 2 CPU cores.
 TINY = TrainConfig(steps=40, layers=2, hidden=32, heads=2, experts=4, topk=2, expert_width=16, shared_width=16,
@@ -40,7 +47,7 @@ def test_train_cpu_loss_falls_and_is_bitwise_repeatable():
     b = train(TINY, log=None)
     _assert_learns(a, TINY.steps, drop=1.0)
     assert a == b, "two runs with one config gave different loss curves"
-    assert any("loss" in line for line in logs) and logs[0].startswith("kittenmoe train:")
+    assert any("loss" in line for line in logs) and logs[0].startswith("train_lm:")
     # the run restores the caller's determinism setting
     assert torch.are_deterministic_algorithms_enabled() == det_before
 
@@ -71,14 +78,33 @@ def test_train_config_errors():
         TrainConfig(dtype="float16")
 
 
-def test_cli_train(capsys):
-    rc = main(["train", "--steps", "3", "--layers", "1", "--hidden", "16", "--heads", "2", "--experts", "4",
+def test_train_command_line(capsys):
+    rc = main(["--steps", "3", "--layers", "1", "--hidden", "16", "--heads", "2", "--experts", "4",
                "--expert-width", "8", "--shared-width", "0", "--seq-len", "16", "--batch-size", "2",
                "--log-every", "1", "--untied"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "step     2" in out and "mean loss" in out
-    assert main(["train", "--hidden", "30", "--heads", "4"]) == 2  # bad config: one line, exit code 2
+    assert main(["--hidden", "30", "--heads", "4"]) == 2  # bad config: one line, exit code 2
+    assert "train_lm.py: error: TrainConfig: hidden=30 is not a multiple of heads=4" in capsys.readouterr().err
+
+
+def test_train_script_runs_as_a_file():
+    """``python examples/train_lm.py`` (with kittenmoe importable) runs a short CPU training; the package has no
+    ``kittenmoe train`` subcommand any more."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                                                      if p))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_lm.py"), "--steps", "2", "--layers", "1", "--hidden", "16",
+         "--heads", "2", "--experts", "4", "--expert-width", "8", "--seq-len", "16", "--batch-size", "2",
+         "--data-bytes", "4096"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "mean loss" in proc.stdout
+    from kittenmoe.cli import main as kittenmoe_main
+
+    with pytest.raises(SystemExit):  # argparse: invalid choice 'train'
+        kittenmoe_main(["train"])
 
 
 def test_train_megakernel_backend_matches_torch_backend():
@@ -96,8 +122,8 @@ def test_train_megakernel_backend_matches_torch_backend():
 
 # ----------------------------------------------------------------------------- GPU
 
-# The demo's default model and knobs (train.DEMO_KERNEL_CONFIG), fp32, on the GPU: what
-# `kittenmoe train --device cuda --steps 50` runs.
+# The demo's default model and knobs (train_lm.DEMO_KERNEL_CONFIG), fp32, on the GPU: what
+# `python examples/train_lm.py --device cuda --steps 50` runs.
 GPU_TRAIN = TrainConfig(steps=50, device="cuda", backend="megakernel", log_every=10)
 
 

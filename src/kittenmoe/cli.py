@@ -1,4 +1,4 @@
-"""``kittenmoe`` command line: ``demo``, ``train``, ``bench``, ``tune``."""
+"""``kittenmoe`` command line: ``demo``, ``bench``, ``tune``. (The training demo is ``examples/train_lm.py``.)"""
 
 from __future__ import annotations
 
@@ -63,29 +63,8 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _train(args: argparse.Namespace) -> int:
-    from kittenmoe.layer import check_backend_runs
-    from kittenmoe.train import TrainConfig, train
-
-    cfg = TrainConfig(
-        steps=args.steps, device=args.device, backend=args.backend, dtype=args.dtype, layers=args.layers,
-        hidden=args.hidden, heads=args.heads, experts=args.experts, topk=args.topk, expert_width=args.expert_width,
-        shared_width=args.shared_width, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-        tie_embeddings=not args.untied, data_bytes=args.data_bytes, seed=args.seed, log_every=args.log_every)
-    try:
-        check_backend_runs(cfg.backend, cfg.device)
-    except RuntimeError as e:  # a backend that cannot run here: one clear line
-        print(f"kittenmoe train: error: {e}", file=sys.stderr)
-        return 2
-    curve = train(cfg)
-    k = max(1, min(10, len(curve) // 4))
-    first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
-    print(f"mean loss of the first {k} steps {first:.4f}, of the last {k} steps {last:.4f}")
-    return 0
-
-
 def _bench(args: argparse.Namespace) -> int:
-    from kittenmoe.bench import run_bench
+    from kittenmoe.bench.main import run_bench
 
     return run_bench(args, args.argv)
 
@@ -106,31 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--block-m", type=int, default=16)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_demo)
-    tr = sub.add_parser("train", help="train a small MoE transformer LM on the standard library's source bytes")
-    from kittenmoe.train import TrainConfig
-
-    td = TrainConfig()
-    tr.add_argument("--steps", type=int, default=td.steps)
-    tr.add_argument("--device", default=td.device, help="cpu, cuda, cuda:1, ... (default cpu)")
-    tr.add_argument("--backend", default=td.backend, choices=("auto", "torch", "megakernel"),
-                    help="MoE backend (auto: megakernel on CUDA, torch on CPU)")
-    tr.add_argument("--dtype", default=td.dtype, choices=("float32", "bfloat16"))
-    tr.add_argument("--layers", type=int, default=td.layers)
-    tr.add_argument("--hidden", type=int, default=td.hidden, help="model width H")
-    tr.add_argument("--heads", type=int, default=td.heads)
-    tr.add_argument("--experts", type=int, default=td.experts, help="routed experts E")
-    tr.add_argument("--topk", type=int, default=td.topk, help="experts per token K")
-    tr.add_argument("--expert-width", type=int, default=td.expert_width, help="routed expert width I")
-    tr.add_argument("--shared-width", type=int, default=td.shared_width, help="shared expert width (0: none)")
-    tr.add_argument("--seq-len", type=int, default=td.seq_len)
-    tr.add_argument("--batch-size", type=int, default=td.batch_size)
-    tr.add_argument("--lr", type=float, default=td.lr)
-    tr.add_argument("--untied", action="store_true", help="separate output head instead of the tied embedding")
-    tr.add_argument("--data-bytes", type=int, default=td.data_bytes, help="bytes of stdlib source to train on")
-    tr.add_argument("--seed", type=int, default=td.seed)
-    tr.add_argument("--log-every", type=int, default=td.log_every)
-    tr.set_defaults(fn=_train)
-    from kittenmoe.bench import add_bench_args
+    from kittenmoe.bench.main import add_bench_args
     from kittenmoe.tune import add_tune_args
 
     b = sub.add_parser("bench", help="time the megakernel layer against the grouped_mm baseline (table, JSON, plot)")

@@ -27,24 +27,22 @@ anything compiles:
 Every remaining config, and the default (the heuristic) beside them, is run
 once (compile, device error flag, relative L1 against the fp32 reference:
 configs that fail are reported and never win) and timed on its own
-(``kittenmoe.bench.measure``: ``triton.testing.do_bench`` p50 on CUDA). A progress line with an ETA
-follows the sweep. The sweep times one config after another, and a GPU's clock
-falls under sustained load (the H200's power cap), so the ``TUNE_FINALISTS``
-fastest, the default and the grouped_mm baseline are then timed again together
-in interleaved rounds (``kittenmoe.bench.measure_rounds``); the winner is the
-fastest of those, and their sweep figures stay in the record as ``ms_sweep`` (the
-other configs' ``ms``, the worst's among them, are their sweep figures).
-The winner goes to the cache, and best vs default vs worst
-is printed; the whole sweep is written as one JSON record to ``--out``.
+(``kittenmoe.bench.timing.measure``: ``triton.testing.do_bench`` p50 on
+CUDA). A progress line with an ETA follows the sweep. The sweep times one config
+after another, and a GPU's clock falls under sustained load (the H200's power
+cap), so the ``TUNE_FINALISTS`` fastest, the default and the grouped_mm baseline
+are then timed again together in interleaved rounds
+(``kittenmoe.bench.timing.measure_rounds``); the winner is the fastest of those,
+and their sweep figures stay in the record as ``ms_sweep`` (the other configs'
+``ms``, the worst's among them, are their sweep figures). The winner goes to the
+cache (``kittenmoe.tune_cache``: one JSON file per problem, GPU, dtype and
+version, read back by ``tune_cache.config_for`` in the layer and in ``kittenmoe
+bench``), and best vs default vs worst is printed; the whole sweep is written as
+one JSON record to ``--out``.
 
-Cache: one JSON file per key under ``$KITTENMOE_CACHE_DIR/tune/`` (default
-``~/.cache/kittenmoe/tune/``); the key is the problem's dims (T, H, I, E, K,
-shared width S), R ranks, the GPU name, the dtype and the kittenmoe version.
-``lookup_config`` returns the cached ``KernelConfig`` or None; a file written
-by another kittenmoe version (stale) or one that cannot be read (corrupt) is
-ignored with a ``warnings.warn``, never an exception. ``KITTENMOE_AUTOTUNE=0``
-makes every lookup return None, pinning the heuristic; ``kittenmoe tune`` still
-writes the cache then.
+The sweep times the launchers (``TUNE_PATH``, ``kittenmoe.bench.runner.Runner``):
+they run every R, and the public path's autograd layer adds about the same
+per-call work (input checks, the custom op's dispatch) to every config.
 """
 
 from __future__ import annotations
@@ -53,29 +51,27 @@ import argparse
 import dataclasses
 import datetime
 import itertools
-import json
 import math
-import os
-import re
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kittenmoe.bench.environment import command_line, environment, now_iso, resolve_device
+from kittenmoe.bench.main import add_problem_args, resolve_reps
+from kittenmoe.bench.problems import apply_overrides, make_problems, parse_config_overrides
+from kittenmoe.bench.report import write_json
+from kittenmoe.bench.runner import Runner
+from kittenmoe.bench.timing import measure, measure_rounds
 from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes, routed_capacity
+# config_for stays importable from here for callers that have not moved to kittenmoe.tune_cache
+from kittenmoe.tune_cache import cache_key, config_for, store_config  # noqa: F401
 
-ENV_CACHE_DIR = "KITTENMOE_CACHE_DIR"
-ENV_AUTOTUNE = "KITTENMOE_AUTOTUNE"
-CACHE_FORMAT = 1
 TUNE_FINALISTS = 3  # the sweep's fastest configs re-timed together (with the default and the baseline)
-
-
-class TuneCacheWarning(RuntimeWarning):
-    """A tuned-config cache file was ignored (stale, corrupt or unreadable); the heuristic is used instead."""
+TUNE_PATH = "launcher"  # what the sweep times (see the module docstring)
 
 # The default sweep: 4 x 3 x 2 x 3 = 72 configs before pruning. The values bracket
 # what the H200 runs of docs/perf-notes.md found best for the seed slices
@@ -95,151 +91,6 @@ CPU_GRID: dict[str, tuple] = {
     "macrobatch_size": (None,),
     "tiles": ((32, 1),),
 }
-
-
-# ----------------------------------------------------------------------------- cache
-
-
-def _dtype_key(dtype) -> str:
-    names = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
-             "bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16"}
-    try:
-        return names[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"unsupported dtype {dtype!r}; expected bf16, fp32 or fp16") from None
-
-
-def cache_dir() -> Path:
-    """``$KITTENMOE_CACHE_DIR`` or ``~/.cache/kittenmoe``."""
-    d = os.environ.get(ENV_CACHE_DIR)
-    return Path(d).expanduser() if d else Path.home() / ".cache" / "kittenmoe"
-
-
-def autotune_enabled() -> bool:
-    """False when ``KITTENMOE_AUTOTUNE`` is 0 / false / no / off: lookups return None."""
-    return os.environ.get(ENV_AUTOTUNE, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def _package_version() -> str:
-    import kittenmoe
-
-    return kittenmoe.__version__
-
-
-def cache_key(t: int, h: int, i: int, e: int, k: int, ranks: int, device_name: str, dtype, s: int | None = None
-              ) -> dict:
-    """The cache key: dims (S defaults to I: one shared expert of the routed width), R, GPU, dtype, version."""
-    dims = dict(t=t, h=h, i=i, e=e, k=k, s=i if s is None else s, ranks=ranks)
-    for name, v in dims.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "s" else 1):
-            raise ValueError(f"cache key: {name} must be a positive int, got {v!r}")
-    return dict(**dims, device=str(device_name), dtype=_dtype_key(dtype), version=_package_version())
-
-
-def cache_path(key: dict) -> Path:
-    """One file per key, the version left out of the name so that a stale file is found (and reported)."""
-    dev = re.sub(r"[^A-Za-z0-9_.-]+", "_", key["device"]).strip("_") or "device"
-    name = f"{dev}-{key['dtype']}-T{key['t']}-H{key['h']}-I{key['i']}-E{key['e']}-K{key['k']}-S{key['s']}" \
-           f"-R{key['ranks']}.json"
-    return cache_dir() / "tune" / name
-
-
-def store_config(key: dict, config: KernelConfig, extra: dict | None = None) -> Path:
-    """Write ``config`` as the winner for ``key`` (atomically: a reader never sees half a file)."""
-    path = cache_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    entry = dict(format=CACHE_FORMAT, kittenmoe_version=key["version"], key=key, config=dataclasses.asdict(config),
-                 **(extra or {}))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(entry, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
-    _memo.clear()
-    return path
-
-
-_memo: dict[tuple, KernelConfig | None] = {}
-
-
-def _read_entry(path: Path, key: dict) -> KernelConfig | None:
-    def ignore(why: str) -> None:
-        warnings.warn(f"kittenmoe: ignoring the tuned-config cache file {path}: {why}; using the heuristic "
-                      f"config (re-run `kittenmoe tune` to refresh it)", TuneCacheWarning, stacklevel=4)
-
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        ignore(f"it cannot be read as JSON ({type(exc).__name__}: {exc})")
-        return None
-    if not isinstance(entry, dict) or entry.get("format") != CACHE_FORMAT:
-        ignore(f"unknown format {entry.get('format') if isinstance(entry, dict) else type(entry).__name__!r} "
-               f"(expected {CACHE_FORMAT})")
-        return None
-    if entry.get("kittenmoe_version") != key["version"]:
-        ignore(f"stale: written by kittenmoe {entry.get('kittenmoe_version')!r}, this is {key['version']!r}")
-        return None
-    if entry.get("key") != key:
-        ignore(f"its key {entry.get('key')!r} does not match {key!r}")
-        return None
-    cfg = entry.get("config")
-    if isinstance(cfg, dict):
-        # A knob added since the entry was tuned would take its dataclass default, silently replacing what
-        # the heuristic now sets (the package version has not moved, so the check above cannot see it).
-        fields = {f.name for f in dataclasses.fields(KernelConfig)}
-        if set(cfg) != fields:
-            ignore(f"stale: tuned with another set of KernelConfig knobs (missing: "
-                   f"{', '.join(sorted(fields - set(cfg))) or 'none'}; unknown: "
-                   f"{', '.join(sorted(set(cfg) - fields)) or 'none'})")
-            return None
-    try:
-        if not isinstance(cfg, dict):
-            raise TypeError(f"config is a {type(cfg).__name__}, not an object")
-        return KernelConfig(**cfg)
-    except (TypeError, ValueError) as exc:
-        ignore(f"its config is not a valid KernelConfig ({exc})")
-        return None
-
-
-def lookup_config(t: int, h: int, i: int, e: int, k: int, ranks: int, device_name: str, dtype, s: int | None = None
-                  ) -> KernelConfig | None:
-    """The tuned ``KernelConfig`` cached for this problem, or None.
-
-    ``t`` tokens per rank, ``h`` hidden, ``i`` expert width, ``e`` routed
-    experts in total over ``ranks`` ranks, top-``k``, ``device_name`` as
-    ``torch.cuda.get_device_name`` gives it (``"cpu"`` for the interpreter),
-    ``dtype`` (torch dtype or "bf16"/"fp32"), ``s`` the shared expert's width
-    (default ``i``). None when nothing is cached, when ``KITTENMOE_AUTOTUNE=0``,
-    or when the file is stale or corrupt (with a warning). Results are
-    memoised per file state, so calling it on every forward is cheap.
-    """
-    if not autotune_enabled():
-        return None
-    key = cache_key(t, h, i, e, k, ranks, device_name, dtype, s)
-    path = cache_path(key)
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    memo_key = (str(path), st.st_mtime_ns, st.st_size, key["version"])
-    if memo_key not in _memo:
-        _memo[memo_key] = _read_entry(path, key)
-    return _memo[memo_key]
-
-
-def config_for(t: int, h: int, i: int, e: int, k: int, ranks: int, device, dtype, s: int | None = None
-               ) -> tuple[KernelConfig, str]:
-    """(config, source) the layer should use: the tuned cache entry when one matches, else the heuristic."""
-    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    cfg = lookup_config(t, h, i, e, k, ranks, name, dtype, s)
-    if cfg is not None:
-        return cfg, "tuned cache"
-    why = "KITTENMOE_AUTOTUNE=0" if not autotune_enabled() else "no tuned config cached"
-    tdtype = dtype if isinstance(dtype, torch.dtype) else {"bf16": torch.bfloat16, "fp32": torch.float32,
-                                                           "fp16": torch.float16}[_dtype_key(dtype)]
-    return default_config(t, h, i, e, k, ranks, dev, tdtype, s), f"heuristic ({why})"
 
 
 # ----------------------------------------------------------------------------- grid
@@ -387,8 +238,6 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
                  log: Callable[[str], None] = print, progress: Callable[[str, bool], None] | None = None
                  ) -> TuneResult:
     """Time ``default`` and every kept grid point on ``base``; pick the fastest correct one."""
-    from kittenmoe.bench import Runner, measure, measure_rounds
-
     t, h, i, e, k = problem.dims
     elem = torch.empty((), dtype=problem.torch_dtype).element_size()
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
@@ -408,8 +257,8 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
     best_ms = math.inf
     for n, c in enumerate(cands, 1):
         try:
-            fn = run.kittenmoe(mode, c.config)
-            errs = run.check_kittenmoe(mode, fn())
+            fn = run.kittenmoe(mode, c.config, TUNE_PATH)
+            errs = run.check_kittenmoe(mode, fn(), TUNE_PATH)
             c.rel_l1 = max(errs.values())
             if not c.rel_l1 <= tol:
                 raise RuntimeError(f"relative L1 {c.rel_l1:.2e} vs the fp32 reference exceeds {tol:.0e}")
@@ -428,11 +277,11 @@ def tune_problem(problem, base: KernelConfig, default: KernelConfig, grid: dict[
     ok = [c for c in cands if c.ms is not None]
     # The sweep timed one config after another, and the GPU's clock falls under sustained load (its power cap),
     # so the fastest few, the default and the baseline are timed again together in interleaved rounds
-    # (kittenmoe.bench.measure_rounds); the winner is the fastest of those.
+    # (kittenmoe.bench.timing.measure_rounds); the winner is the fastest of those.
     finalists = sorted(ok, key=lambda c: c.ms)[:TUNE_FINALISTS]
     if cands[0].ms is not None and cands[0] not in finalists:
         finalists.append(cands[0])
-    fns = {str(n): run.kittenmoe(mode, c.config) for n, c in enumerate(finalists)}
+    fns = {str(n): run.kittenmoe(mode, c.config, TUNE_PATH) for n, c in enumerate(finalists)}
     try:
         b_fn = run.grouped_mm(mode)
         b_fn()
@@ -485,8 +334,6 @@ def _progress_printer() -> Callable[[str, bool], None]:
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
-    from kittenmoe.bench import add_problem_args
-
     add_problem_args(p)
     p.add_argument("--mode", default="forward", choices=("forward", "backward"),
                    help="what is timed: forward, or backward (forward + backward together); default forward")
@@ -499,9 +346,6 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
 
 def run_tune(args: argparse.Namespace, argv: list[str] | None = None, log: Callable[[str], None] = print) -> int:
     """``kittenmoe tune``; returns the exit status (1 when no config ran correctly)."""
-    from kittenmoe.bench import (apply_overrides, command_line, environment, make_problems, now_iso,
-                                 parse_config_overrides, resolve_device, resolve_reps, write_json)
-
     problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing)
     if len(problems) != 1:
         raise ValueError("kittenmoe tune takes one problem: give one --model name")

@@ -1,5 +1,9 @@
 """Training demo: a small MoE transformer language model on byte-level tokens of real text.
 
+    python examples/train_lm.py                        # CPU, torch backend: 200 steps, ~20 s on 2 idle cores
+    python examples/train_lm.py --device cuda          # GPU, megakernel backend
+    python examples/train_lm.py --steps 50 --hidden 64 --experts 4 --untied   # (-h lists every flag)
+
 The text is the Python standard library's own source (``*.py`` under ``os.path.dirname(os.__file__)``
 in a fixed sorted walk, the first ``data_bytes`` bytes concatenated): present on every machine, no download. The
 model: token + learned position embeddings, ``layers`` pre-norm blocks of causal self-attention
@@ -12,13 +16,15 @@ mode, so an op without a deterministic kernel warns instead of aborting) and att
 kernel on CUDA (the fused kernels' backward is not bitwise repeatable). Two runs with one config on one
 machine give bitwise-identical loss curves.
 
-``train(TrainConfig(...))`` returns the per-step training losses; ``kittenmoe train`` is the CLI.
+``train(TrainConfig(...))`` returns the per-step training losses; ``main(argv)`` is the command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -238,7 +244,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = print) -> list[f
                                 lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
         n_params = sum(p.numel() for p in model.parameters())
         if log:
-            log(f"kittenmoe train: {cfg.layers} layers, H={cfg.hidden}, E={cfg.experts} K={cfg.topk} "
+            log(f"train_lm: {cfg.layers} layers, H={cfg.hidden}, E={cfg.experts} K={cfg.topk} "
                 f"I={cfg.expert_width} S={cfg.shared_width}, {n_params / 1e6:.2f}M params, MoE backend "
                 f"{backend} on {device}, {cfg.dtype}; {data.numel()} bytes of stdlib source, "
                 f"batch {cfg.batch_size} x {cfg.seq_len} tokens")
@@ -271,3 +277,58 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = print) -> list[f
             check_errors(device)  # deferred device errors, if that mode was chosen
         curve = torch.stack(losses).tolist()
     return curve
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The command line as a ``TrainConfig`` (its validation raises ``ValueError``)."""
+    td = TrainConfig()
+    p = argparse.ArgumentParser(prog="train_lm.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=td.steps)
+    p.add_argument("--device", default=td.device, help="cpu, cuda, cuda:1, ... (default cpu)")
+    p.add_argument("--backend", default=td.backend, choices=("auto", "torch", "megakernel"),
+                   help="MoE backend (auto: megakernel on CUDA, torch on CPU)")
+    p.add_argument("--dtype", default=td.dtype, choices=tuple(_DTYPES))
+    p.add_argument("--layers", type=int, default=td.layers)
+    p.add_argument("--hidden", type=int, default=td.hidden, help="model width H")
+    p.add_argument("--heads", type=int, default=td.heads)
+    p.add_argument("--experts", type=int, default=td.experts, help="routed experts E")
+    p.add_argument("--topk", type=int, default=td.topk, help="experts per token K")
+    p.add_argument("--expert-width", type=int, default=td.expert_width, help="routed expert width I")
+    p.add_argument("--shared-width", type=int, default=td.shared_width, help="shared expert width (0: none)")
+    p.add_argument("--seq-len", type=int, default=td.seq_len)
+    p.add_argument("--batch-size", type=int, default=td.batch_size)
+    p.add_argument("--lr", type=float, default=td.lr)
+    p.add_argument("--untied", action="store_true", help="separate output head instead of the tied embedding")
+    p.add_argument("--data-bytes", type=int, default=td.data_bytes, help="bytes of stdlib source to train on")
+    p.add_argument("--seed", type=int, default=td.seed)
+    p.add_argument("--log-every", type=int, default=td.log_every)
+    a = p.parse_args(argv)
+    return TrainConfig(
+        steps=a.steps, device=a.device, backend=a.backend, dtype=a.dtype, layers=a.layers, hidden=a.hidden,
+        heads=a.heads, experts=a.experts, topk=a.topk, expert_width=a.expert_width, shared_width=a.shared_width,
+        seq_len=a.seq_len, batch_size=a.batch_size, lr=a.lr, tie_embeddings=not a.untied, data_bytes=a.data_bytes,
+        seed=a.seed, log_every=a.log_every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train with the command line's config and print the loss curve's start and end; exit status 2 (one line
+    on stderr) for a bad config or a backend that cannot run on the device."""
+    try:
+        cfg = parse_args(argv)
+        check_backend_runs(cfg.backend, cfg.device)
+    except (ValueError, RuntimeError) as e:  # a bad flag value or a backend that cannot run here: one clear line
+        print(f"train_lm.py: error: {e}", file=sys.stderr)
+        return 2
+    curve = train(cfg)
+    k = max(1, min(10, len(curve) // 4))
+    first, last = sum(curve[:k]) / k, sum(curve[-k:]) / k
+    print(f"mean loss of the first {k} steps {first:.4f}, of the last {k} steps {last:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

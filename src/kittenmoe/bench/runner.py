@@ -1,0 +1,267 @@
+"""The single-process runner: one problem's inputs on one device, kittenmoe's and the grouped_mm baseline's
+timed callables, their checks against the fp32 reference, and ``bench_problem`` (one row per mode).
+
+kittenmoe is timed along one of two paths (``path``):
+
+- ``"public"`` (one rank only): ``kittenmoe.moe(..., backend="megakernel")``, the autograd entry point users
+  call (input checks, the custom op, the deferred device-error flags included); forward+backward is that call
+  on leaf tensors that require grad, then ``torch.autograd.grad``.
+- ``"launcher"``: ``ops.megakernel_forward_multirank`` (and ``megakernel_backward_multirank``) over R virtual
+  ranks in ``LocalPeers``: the megakernels without the autograd layer. The only path for R > 1 in one process
+  (the public API runs one rank per call; several ranks need ``kittenmoe.ep`` and torchrun), and what
+  ``kittenmoe tune`` sweeps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from kittenmoe.bench.problems import FP8_QUANT_REPS, KIND, Problem, rel_l1_bar
+from kittenmoe.bench.report import make_row
+from kittenmoe.bench.timing import measure, measure_rounds
+from kittenmoe.config import KernelConfig
+
+GRAD_NAMES = ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2")
+
+
+class Runner:
+    """Inputs of one problem on one device, the timed callables, and their correctness checks."""
+
+    def __init__(self, problem: Problem, device: torch.device, seed: int = 0) -> None:
+        from kittenmoe.peers import LocalPeers
+        from kittenmoe.testing import make_weights
+
+        self.problem, self.device = problem, device
+        p, dt = problem, problem.torch_dtype
+        R, (T, H, _, E, K) = p.ranks, p.dims
+        g = torch.Generator().manual_seed(seed)
+        self.w = make_weights(p.shape, dtype=dt, device=device, generator=g)
+        self.xs = [torch.randn(T, H, generator=g).to(device, dt) for _ in range(R)]
+        routes = [p.routing.generate(T, E, K, g, device) for _ in range(R)]
+        self.ids = [r[0].contiguous() for r in routes]
+        self.ws = [r[1].float().contiguous() for r in routes]
+        self.d_out = [torch.randn(T, H, generator=g).to(device, dt) for _ in range(R)]
+        self.peers = LocalPeers(R, device)
+        # --fp8: all experts quantised once, outside the timed calls (quantize_weights times it apart)
+        self.fp8 = None if p.fp8_block is None else self.quantize_weights(check_finite=True)
+        self._ref_fwd: list[torch.Tensor] | None = None
+        self._ref_grads: dict | None = None
+
+    def quantize_weights(self, check_finite: bool = False):
+        """The routed experts in e4m3 with their transposes (``FP8ExpertWeights.quantize``), as a layer
+        re-quantises them every step (without the finite check, a host sync)."""
+        from kittenmoe.fp8 import FP8ExpertWeights
+
+        return FP8ExpertWeights.quantize(self.w.w13_E2IH, self.w.w2_EHI, self.problem.fp8_config(), check_finite)
+
+    # kittenmoe -------------------------------------------------------------
+    def kittenmoe(self, mode: str, config: KernelConfig, path: str) -> Callable[[], object]:
+        """kittenmoe's timed callable for ``mode`` along ``path`` (``"public"`` or ``"launcher"``)."""
+        if path == "public":
+            return self.public(mode, config)
+        if path == "launcher":
+            return self.launcher(mode, config)
+        raise ValueError(f"path must be 'public' or 'launcher', got {path!r}")
+
+    def public(self, mode: str, config: KernelConfig) -> Callable[[], object]:
+        """``kittenmoe.moe(..., backend="megakernel")`` on rank 0's inputs (one rank only). The forward's inputs
+        need no grad (the op then keeps no activations, as in inference); forward+backward returns (output,
+        gradients of x, router weights and every expert weight)."""
+        import kittenmoe
+
+        if self.problem.ranks != 1:
+            raise ValueError(f"the public path runs one rank (kittenmoe.moe); this problem has "
+                             f"{self.problem.ranks} virtual ranks: time it with path 'launcher'")
+        w = self.w
+        # --fp8: the experts quantised once (self.fp8), as for the launcher path; the quantisation is timed apart
+        kw = dict(swiglu_limit=self.problem.shape.swiglu_limit, backend="megakernel", config=config, fp8=self.fp8)
+        x, ids, tw = self.xs[0], self.ids[0], self.ws[0]
+        if mode == "forward":
+            return lambda: kittenmoe.moe(x, ids, tw, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, **kw)
+        xl, twl = x.detach().requires_grad_(), tw.detach().requires_grad_()
+        wl = [None if t is None else t.detach().requires_grad_()
+              for t in (w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS)]
+        leaves = [xl, twl] + [t for t in wl if t is not None]
+        d_out = self.d_out[0]
+
+        def fwd_bwd():
+            out = kittenmoe.moe(xl, ids, twl, *wl, **kw)
+            # torch.autograd.grad, not out.backward(d_out): each call's gradients come back as fresh tensors and
+            # no .grad accumulates across the timed calls, which is the cost of out.backward(d_out) with every
+            # .grad set to None before it (no accumulating add)
+            return out.detach(), torch.autograd.grad(out, leaves, d_out)
+
+        return fwd_bwd
+
+    def launcher(self, mode: str, config: KernelConfig) -> Callable[[], object]:
+        """The forward (and backward) launchers over ``self.peers``' R virtual ranks."""
+        from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+
+        a, fp8 = self._margs(), self.fp8
+        if mode == "forward":
+            return lambda: megakernel_forward_multirank(*a, config=config, peers=self.peers, fp8=fp8)
+
+        def fwd_bwd():
+            # as autograd runs them: the forward keeps its activations for the backward (keep_activations)
+            f = megakernel_forward_multirank(*a, config=config, peers=self.peers,
+                                             save_for_backward=config.keep_activations, fp8=fp8)
+            b = megakernel_backward_multirank(self.d_out, *a, config=config, peers=self.peers, saved=f.saved(),
+                                              fp8=fp8)
+            return f, b
+
+        return fwd_bwd
+
+    def _margs(self):
+        w = self.w
+        return (self.xs, self.ids, self.ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+                self.problem.shape.swiglu_limit)
+
+    # baseline --------------------------------------------------------------
+    def grouped_mm(self, mode: str) -> Callable[[], object]:
+        from kittenmoe.baselines import grouped_mm_forward
+
+        w, lim, R = self.w, self.problem.shape.swiglu_limit, self.problem.ranks
+        if mode == "forward":
+            return lambda: [grouped_mm_forward(self.xs[r], self.ids[r], self.ws[r], w.w13_E2IH, w.w2_EHI,
+                                               w.shared_w13_2SH, w.shared_w2_HS, lim) for r in range(R)]
+        wl = [t.detach().requires_grad_() for t in w.tensors()]
+        xl = [x.detach().requires_grad_() for x in self.xs]
+        sl = [v.detach().requires_grad_() for v in self.ws]
+        sw13, sw2 = (wl[2], wl[3]) if len(wl) == 4 else (None, None)
+
+        def fwd_bwd():
+            outs = []
+            for r in range(R):
+                out = grouped_mm_forward(xl[r], self.ids[r], sl[r], wl[0], wl[1], sw13, sw2, lim)
+                outs.append((out.detach(), torch.autograd.grad(out, [xl[r], sl[r]] + wl, self.d_out[r])))
+            return outs
+
+        return fwd_bwd
+
+    # checks ----------------------------------------------------------------
+    def reference_forward(self) -> list[torch.Tensor]:
+        from kittenmoe.reference import moe_reference_multirank
+
+        if self._ref_fwd is None:
+            with torch.no_grad():
+                self._ref_fwd = moe_reference_multirank(*self._margs(), compute_dtype=torch.float32)
+        return self._ref_fwd
+
+    def reference_grads(self) -> dict:
+        """fp32 reference gradients: d_x and d_topk_weights per rank, then the (summed) weight gradients."""
+        from kittenmoe.reference import moe_reference_multirank
+
+        if self._ref_grads is None:
+            R = self.problem.ranks
+            xl = [x.float().requires_grad_() for x in self.xs]
+            sl = [v.float().requires_grad_() for v in self.ws]
+            wl = [t.float().requires_grad_() for t in self.w.tensors()]
+            outs = moe_reference_multirank(xl, self.ids, sl, *wl, *([None] * (4 - len(wl))),
+                                           self.problem.shape.swiglu_limit, compute_dtype=torch.float32)
+            grads = torch.autograd.grad(outs, xl + sl + wl, [g.float() for g in self.d_out])
+            self._ref_grads = dict(d_x=list(grads[:R]), d_topk_weights=list(grads[R:2 * R]),
+                                   **dict(zip(GRAD_NAMES[:len(wl)], grads[2 * R:])))
+            if self._ref_fwd is None:
+                self._ref_fwd = [o.detach() for o in outs]
+        return self._ref_grads
+
+    def check_kittenmoe(self, mode: str, result, path: str) -> dict:
+        """Device error flags, then the relative L1 of every output (and gradient) vs the fp32 reference, keyed
+        ``out[r]``, ``d_x[r]``, ``d_topk_weights[r]``, ``d_w13``, ... for either path."""
+        if path == "public":
+            return self._check_public(mode, result)
+        if path == "launcher":
+            return self._check_launcher(mode, result)
+        raise ValueError(f"path must be 'public' or 'launcher', got {path!r}")
+
+    def _check_launcher(self, mode: str, result) -> dict:
+        from kittenmoe.testing import rel_l1
+
+        fwd = result if mode == "forward" else result[0]
+        fwd.check_errors()
+        errs = {}
+        if mode != "forward":
+            bwd = result[1]
+            bwd.check_errors()
+            ref = self.reference_grads()
+            for r in range(self.problem.ranks):
+                errs[f"d_x[{r}]"] = rel_l1(bwd.d_x[r], ref["d_x"][r])
+                errs[f"d_topk_weights[{r}]"] = rel_l1(bwd.d_topk_weights[r], ref["d_topk_weights"][r])
+            for name in GRAD_NAMES:
+                if name in ref:
+                    errs[name] = rel_l1(getattr(bwd, name), ref[name])
+        ref_out = self.reference_forward()
+        for r in range(self.problem.ranks):
+            errs[f"out[{r}]"] = rel_l1(fwd.outputs[r], ref_out[r])
+        return errs
+
+    def _check_public(self, mode: str, result) -> dict:
+        from kittenmoe.autograd import check_errors
+        from kittenmoe.testing import rel_l1
+
+        check_errors(self.device)  # the flags the op deferred (on CUDA; on CPU each call raised already)
+        out = result if mode == "forward" else result[0]
+        errs = {}
+        if mode != "forward":
+            ref = self.reference_grads()
+            d_x, d_tw, *d_ws = result[1]
+            errs["d_x[0]"] = rel_l1(d_x, ref["d_x"][0])
+            errs["d_topk_weights[0]"] = rel_l1(d_tw, ref["d_topk_weights"][0])
+            for name, g in zip(GRAD_NAMES, d_ws):
+                errs[name] = rel_l1(g, ref[name])
+        errs["out[0]"] = rel_l1(out, self.reference_forward()[0])
+        return errs
+
+    def check_grouped_mm(self, mode: str, result) -> float:
+        from kittenmoe.testing import rel_l1
+
+        ref = self.reference_forward()
+        outs = result if mode == "forward" else [o for o, _ in result]
+        return max(rel_l1(o, r) for o, r in zip(outs, ref))
+
+    def tolerance(self) -> float:
+        return rel_l1_bar(self.problem, self.device)
+
+
+TIMED_CALLS = {
+    ("public", "forward"): "kittenmoe.moe(backend='megakernel')",
+    ("public", "backward"): "kittenmoe.moe(backend='megakernel') + torch.autograd.grad",
+    ("launcher", "forward"): "ops.megakernel_forward_multirank",
+    ("launcher", "backward"): "ops.megakernel_forward_multirank + ops.megakernel_backward_multirank",
+}
+
+
+def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], device: torch.device, reps: int,
+                  warmup: int, seed: int = 0, log: Callable[[str], None] = print, path: str = "public") -> list[dict]:
+    """Time kittenmoe along ``path`` and grouped_mm for each mode; one row dict per mode (without environment
+    stamps)."""
+    run = Runner(problem, device, seed)
+    tol = run.tolerance()
+    ms_quant = None
+    if run.fp8 is not None:  # once per problem: what re-quantising the expert weights adds to a training step
+        ms_quant = measure(run.quantize_weights, device, min(reps, FP8_QUANT_REPS), min(warmup, 2)).p50
+    rows = []
+    for mode in modes:
+        k_fn, b_fn = run.kittenmoe(mode, config, path), run.grouped_mm(mode)
+        t0 = time.perf_counter()
+        errs = run.check_kittenmoe(mode, k_fn(), path)  # first run: compile, error flags, accuracy
+        first_s = time.perf_counter() - t0
+        worst = max(errs.values())
+        if not worst <= tol:
+            log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
+                f"{tol:.0e}")
+        base_err = run.check_grouped_mm(mode, b_fn())
+        timed = measure_rounds({"kittenmoe": k_fn, "grouped_mm": b_fn}, device, reps, warmup)
+        rows.append(make_row(
+            problem, mode, path=path, timed_call=TIMED_CALLS[path, mode], ranks_mode="virtual",
+            kittenmoe=timed["kittenmoe"], baseline="grouped_mm", baseline_timing=timed["grouped_mm"], errs=errs,
+            tolerance=tol, baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
+            ms_fp8_weight_quantisation=ms_quant, config=config,
+            timing="interleaved with the baseline in rounds (kittenmoe.bench.timing.measure_rounds)"))
+    del run
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
