@@ -209,7 +209,6 @@ def test_tune_cache_and_bench_import_no_tuner_or_kernels():
         "import kittenmoe.bench, kittenmoe.bench.main, kittenmoe.bench.runner, kittenmoe.bench.ep_runner\n"
         "assert 'kittenmoe.tune' not in sys.modules\n"
         "import kittenmoe.tune\n"
-        "assert kittenmoe.tune.config_for is kittenmoe.tune_cache.config_for\n"
         "assert 'kittenmoe.ops' not in sys.modules, 'importing the tuner loaded the launchers'\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
                                                       if p))

@@ -21,8 +21,8 @@ from kittenmoe.config import KernelConfig
 
 @torch._dynamo.assume_constant_result
 def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: str, dtype: str) -> tuple:
-    """``tune.config_for``'s choice as KernelConfig field values (plain values: a graph constant)."""
-    from kittenmoe.tune import config_for
+    """``tune_cache.config_for``'s choice as KernelConfig field values (plain values: a graph constant)."""
+    from kittenmoe.tune_cache import config_for
 
     cfg, _ = config_for(t, h, i, e, k, ranks, torch.device(device), getattr(torch, dtype), s)
     return tuple(getattr(cfg, f) for f in KernelConfig.__dataclass_fields__)

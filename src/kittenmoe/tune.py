@@ -67,8 +67,7 @@ from kittenmoe.bench.report import write_json
 from kittenmoe.bench.runner import Runner
 from kittenmoe.bench.timing import measure, measure_rounds
 from kittenmoe.config import SHARED_MEMORY_LIMIT, KernelConfig, default_config, gate_up_smem_bytes, routed_capacity
-# config_for stays importable from here for callers that have not moved to kittenmoe.tune_cache
-from kittenmoe.tune_cache import cache_key, config_for, store_config  # noqa: F401
+from kittenmoe.tune_cache import cache_key, store_config
 
 TUNE_FINALISTS = 3  # the sweep's fastest configs re-timed together (with the default and the baseline)
 TUNE_PATH = "launcher"  # what the sweep times (see the module docstring)
