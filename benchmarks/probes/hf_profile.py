@@ -1,6 +1,6 @@
 """Where a Hugging Face DeepSeek-V3 training step spends its GPU time, per kernel (torch.profiler).
 
-    PYTHONPATH=src python3 benchmarks/hf_profile.py [--impl kittenmoe] [--steps 2]
+    PYTHONPATH=src python3 benchmarks/probes/hf_profile.py [--impl kittenmoe] [--steps 2]
 
 The model and batches of benchmarks/hf_round.py; prints the kernels by total CUDA time over the profiled steps.
 """
@@ -13,7 +13,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# the round scripts live one directory up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_round  # noqa: E402
 
 

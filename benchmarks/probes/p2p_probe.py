@@ -1,6 +1,6 @@
-"""GPU-to-GPU bandwidth through torch symmetric memory, beside NCCL and local HBM copies (issue 8).
+"""GPU-to-GPU bandwidth through torch symmetric memory, beside NCCL and local HBM copies.
 
-    torchrun --nproc-per-node 2 benchmarks/p2p_probe.py [--mib 1024] [--programs 16,132] --out DIR
+    torchrun --nproc-per-node 2 benchmarks/probes/p2p_probe.py [--mib 1024] [--programs 16,132] --out DIR
 
 One process per GPU (NCCL group). Every rank allocates a ``--mib`` MiB symmetric buffer (``SymmetricPeers``)
 and a local one. Measured, each a median of ``do_bench`` (CUDA events), every rank timing its own side:
@@ -161,7 +161,7 @@ def main() -> int:
         date = datetime.datetime.now(datetime.timezone.utc)
         info = dict(kind="p2p", date=date.isoformat(timespec="seconds"), gpu=torch.cuda.get_device_name(dev),
                     gpus=world, torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
-                    mib=args.mib, command="torchrun --nproc-per-node %d benchmarks/p2p_probe.py %s"
+                    mib=args.mib, command="torchrun --nproc-per-node %d benchmarks/probes/p2p_probe.py %s"
                     % (world, " ".join(sys.argv[1:])), nccl_env={k: v for k, v in os.environ.items()
                                                                   if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))})
         print(f"{world} x {info['gpu']}, {args.mib} MiB per rank")

@@ -1,6 +1,6 @@
 """Where do the FP8 forward's pulled x rows differ from kittenmoe.fp8.quantize_activations on a GPU? A probe.
 
-    PYTHONPATH=src python3 scripts/fp8_quant_probe.py
+    PYTHONPATH=src python3 benchmarks/probes/fp8_quant_probe.py
 
 Runs the FP8 forward on the small problem of tests/test_megakernel_fp8.py::test_fp8_routed_rows_and_scales_are_
 the_quantiser_s, then prints how many e4m3 bytes and scales differ from the torch quantiser and from the Triton

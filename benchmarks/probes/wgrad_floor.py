@@ -1,15 +1,16 @@
-"""The weight-gradient launch's floors, measured (issue 4): what bounds d_W13 = d(gate|up)^T x per expert.
+"""The Triton weight-gradient tile loop's floors, measured: what bounds d_W13 = d(gate|up)^T x per expert.
 
-    PYTHONPATH=src python3 benchmarks/wgrad_floor.py [--shapes kimi-k2.7,deepseek-v4-pro] [--reps 20]
+    PYTHONPATH=src python3 benchmarks/probes/wgrad_floor.py [--shapes kimi-k2.7,deepseek-v4-pro] [--reps 20]
 
-The backward's d_W13 launch (``weight_grad_kernel``: one 128 x 256 output tile a program, 64-row steps over the
-expert's ~384 padded rows, 8 warps, 4 stages) ran at ~415 TFLOP/s on the Kimi slice against a dense matmul's
-~795, and two programs an SM (``wgrad_two_per_sm``) did not move it (2026-12-01 (6)). This times, on one
-expert layout like the slice's (E_local experts of `rows` padded rows each), the library kernel and five
-variants of the same tile loop, so the launch's limiter shows as the variant that keeps its time:
+The backward's d_W13 launch as one program per 128 x 256 output tile (64-row steps over the expert's ~384 padded
+rows, 8 warps, 4 stages) ran at ~415 TFLOP/s on the Kimi slice against a dense matmul's ~795, and two programs an
+SM did not move it (docs/experiments/wgrad-two-per-sm.md). This times, on one expert layout like the slice's
+(E_local experts of `rows` padded rows each), the library's Triton kernel and variants of the same tile loop, so
+the launch's limiter shows as the variant that keeps its time:
 
-  library      kittenmoe's weight_grad_kernel, as the backward launches it
-  copy         this file's copy of that loop (must time like the library's)
+  library      kittenmoe's weight_grad_persistent_kernel with its TMA store, as the backward launches it where
+               the Gluon kernel does not run
+  copy         this file's copy of the loop, one program a tile
   no store     the copy without its 64 KB store (skipped by a runtime flag)
   MMA only     one load of each operand, then the same number of wgmmas: the tensor-core floor
   store only   zeros stored per tile: the HBM write floor
@@ -23,6 +24,13 @@ variants of the same tile loop, so the launch's limiter shows as the variant tha
 If "MMA only" is near "copy", the launch is tensor-core bound; if "no store" is well under it, the store is not
 hidden; if neither, it waits on its operand loads (the L2 -> SM traffic below, or their latency).
 
+H200, d_W13, ms (TFLOP/s), one program a tile: Kimi copy 2.437 (444), no store 1.870 (579), MMA only 2.242 (483),
+store only 0.624 (4.52 TB/s); DeepSeek 2.888 (375), 2.037 (531), 2.884 (375), 0.936. So the 64 KB store of each
+tile is a quarter to a third of the launch, and DeepSeek's tiles (four row steps) are bound by per-tile fixed
+costs (fill, epilogue, store), not operand loads; persistent with the TMA store at 3 stages hid 0.17 / 0.12 ms of
+the store. The warp-specialized Gluon kernel (kittenmoe/kernels/wgrad_gluon.py) then took the fill off each tile
+too (docs/performance.md, "Weight gradients").
+
 Needs a Hopper GPU (TMA descriptors). Prints one table a slice: ms, TFLOP/s of the tile work, operand bytes
 read into SMs and stored bytes, and each as a rate.
 """
@@ -30,18 +38,14 @@ read into SMs and stored bytes, and each as a rate.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fwd_round import SLICES  # noqa: E402
-
-from kittenmoe.config import SEED_SHAPES  # noqa: E402
-from kittenmoe.kernels import megakernel_bwd as mb  # noqa: E402
+from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS as SLICES
+from kittenmoe.kernels import megakernel_bwd as mb
 # label: (MODE, WK, num_stages). A loads-only variant is left out: without a dot consuming them Triton 3.6 does not
 # pipeline the loads (49 KB of shared memory against 196 KB), so it would time load latency, not L2 bandwidth.
 VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), "store only": (4, 64, 4),
@@ -136,21 +140,22 @@ def main() -> int:
         read = tiles * steps * (WK * WN + WK * WM) * 2.0
         stored = float(L * N * M * 2)
 
-        def lib():
-            mb.weight_grad_kernel[(tiles,)](offsets, offsets[1:], pd, qd, out, N, M, N, M, WN=WN, WM=WM, WK=WK,
-                                            USE_TMA=True, DOT_FP32=False, PRECISION="tf32", num_warps=8,
-                                            num_stages=4)
+        out_desc = TD.from_tensor(out.view(L * N, M), [WN, WM])
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+        def lib():  # as ops.launch_rank_backward launches it with the TMA store (3 stages beside its 64 KB buffer)
+            mb.weight_grad_persistent_kernel[(min(tiles, sms),)](
+                offsets, offsets[1:], pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK, USE_TMA=True,
+                TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
 
         ref = None
         times = {}
-        out_desc = TD.from_tensor(out.view(L * N, M), [WN, WM])
         descs = {wk: (TD.from_tensor(p_op, [wk, WN]), TD.from_tensor(q_op, [wk, WM])) for wk in (64, 128)}
         for label in ["library", *VARIANTS]:
             if label == "library":
                 fn = lib
             else:
                 mode, wk, st = VARIANTS[label]
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
                 fn = (lambda st=st: wgrad_persistent_store_kernel[(min(tiles, sms),)](
                     offsets, offsets[1:], *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
                     num_stages=st)) if mode == 6 else (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](

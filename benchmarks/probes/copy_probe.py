@@ -1,6 +1,6 @@
 """How fast do the megakernels' communication programs copy rows? A probe, not a benchmark of record.
 
-    PYTHONPATH=src python3 benchmarks/copy_probe.py [--shape kimi-k2.7] [--copy 32x512,32x1024,16x2048]
+    PYTHONPATH=src python3 benchmarks/probes/copy_probe.py [--shape kimi-k2.7] [--copy 32x512,32x1024,16x2048]
                                                     [--comm 8,12,16]
 
 For each copy chunk (rows x columns per load; ``ops.COPY_ROWS`` x ``ops.COPY_BLOCK_H``) and each number of
@@ -25,7 +25,7 @@ from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_mult
 from kittenmoe.peers import LocalPeers
 from kittenmoe.testing import make_weights, routing_uniform
 
-SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
+SLICES = SLICE_TOKENS  # kittenmoe.config: the seed slices' tokens at EP8
 
 
 def main() -> int:

@@ -1,10 +1,11 @@
-"""Where a forward's host time goes (issue 3): cProfile over repeated megakernel forwards.
+"""Where a forward's host time goes: cProfile over repeated megakernel forwards.
 
-    PYTHONPATH=src python3 benchmarks/host_probe.py [--shape deepseek-v4-pro] [--calls 50]
+    PYTHONPATH=src python3 benchmarks/probes/host_probe.py [--shape deepseek-v4-pro] [--calls 50]
 
-2026-12-01 (6), `timing_probe.py`: a DeepSeek-slice forward measured 4.96 ms with a sync around each call
-against 3.94 ms of kernels, so about 1 ms of host work runs before the GPU has its megakernel. This prints the
-functions that host time is spent in (cumulative, then own time) and the wall time a call.
+Asked because `timing_probe.py` measured a DeepSeek-slice forward at 4.96 ms with a sync around each call against
+3.94 ms of kernels. This prints the functions the host time is spent in (cumulative, then own time) and the wall
+time a call. On the H200: 0.64 ms of host time a DeepSeek call, no sync inside it (the gap was the power cap's
+clock, docs/performance.md "Method").
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# the round scripts live one directory up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fwd_round import forward_slice  # noqa: E402
 
 

@@ -1,8 +1,8 @@
 """Can a Triton block-scaled e4m3 GEMM overlap its MMAs with the per-block promotion? A probe, not a benchmark
 of record.
 
-    PYTHONPATH=src python3 benchmarks/fp8_gemm_probe.py [--m 4096 --n 4096 --k 7168] [--reps 10]
-    PYTHONPATH=src python  benchmarks/fp8_gemm_probe.py --ttgir     # no GPU: compile for sm_90, print the waits
+    PYTHONPATH=src python3 benchmarks/probes/fp8_gemm_probe.py [--m 4096 --n 4096 --k 7168] [--reps 10]
+    PYTHONPATH=src python  benchmarks/probes/fp8_gemm_probe.py --ttgir     # no GPU: compile for sm_90, print the waits
 
 The FP8 megakernels multiply e4m3 rows (1 x 128 scales) by e4m3 weights (128 x 128 scales) one 128-deep K
 step at a time and add each step's fp32 product, times the two scales, into an fp32 accumulator (DeepSeek-V3's
@@ -17,7 +17,7 @@ while the previous product is scaled. This probe times one dense GEMM C = A B^T 
 - ``bf16``: the same tiles and loop on bf16 operands with the accumulator in the dot (the reference speed);
 
 each with 4 or 8 warps and 1 or 2 programs per SM (two resident programs can hide one's promotion under the
-other's MMAs, if registers and shared memory allow two). Offline (``--ttgir``, local Triton, 2026-12-01):
+other's MMAs, if registers and shared memory allow two). Offline (``--ttgir``):
 ``lagged`` and ``split`` still wait for every wgmma at once (``pendings = 0``); only the bf16 loop, whose
 accumulator is the dot's, gets ``pendings = 1``. So the overlap has to come from occupancy or warp
 specialisation, not from reordering the loop.
@@ -40,8 +40,8 @@ import triton.language as tl
 MODES = {"promote": 0, "lagged": 1, "split": 2, "bf16": 3, "promote-ws": 4, "bf16-ws": 5}
 # The -ws modes are modes 0 and 3 with the persistent tile loop warp-specialized (tl.range(warp_specialize=True),
 # launched with 4 warps): Triton 3.6 builds that for sm_90 as a producer warp group and two consumer warp
-# groups of 232 registers each, 384 threads, data-partitioned (offline TTGIR, 2026-12-01), so one consumer's
-# promotion can run under the other's MMAs.
+# groups of 232 registers each, 384 threads, data-partitioned (offline TTGIR), so one consumer's
+# promotion can run under the other's MMAs. On the H200 these modes hit an illegal memory access (Triton 3.6).
 WS_MODES = {"promote-ws": "promote", "bf16-ws": "bf16"}
 
 
@@ -56,8 +56,8 @@ def _fp8_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, MODE: tl.constexpr, WS: tl.constexpr,
 ):
     """Persistent over BM x BN tiles; every K step is one scale block (SB deep). M, N, K multiples of the tiles.
-    The weight scale is looked up per column (column // SB), so a tile wider than SB is right too (the first
-    version read one scale a tile and gave rel L1 4.6e-2 at 64 x 256, H200, 2026-12-01)."""
+    The weight scale is looked up per column (column // SB), so a tile wider than SB is right too (one scale a
+    tile gave rel L1 4.6e-2 at 64 x 256 on the H200)."""
     KB = K // SB
     n_tiles_n = N // BN
     for tile in tl.range(tl.program_id(0), (M // BM) * n_tiles_n, tl.num_programs(0), warp_specialize=WS):

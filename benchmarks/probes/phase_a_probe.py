@@ -1,22 +1,25 @@
 """Why does the backward's phase-A GEMM run at ~2/3 of phase B's rate a program (GPU probe)?
 
 Phase A's kept tiles compute d_hidden = d_out_rows [BM, H] @ W2[e] [H, I] over K = H (Kimi: 7,168) on
-128 x 128 tiles, and reach ~3.9 TFLOP/s a program inside the backward megakernel against phase B's 5.8
-(128 x 256, K = 2I). This probe runs the same K loop (the library's ``_mm_acc_tma``) alone, persistent over
-116 programs as the megakernel's compute programs are, on the Kimi slice's phase-A problem (144 row tiles of
-128, three an expert, 16 column tiles), and varies one thing at a time:
+128 x 128 tiles, and reached ~3.9 TFLOP/s a program inside the backward megakernel against phase B's 5.8
+(128 x 256, K = 2I). This probe runs the same TMA K loop alone, persistent over 116 programs as the megakernel's
+compute programs were, on the Kimi slice's phase-A problem (144 row tiles of 128, three an expert, 16 column
+tiles), and varies one thing at a time:
 
 - ``bn``: 128 (phase A's tile) or 256 (phase B's shape);
-- ``stages``: the K loop's pipeline depth (``bwd_a_num_stages``); ``ku``: K steps an iteration
-  (``bwd_a_k_unroll``);
+- ``stages``: the K loop's pipeline depth;
 - ``l2``: every row tile reads the rows and weights of expert 0 (5.5 + 29 MB: L2-resident after the first
   touch) instead of its own expert's (the first touch of 48 experts' 1.4 GB of weights from HBM).
 
 Each row prints ms, TFLOP/s and TFLOP/s a program, beside torch.mm of the same FLOPs (dense, one GEMM).
-H200 (Triton 3.6, 2026-12-02), TFLOP/s a program at bn 128: 2.29 / 3.87 / 4.73 at 2 / 3 / 4 stages, 5.65 at 4
-with L2-resident operands; bn 256 at 4 stages 5.18 (5.96 resident); torch.mm 6.05 a SM.
+H200 (Triton 3.6), TFLOP/s a program at bn 128: 2.29 / 3.87 / 4.73 / 4.78 / 4.74 at 2 / 3 / 4 / 5 / 6 stages,
+5.65 at 4 with L2-resident operands; bn 256 at 4 stages 5.18 (5.96 resident); torch.mm 6.05 a SM
+(``phase-a-probe-20261202-044603.json``). So the loop is latency-bound below 4 stages, depth past 4 buys nothing,
+and operands on first touch from HBM cost 18-22% against L2-resident ones: what later made each expert's row
+tiles run together (``KernelConfig.tile_group_m`` -1). Two K steps an iteration and deeper phase-A loops were
+tried in the megakernel and dropped (docs/experiments/bwd-a-k-unroll.md, bwd-a-num-stages.md).
 
-    PYTHONPATH=src python3 benchmarks/phase_a_probe.py [--out DIR]
+    PYTHONPATH=src python3 benchmarks/probes/phase_a_probe.py [--out DIR]
 """
 from __future__ import annotations
 
@@ -30,7 +33,15 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kittenmoe.kernels.megakernel_bwd import _mm_acc_tma
+
+@triton.jit
+def _k_loop(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+            NS: tl.constexpr):
+    """The backward's phase-A K loop through TMA: a_desc blocks [BM, BK], b_desc blocks [BK, BN], NS stages."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=NS):
+        acc = tl.dot(a_desc.load([a_row0, k0]), b_desc.load([b_row0 + k0, n0]), acc)
+    return acc
 
 
 @triton.jit
@@ -38,7 +49,7 @@ def _phase_a_probe(a_desc,  # d_out rows [NR, H] bf16, blocks [BM, BK]
                    b_desc,  # W2 viewed [L * H, I] bf16, blocks [BK, BN]
                    out_ptr,  # [NR, I] bf16
                    n_rt, H, I, L2: tl.constexpr, RT_PER_E: tl.constexpr, RT_PER_MB: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, KU: tl.constexpr, NS: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     nt_n = I // BN
@@ -55,7 +66,7 @@ def _phase_a_probe(a_desc,  # d_out rows [NR, H] bf16, blocks [BM, BK]
         else:
             rt_in = rt
             e = rt // RT_PER_E
-        acc = _mm_acc_tma(a_desc, rt_in * BM, b_desc, e * H, nt * BN, H, BM, BN, BK, KU, NS)
+        acc = _k_loop(a_desc, rt_in * BM, b_desc, e * H, nt * BN, H, BM, BN, BK, NS)
         rm = rt * BM + tl.arange(0, BM)
         rn = nt * BN + tl.arange(0, BN)
         tl.store(out_ptr + rm.to(tl.int64)[:, None] * I + rn[None, :], acc.to(tl.bfloat16))
@@ -82,14 +93,13 @@ def main() -> int:
     dense_ms = triton.testing.do_bench(lambda: torch.mm(a, w2[0]), warmup=25, rep=200)
     rows.append(dict(variant="torch.mm dense [NR, H] x [H, I]", ms=dense_ms))
     ref = None
-    for bn, stages, ku, l2 in [(128, 4, 1, False), (128, 4, 1, True), (128, 3, 1, False), (128, 3, 2, False),
-                               (256, 4, 1, False), (256, 3, 1, False), (256, 4, 1, True), (128, 2, 1, False),
-                               (128, 5, 1, False), (128, 6, 1, False), (128, 6, 1, True), (128, 3, 2, True)]:
+    for bn, stages, l2 in [(128, 4, False), (128, 4, True), (128, 3, False), (256, 4, False), (256, 3, False),
+                           (256, 4, True), (128, 2, False), (128, 5, False), (128, 6, False), (128, 6, True)]:
         bdesc = TensorDescriptor.from_tensor(w2.view(L * H, I), [BK, bn])
 
         def run():
             _phase_a_probe[(args.programs,)](desc_a(), bdesc, out, NR // BM, H, I, L2=l2, RT_PER_E=RT_PER_E,
-                                             RT_PER_MB=2048 // BM, BM=BM, BN=bn, BK=BK, KU=ku, NS=stages,
+                                             RT_PER_MB=2048 // BM, BM=BM, BN=bn, BK=BK, NS=stages,
                                              num_warps=8, num_stages=stages)
         run()
         torch.cuda.synchronize()
@@ -105,7 +115,7 @@ def main() -> int:
         else:
             same = None  # other rows by design
         ms = triton.testing.do_bench(run, warmup=25, rep=200)
-        rows.append(dict(variant=f"bn={bn} stages={stages} ku={ku} l2={'yes' if l2 else 'no'}", ms=ms,
+        rows.append(dict(variant=f"bn={bn} stages={stages} l2={'yes' if l2 else 'no'}", ms=ms,
                          same_bits_as_first=same))
         print(rows[-1], flush=True)
     print(f"\n{'variant':40s} {'ms':>8s} {'TFLOP/s':>8s} {'a program':>10s}")
@@ -119,7 +129,7 @@ def main() -> int:
     with open(path, "w") as f:
         json.dump(dict(kind="phase-a-probe", gpu=torch.cuda.get_device_name(dev), torch=torch.__version__,
                        triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       command="PYTHONPATH=src python3 benchmarks/phase_a_probe.py", h=H, i=I, experts=L,
+                       command="PYTHONPATH=src python3 benchmarks/probes/phase_a_probe.py", h=H, i=I, experts=L,
                        rows_padded=NR, programs=args.programs, rows=rows), f, indent=1)
     print(f"wrote {path}")
     return 0

@@ -1,8 +1,8 @@
-"""Where a forward's measured time goes beyond its kernels' own time (issue 3).
+"""Where a forward's measured time goes beyond its kernels' own time.
 
-    PYTHONPATH=src python3 benchmarks/timing_probe.py [--shapes deepseek-v4-pro,kimi-k2.7]
+    PYTHONPATH=src python3 benchmarks/probes/timing_probe.py [--shapes deepseek-v4-pro,kimi-k2.7]
 
-2026-12-01 (6): on the DeepSeek slice `do_bench` said 4.58 ms a forward and CUDA-graph replay 4.54 ms, while
+Asked because on the DeepSeek slice `do_bench` said 4.58 ms a forward and CUDA-graph replay 4.54 ms, while
 the profiler's kernels summed to 3.95 ms (megakernel 3.835 ms) and the kernel's own trace spanned 3.91 ms. This
 probe times the same forward five ways in one process, so the gap can be attributed:
 
@@ -17,9 +17,11 @@ A gap between do_bench and kernels+flush is host time the GPU waits on, or idle 
 kernels; between kernels and kernels+flush, cache or clock effects on the kernel itself. The last call of the
 flushed profile is printed as a GPU timeline (each activity's start, duration and the gap before it).
 
-First run (2026-12-01 (6), H200), ms: DeepSeek do_bench 4.587, events 4.958, events+flush 4.793, kernels 3.937
-(megakernel 3.828), kernels+flush 4.018 (3.905); Kimi 3.584 / 3.955 / 3.823 / 3.277 (3.137) / 3.334 (3.193).
-`host_probe.py`: 0.64 ms of host time a DeepSeek call, with no wait on the GPU in it.
+H200, ms: DeepSeek do_bench 4.587, events 4.958, events+flush 4.793, kernels 3.937 (megakernel 3.828),
+kernels+flush 4.018 (3.905); Kimi 3.584 / 3.955 / 3.823 / 3.277 (3.137) / 3.334 (3.193). `host_probe.py`: 0.64 ms of
+host time a DeepSeek call, with no wait on the GPU in it. The 30 flushed calls answered it: the megakernel took
+3.02 ms (Kimi) for the first ten calls and 3.34-3.41 for the last fourteen, the SM clock falling under the
+board's 700 W power cap (docs/performance.md, "Method").
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.dirname(__file__))
+# the round scripts live one directory up, in benchmarks/
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fwd_round import forward_slice  # noqa: E402
 
 

@@ -1,13 +1,13 @@
 """Where an expert-parallel forward and backward spend their time, per rank, from the megakernels' own
-timestamps (issue 8). One process per GPU, as `kittenmoe bench --ep`:
+timestamps. One process per GPU, as `kittenmoe bench --ep`:
 
-    torchrun --nproc-per-node 2 benchmarks/ep_trace.py [--model kimi-k2.7] [--tokens 2048] [--ep 8] [--out DIR]
+    torchrun --nproc-per-node 2 benchmarks/probes/ep_trace.py [--model kimi-k2.7] [--tokens 2048] [--ep 8] [--out DIR]
 
 Each rank holds one EP slice of the model's experts (E / ep of them, as `kittenmoe bench --ep` sizes them) and
 its own tokens; the routing is uniform over all R slices' experts. After warm-up, one traced forward and one
 traced backward run (`trace=True`); every rank prints `kittenmoe.trace`'s summary and writes Chrome/Perfetto
 timelines (`trace-ep-{fwd,bwd}-rank{r}.json`) under --out. Compare the pull's wait and work with one GPU's
-(`fwd_round.py --trace`) to see what the link costs.
+(`benchmarks/fwd_round.py --trace`) to see what the link costs.
 """
 
 from __future__ import annotations

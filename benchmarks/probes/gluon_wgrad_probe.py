@@ -1,26 +1,26 @@
 """Can a warp-specialized Gluon kernel hide the weight-gradient tiles' fill? A probe, not a benchmark of record.
 
-    PYTHONPATH=src python3 benchmarks/gluon_wgrad_probe.py [--shapes kimi-k2.7,deepseek-v4-pro] [--jobs dw13,dw2]
-    PYTHONPATH=.triton-device:src python benchmarks/gluon_wgrad_probe.py --build   # no GPU: sm_90 build only
+    PYTHONPATH=src python3 benchmarks/probes/gluon_wgrad_probe.py [--shapes kimi-k2.7,deepseek-v4-pro] [--jobs dw13,dw2]
+    PYTHONPATH=.triton-device:src python benchmarks/probes/gluon_wgrad_probe.py --build   # no GPU: sm_90 build only
 
-Why (docs/perf-notes.md, session 15): the four weight-gradient launches are the largest part of a forward+backward
-now (Kimi slice: 3.45 of ~9.7 ms of GPU time, 470 TFLOP/s; their floors are 2.0 ms of MMAs at the measured dense
-rate and 0.96 ms of stores, which can overlap). A tile sums an expert's ~341 rows (Kimi) in six 64-row steps, so
-each tile pays its pipeline fill, the drain of its last wgmma and its epilogue: the library's persistent form
-(``weight_grad_persistent_kernel``) drains the store under the next tile, but Triton 3.6 does not pipeline the
-next tile's first loads across the data-dependent K loop (perf-notes, "why wgrad_persistent cannot take the
-tutorial's form").
+Why (docs/performance.md, "Weight gradients"): with the Triton kernel the four weight-gradient launches were the
+largest part of a forward+backward (Kimi slice: 3.45 of ~9.7 ms of GPU time, 470 TFLOP/s; their floors are 2.0 ms
+of MMAs at the measured dense rate and 0.96 ms of stores, which can overlap). A tile sums an expert's ~341 rows
+(Kimi) in six 64-row steps, so each tile pays its pipeline fill, the drain of its last wgmma and its epilogue: the
+Triton persistent form (``weight_grad_persistent_kernel``) drains the store under the next tile, but Triton 3.6
+does not pipeline the next tile's first loads across the data-dependent K loop (docs/design.md, "Weight
+gradients").
 
 The kernel (now the library's, ``kittenmoe/kernels/wgrad_gluon.py``, KernelConfig.wgrad_gluon): one program per SM
 walking the library's tiles in the library's order; a producer warp keeps a 3-deep TMA ring full across tile
 boundaries (the next tile's first steps load while this tile's last steps and its epilogue run), and two 4-warp
 math groups each own 64 of the tile's 128 rows, each storing its half through its own shared-memory buffer and a
 TMA bulk store drained under the next tile. Each output element is still one fp32 sum over the expert's rows in
-order, 16 rows a wgmma: the Triton kernel's bits, checked here. Earlier runs (2026-12-03) also timed rings of
-shorter steps (32 x 6 and 16 x 12 stages) and a two-stream form (two producer warps and math groups an SM, each on
-its own 128 x 128 tiles): none faster (docs/perf-notes.md, sessions 15 and 16).
-Session 16 also timed a short tail (a last step of at most 32 rows issuing only the 16 or 32 rows' wgmmas that hold
-rows, peeled off the loop): the same bits, and slower (docs/perf-notes.md, session 16).
+order, 16 rows a wgmma: the Triton kernel's bits, checked here. Variants timed with it and
+removed, none faster: rings of shorter steps (32 x 6 and 16 x 12 stages), a two-stream form (two producer warps and
+math groups an SM, each on its own 128 x 128 tiles) and a short last step (at most 32 rows, only the wgmmas that
+hold rows, peeled off the loop): docs/experiments/wgrad-gluon-shorter-steps.md, wgrad-gluon-two-streams.md,
+wgrad-gluon-short-last-step.md.
 
 Beside it in the same run: the library's launch as the backward makes it, and torch._grouped_mm (cutlass), the
 baseline's weight gradients.
@@ -126,10 +126,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.build:
         return build_report()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from fwd_round import SLICES
-
-    from kittenmoe.config import SEED_SHAPES
+    from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS as SLICES
 
     dev = torch.device("cuda")
     progs = torch.cuda.get_device_properties(dev).multi_processor_count
