@@ -6,7 +6,7 @@ A probe, not a benchmark of record.
 
 Why: the FP8 megakernels multiply 1 x 128-scaled e4m3 rows by 128 x 128-scaled e4m3 weights one 128-deep K step
 at a time and add each step's fp32 product, times its two scales, into an fp32 accumulator. In Triton's
-``tl.dot`` every such step waits for its own wgmma before the promotion (``fp8_gemm_probe.py``: TTGIR
+``tl.dot`` every such step waits for its own wgmma before the promotion (``probes/fp8_gemm_probe.py``: TTGIR
 ``pendings = 0`` in every loop order), so no MMA runs while a product is scaled, and the e4m3 tiles reach
 1.03-1.07x the BF16 rate instead of the ~1.7x of the ceilings. Gluon exposes the wgmma wait itself
 (``warpgroup_mma_wait(num_outstanding=1)``): step k's wgmma can be issued before step k-1's product is promoted,
@@ -25,7 +25,7 @@ program a tile in grouped order, a STAGES-deep TMA ring of 128-deep K steps with
 
 ``--experts E`` makes it a grouped GEMM: B is [E * N, K] and expert e's rows multiply its N rows of B.
 
-Beside them in the same run: the library-style Triton loop (``fp8_gemm_probe.py``'s ``promote`` and ``bf16``,
+Beside them in the same run: the library-style Triton loop (``probes/fp8_gemm_probe.py``'s ``promote`` and ``bf16``,
 128 x 128, 3 stages, 8 warps, persistent), ``torch._scaled_mm`` (cuBLAS, per-tensor scales) and the bf16
 matmul, each checked against a float64 reference of the dequantised operands.
 """
@@ -494,7 +494,7 @@ def main() -> int:
     stage_list = [int(v) for v in args.stages.split(",")]
     if args.build:
         return build_report(args.modes.split(","), max(stage_list), args.k, args.json)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
     import fp8_gemm_probe as tp  # the Triton loops and the quantiser, timed beside
 
     dev = torch.device("cuda")

@@ -1,15 +1,15 @@
-"""Hardware counters of one forward+backward on a seed slice, for Nsight Compute (issues 3 and 4).
+"""Hardware counters of one forward+backward on a seed slice, for Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight -o $OUT/ncu-kimi \
         python3 benchmarks/ncu_probe.py --shape kimi-k2.7
 
-(`scripts/gpu_round.sh ncu` runs it with the sections and metrics used in docs/perf-notes.md.) The slice is
+(`bash scripts/gpu.sh ncu` runs it with the sections and metrics docs/performance.md quotes.) The slice is
 built as in ``bwd_round.py`` (R=1, the heuristic config, the forward keeping its activations as autograd
 runs it). Our forward+backward and the grouped_mm baseline's run three times each to compile and warm the
 caches, then once each between ``cudaProfilerStart`` and ``cudaProfilerStop``, so that with
 ``--profile-from-start off`` ncu profiles just those kernels. ncu replays each kernel once per pass and
 restores the memory it wrote, so the megakernels' signal counters start from the same state every pass.
-``--clock-control none``: the device's METHOD.md asks that the clocks be left alone.
+``--clock-control none``: clocks are left as the GPU runs them (not locked to base), as in the timed rows.
 """
 
 from __future__ import annotations

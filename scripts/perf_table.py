@@ -1,7 +1,12 @@
-"""Regenerate the README's performance table from benchmarks/results/*.json.
+"""Regenerate the performance tables of README.md and docs/performance.md from benchmarks/results/*.json.
 
-    python3 scripts/perf_table.py          # rewrite README.md between the markers
-    python3 scripts/perf_table.py --print  # print the table only
+    python3 scripts/perf_table.py                  # rewrite both files between their markers
+    python3 scripts/perf_table.py --target docs    # only docs/performance.md (readme: only README.md)
+    python3 scripts/perf_table.py --check          # exit 1 if a file's block is not what the rows give
+    python3 scripts/perf_table.py --print          # print the block only
+
+Both files hold the same block between the lines ``BEGIN`` and ``END`` below; everything outside them is left
+as it is.
 
 For each (kind, shape, tokens, dtype) the newest row wins. Nothing here is
 typed by hand: every figure comes from a JSON row a benchmark wrote. Rows of
@@ -114,7 +119,7 @@ def render_hf() -> str:
         return ""
     rows = runs[max(runs, key=lambda n: max(r["date"] for r in runs[n]))]
     r0 = rows[0]
-    spread = "ms_round_medians" in r0  # runs since 2026-12-01 (5): implementations interleaved in rounds
+    spread = "ms_round_medians" in r0  # the implementations interleaved in rounds (older rows lack the field)
     rounds = (f", {r0['rounds']} rounds of {r0['steps_per_round']} steps with the implementations in turn"
               if spread else "")
     lines = ["", "", f"Whole training step of a Hugging Face DeepSeek-V3-style model ({r0['model']}: {r0['layers']} layers, "
@@ -221,24 +226,54 @@ def render_fp8() -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--print", action="store_true")
-    args = ap.parse_args()
-    table = render(load_rows()) + render_hf() + render_tune() + render_ep() + render_fp8()
-    if args.print:
-        print(table)
-        return 0
-    path = os.path.join(ROOT, "README.md")
-    with open(path) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md lacks the markers {BEGIN!r} ... {END!r}")
-    text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{table}\n{END}", text,
+# Files holding the generated block, by --target name (paths from the repository root).
+TARGETS = {"readme": "README.md", "docs": os.path.join("docs", "performance.md")}
+
+
+def table() -> str:
+    """The whole generated block: the one-GPU BF16 table and the HF, tune, EP and FP8 sections."""
+    return render(load_rows()) + render_hf() + render_tune() + render_ep() + render_fp8()
+
+
+def splice(text: str, block: str, name: str) -> str:
+    """``text`` with the part between the markers replaced by ``block``; ``name`` for the error."""
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise SystemExit(f"{name} must hold the markers {BEGIN!r} ... {END!r} once each, in that order")
+    return re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: f"{BEGIN}\n{block}\n{END}", text,
                   flags=re.S)
-    with open(path, "w") as f:
-        f.write(text)
-    print(f"README.md table: {len(table.splitlines())} lines")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--print", action="store_true", help="print the block, write nothing")
+    ap.add_argument("--target", choices=("all", *TARGETS), default="all", help="which file(s) to rewrite")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file's block is stale")
+    args = ap.parse_args(argv)
+    block = table()
+    if args.print:
+        print(block)
+        return 0
+    stale = []
+    for key, rel in TARGETS.items():
+        if args.target not in ("all", key):
+            continue
+        path = os.path.join(ROOT, rel)
+        if not os.path.exists(path):
+            raise SystemExit(f"{rel} does not exist: it must hold the markers {BEGIN!r} ... {END!r}")
+        with open(path) as f:
+            text = f.read()
+        new = splice(text, block, rel)
+        if args.check:
+            if new != text:
+                stale.append(rel)
+            continue
+        if new != text:
+            with open(path, "w") as f:
+                f.write(new)
+        print(f"{rel}: table {len(block.splitlines())} lines{'' if new != text else ' (unchanged)'}")
+    if stale:
+        print(f"stale: {', '.join(stale)} (run python3 scripts/perf_table.py)")
+        return 1
     return 0
 
 

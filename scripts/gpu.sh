@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# GPU checks and measurements with fixed, named targets. Run from the repository root on a CUDA machine:
+#
+#   bash scripts/gpu.sh tests [forward|backward|multiprocess]   the GPU test suite (-m gpu), all three groups or one
+#   bash scripts/gpu.sh bench [MODEL]     kittenmoe bench, forward and forward+backward, on the four seed EP8 slices
+#                                         (or one), rows into $RESULTS for scripts/perf_table.py
+#   bash scripts/gpu.sh tune [MODEL]      kittenmoe tune of one seed EP8 slice (default kimi-k2.7), record in $RESULTS
+#   bash scripts/gpu.sh ep [MODEL]        expert parallelism across processes (torchrun over symmetric memory):
+#                                         examples/ep_layer.py, then kittenmoe bench --ep 8 --mode both; one process
+#                                         a GPU, or with a single GPU two processes sharing it
+#                                         (KITTENMOE_EP_SHARE_GPU=1: a smoke test of the path, not a measurement)
+#   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
+#                                         (default kimi-k2.7), summarised one line a kernel
+#
+# MODEL is a seed shape: kimi-k2.7, deepseek-v4-pro, qwen3.5-397b-a17b, glm-5.2 (Qwen's slice takes 4,096 tokens,
+# the others 2,048: kittenmoe.config.SLICE_TOKENS). Environment:
+#   OUT       where every step writes <step>.log, and whatever else it produces (default /tmp/kittenmoe-out)
+#   RESULTS   where bench and tune write their JSON rows (default benchmarks/results; copies go to $OUT/results)
+#   NCU_CONFIG  KernelConfig overrides k=v,... for the ncu target (default: the heuristic config)
+#
+# Each step's output goes to its own log, never through a pipe (a filter would hide a hang and the last lines);
+# a step's failure does not stop the next, and each step has a time limit so the summary always prints. The
+# last thing printed is a short table: step, exit status, seconds, the log's last line. Timings: about 17 minutes
+# for all of `tests` (forward ~4, backward ~5, multiprocess ~7), 2-3 minutes a model for `bench`, 4-5 for `ncu`.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+# NVLink multicast stays off: the megakernels do not use it, and a multicast program can take down GPUs that the
+# host shares with others.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/kittenmoe-out}
+RESULTS=${RESULTS:-benchmarks/results}
+target=${1:-}
+arg=${2:-}
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu)$ ]]; then  # no target or an unknown one: this header
+  sed -n '2,/^set -u/p' "$0" | sed '$d'
+  [[ -z $target ]] && exit 0
+  echo "unknown target: $target" >&2
+  exit 2
+fi
+mkdir -p "$OUT" "$RESULTS"
+summary=()
+SEEDS=(kimi-k2.7 deepseek-v4-pro qwen3.5-397b-a17b glm-5.2)
+
+step() {  # step NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, under a time limit
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  [[ $rc == 124 ]] && echo "(stopped by the step's ${limit} s limit)" >> "$OUT/$name.log"
+  summary+=("$(printf '%-24s rc=%-3s %5ss  %s' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(tail -n 1 "$OUT/$name.log" | cut -c1-110)")")
+}
+
+tokens_of() {  # the seed slice's token count (kittenmoe.config.SLICE_TOKENS)
+  python3 -c "from kittenmoe.config import SLICE_TOKENS as s; print(s['$1'])"
+}
+
+models() {  # the MODEL argument, or every seed shape
+  if [[ -n $arg ]]; then echo "$arg"; else echo "${SEEDS[@]}"; fi
+}
+
+keep_rows() {  # copy the result files written since the stamp file $1 into $OUT/results
+  mkdir -p "$OUT/results"
+  find "$RESULTS" -maxdepth 1 -name '*.json' -newer "$1" -exec cp {} "$OUT/results/" \;
+}
+
+rows_table() {  # a short table of the rows in the JSON files given
+  python3 - "$@" <<'EOF'
+import json, sys
+print(f"{'pass':<17}{'shape':<20}{'T':>6}{'R':>3}  {'kittenmoe ms':>12}{'baseline ms':>12}{'speedup':>9}  file")
+for path in sys.argv[1:]:
+    rows = json.load(open(path))
+    for r in rows if isinstance(rows, list) else [rows]:
+        if "ms_kittenmoe" in r:
+            print(f"{r['kind']:<17}{r['shape']:<20}{r['tokens']:>6}{r['ranks']:>3}  {r['ms_kittenmoe']:>12.3f}"
+                  f"{r.get('ms_baseline', r.get('ms_grouped_mm', float('nan'))):>12.3f}{r['speedup']:>8.2f}x  "
+                  f"{path.rsplit('/', 1)[-1]}")
+EOF
+}
+
+gpus() {
+  python3 -c 'import torch; print(torch.cuda.device_count())'
+}
+
+case $target in
+tests)
+  # Three groups, each within a 10-minute call: the multi-process tests (several processes sharing the GPU through
+  # symmetric memory); the backward's, the layer's, FP8's and bench's; everything else (forward megakernel,
+  # schedule, trace, training, transformers). -v names each test in the log, so a cut run says how far it got.
+  mp=(tests/test_distributed.py)
+  bwd=(tests/test_bench_tune.py tests/test_layer.py tests/test_megakernel_bwd.py tests/test_megakernel_fp8.py
+       tests/test_fp8.py)
+  pytest=(python3 -m pytest -v --durations=20 -p no:cacheprovider -m gpu)
+  if [[ -z $arg || $arg == forward ]]; then
+    step tests-forward 560 "${pytest[@]}" tests "${mp[@]/#/--ignore=}" "${bwd[@]/#/--ignore=}"
+    # the schedule's Triton kernels on CUDA tensors (not marked gpu: they skip without CUDA)
+    step tests-schedule 60 python3 -m pytest -q -p no:cacheprovider tests/test_schedule.py -k triton
+  fi
+  if [[ -z $arg || $arg == backward ]]; then
+    step tests-backward 560 "${pytest[@]}" "${bwd[@]}"
+  fi
+  if [[ -z $arg || $arg == multiprocess ]]; then
+    step tests-multiprocess 560 "${pytest[@]}" "${mp[@]}"
+  fi
+  ;;
+bench)
+  stamp="$OUT/.bench-start"
+  touch "$stamp"
+  for m in $(models); do
+    step "bench-$m" 560 python3 -m kittenmoe.cli bench --model "$m" --ep 8 --tokens "$(tokens_of "$m")" \
+      --mode both --out "$RESULTS"
+  done
+  keep_rows "$stamp"
+  ;;
+tune)
+  m=${arg:-kimi-k2.7}
+  stamp="$OUT/.tune-start"
+  touch "$stamp"
+  # the tuned config goes to $OUT/cache unless KITTENMOE_CACHE_DIR says where (the user's cache is not touched)
+  step "tune-$m" 590 env KITTENMOE_CACHE_DIR="${KITTENMOE_CACHE_DIR:-$OUT/cache}" \
+    python3 -m kittenmoe.cli tune --model "$m" --ep 8 --tokens "$(tokens_of "$m")" --out "$RESULTS"
+  keep_rows "$stamp"
+  ;;
+ep)
+  m=${arg:-kimi-k2.7}
+  n=$(gpus)
+  run=(python3 -m torch.distributed.run --nproc-per-node)
+  share=()
+  if [[ $n -lt 2 ]]; then  # one GPU: two processes share it (gloo group, overlapping symmetric memory allowed)
+    n=2
+    share=(env KITTENMOE_EP_SHARE_GPU=1)
+  fi
+  stamp="$OUT/.ep-start"
+  touch "$stamp"
+  step ep-layer 300 ${share[@]+"${share[@]}"} "${run[@]}" "$n" examples/ep_layer.py
+  # each process one EP8 slice's experts and tokens, against NCCL all-to-all + grouped_mm in the same run; rows from
+  # processes sharing one GPU are marked share_gpu and left out of perf_table's tables
+  step "ep-bench-$m" 560 ${share[@]+"${share[@]}"} "${run[@]}" "$n" -m kittenmoe.cli bench --model "$m" --ep 8 \
+    --tokens "$(tokens_of "$m")" --mode both --out "$RESULTS"
+  keep_rows "$stamp"
+  ;;
+ncu)
+  m=${arg:-kimi-k2.7}
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+  if [[ -z $ncu_bin ]]; then
+    echo "ncu (Nsight Compute) not found on PATH, under /opt/nvidia/nsight-compute or /usr/local/cuda/bin" >&2
+    exit 2
+  fi
+  rep="$OUT/ncu-$m"
+  # clocks as the GPU runs them (--clock-control none); each kernel replayed per pass with its memory restored;
+  # ncu_probe.py opens the profiler range around one forward+backward of ours and one of grouped_mm's
+  step "ncu-$m" 480 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
+    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|wgrad|cutlass|gemm|grouped|device_kernel" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    --section LaunchStats --section Occupancy \
+    --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
+    python3 benchmarks/ncu_probe.py --shape "$m" --config "${NCU_CONFIG:-}"
+  step ncu-csv 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page raw > '$rep-raw.csv'"
+  step ncu-summary 30 python3 benchmarks/ncu_summary.py "$rep-raw.csv"
+  ;;
+esac
+
+[[ $target == ncu ]] && cat "$OUT/ncu-summary.log"
+if [[ $target == bench || $target == tune || $target == ep ]] && compgen -G "$OUT/results/*.json" > /dev/null; then
+  echo
+  rows_table "$OUT"/results/*.json
+fi
+echo
+printf '%-24s %-6s %6s  %s\n' step rc time "last line of the log"
+printf '%s\n' "${summary[@]}"
