@@ -62,7 +62,7 @@ def load_rows() -> list[dict]:
             latest[key] = r
     def same_config(o: dict) -> tuple:  # the rows hold no library revision: code changes that kept it merge
         return (o["kind"], o["shape"], o["tokens"], o.get("dtype", "bf16"), o.get("config"), o.get("gpu"),
-                o.get("torch"), o.get("triton"))
+                o.get("torch"), o.get("triton"), o.get("path", "launcher"))
 
     for r in latest.values():  # the speedups of every run of the same config on the same versions: the spread
         r["_runs"] = sorted(o["speedup"] for o in rows if "speedup" in o and same_config(o) == same_config(r))
@@ -78,15 +78,16 @@ def render(rows: list[dict]) -> str:
     if not rows:
         return "_No benchmark results yet._"
     lines = [
-        "| pass | shape (EP8 slice, R=1) | T | E_local | kittenmoe ms | grouped_mm ms | speedup | routed TFLOP/s "
-        "| baseline routed TFLOP/s | rel L1 vs fp32 ref | GPU | torch / triton | date |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| pass | shape (EP8 slice, R=1) | T | E_local | timed | kittenmoe ms | grouped_mm ms | speedup "
+        "| routed TFLOP/s | baseline routed TFLOP/s | rel L1 vs fp32 ref | GPU | torch / triton | date |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         runs = r.get("_runs", [])
         spread = f" ({runs[0]:.2f}-{runs[-1]:.2f}x in {len(runs)} runs)" if len(runs) > 1 and "speedup" in r else ""
         lines.append(
-            f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['experts_local']} | {r['ms_kittenmoe']:.3f} "
+            f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['experts_local']} | {r.get('path', 'launcher')} "
+            f"| {r['ms_kittenmoe']:.3f} "
             f"| {r.get('ms_grouped_mm', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x{spread} "
             f"| {r['routed_tflops']:.0f} | {r.get('baseline_routed_tflops', float('nan')):.0f} | {r['rel_l1']:.1e} | {r['gpu']} | {r['torch']} / {r['triton']} "
             f"| {r['date'][:10]} |")
@@ -105,6 +106,8 @@ def render(rows: list[dict]) -> str:
                  "cell gives their range (the rows record no library revision, so a range can span code changes "
                  "that kept the config). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
                  "gradient's). "
+                 "Timed: `public` rows time what users call (`kittenmoe.moe` under autograd), `launcher` rows the "
+                 "megakernel launchers alone. "
                  "Source rows: `benchmarks/results/` (" + ", ".join(sorted({r['_file'] for r in rows})) + ").")
     return "\n".join(lines)
 
