@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from kittenmoe.bench.baselines import BASELINES, parse_baselines, unavailable
 from kittenmoe.bench.environment import (command_line, environment, now_iso, resolve_device, skipped_baselines)
 from kittenmoe.bench.ep_runner import DEFAULT_EP_BASELINE, EP_BASELINES, agree_config, bench_problem_ep
 from kittenmoe.bench.launch import (SHARE_GPU_ENV, Launch, check_world, detect_launch, init_world,
@@ -73,6 +74,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    "and H, I multiples of the block (default: no FP8)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON rows (default %(default)s)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="also draw a PNG (needs matplotlib)")
+    p.add_argument("--baseline", default=None, metavar="NAME[,NAME]",
+                   help=f"baselines to time in the same rounds, comma-separated: {', '.join(BASELINES)}. "
+                   "grouped_mm is always timed (the rows' baseline and speedup); sonicmoe (SonicMoE's "
+                   "moe_general_routing_inputs, routed experts only, bf16, CUDA) adds ms_sonicmoe, "
+                   "speedup_vs_sonicmoe and rel_l1_sonicmoe, or is skipped with a message when it is not "
+                   "importable. Single process only (under torchrun see --ep-baseline)")
+    p.add_argument("--no-shared", action="store_true",
+                   help="no shared expert (width 0; shape labels get -S0), e.g. to time the same work as "
+                   "SonicMoE, which has none")
     p.add_argument("--ep-baseline", default=None, choices=tuple(EP_BASELINES),
                    help="under torchrun: the NCCL + PyTorch baseline, all-to-all (baselines.all_to_all_forward, "
                    "grouped_mm experts; the default) or distributed (distributed.moe_forward_distributed, the "
@@ -107,8 +117,9 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
     if args.ep_baseline is not None:
         raise ValueError(f"--ep-baseline {args.ep_baseline} applies under torchrun (one process per rank); this "
                          f"run has virtual ranks in one process, timed against grouped_mm")
+    extras = parse_baselines(args.baseline)
     problems = make_problems(args.model, args.shape, args.ep, args.tokens, args.ranks, args.dtype, args.routing,
-                             args.fp8)
+                             args.fp8, shared=not args.no_shared)
     path = resolve_path(args.path, problems[0].ranks, processes=False)
     overrides = parse_config_overrides(args.config)
     _check_plot(args.plot)
@@ -127,10 +138,18 @@ def run_bench(args: argparse.Namespace, argv: list[str] | None = None, log: Call
     if env["device"] == "cpu-interpreter":
         log("note: CPU under the Triton interpreter: these times test the tool, they are not GPU figures")
     skipped = skipped_baselines(log)
+    # --baseline: each extra baseline that cannot run in this process is skipped, with a line saying why
+    extra_notes = {}
+    for name in extras:
+        why = unavailable(name)
+        extra_notes[name] = None if why is None else f"skipped: {why}"
+        if why is not None:
+            log(f"{name} skipped: {why}")
+            skipped.append(f"skipped: {name}: {why}")
     rows = []
     for prob, (cfg, source) in zip(problems, configs):
         log(f"{prob.describe()}\n  config ({source}): {cfg}")
-        for row in bench_problem(prob, cfg, modes, device, reps, warmup, args.seed, log, path):
+        for row in bench_problem(prob, cfg, modes, device, reps, warmup, args.seed, log, path, extra_notes):
             row.update(stamp, config_source=source, skipped_baselines=skipped)
             rows.append(row)
     return finish(rows, args.out, args.plot, log)
@@ -142,8 +161,12 @@ def run_bench_ranks(args: argparse.Namespace, launch: Launch, argv: list[str] | 
 
     The arguments are checked before the process group exists (every rank raises the same ValueError);
     every rank returns the same exit status."""
+    if args.baseline is not None:
+        raise ValueError(f"--baseline {args.baseline} applies to one process (grouped_mm, SonicMoE: one GPU, no "
+                         f"expert parallelism); under torchrun the baseline is --ep-baseline "
+                         f"({', '.join(EP_BASELINES)})")
     problems = make_problems(args.model, args.shape, args.ep, args.tokens, check_world(args.ranks, launch),
-                             args.dtype, args.routing, args.fp8)
+                             args.dtype, args.routing, args.fp8, shared=not args.no_shared)
     path = resolve_path(args.path, launch.world_size, processes=True)
     overrides = parse_config_overrides(args.config)
     _check_plot(args.plot)

@@ -172,11 +172,13 @@ class Problem:
 
 
 def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: int | None, ranks: int | None,
-                  dtype: str, routing: str, fp8: int | None = None) -> list[Problem]:
+                  dtype: str, routing: str, fp8: int | None = None, shared: bool = True) -> list[Problem]:
     """Validate the shape arguments (clear ``ValueError`` on any mistake) and build the problems.
 
     ``model`` may name several registered shapes, comma-separated. ``ranks`` None (``--ranks`` not given) is 1.
-    ``fp8``: ``--fp8``'s scale block (None: no FP8); needs bf16 and H, I multiples of it.
+    ``fp8``: ``--fp8``'s scale block (None: no FP8); needs bf16 and H, I multiples of it. ``shared`` False
+    (``--no-shared``): no shared expert (width 0), the label suffixed ``-S0`` so that such rows never stand in
+    for the shape's rows with one.
     """
     if (model is None) == (shape is None):
         raise ValueError("give exactly one of --model NAME or --shape T,H,I,E,K")
@@ -221,6 +223,8 @@ def make_problems(model: str | None, shape: str | None, ep: int | None, tokens: 
         if fp8 is not None and (base.h % fp8 or base.i % fp8):
             raise ValueError(f"{label}: --fp8 {fp8} needs H and I multiples of the scale block {fp8}, got H={base.h} "
                              f"I={base.i}")
+        if not shared:
+            label, base = f"{label}-S0", base.with_(shared_i=0)
         out.append(Problem(label, base.with_(e=e_total), t, ranks, ep, local, dtype, spec, fp8))
     return out
 

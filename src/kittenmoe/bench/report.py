@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -17,14 +18,32 @@ from kittenmoe.config import KernelConfig
 PATHS = ("public", "launcher")  # what the kittenmoe side of a row timed (the rows' "path")
 
 
+@dataclass(frozen=True)
+class BaselineResult:
+    """One baseline timed besides grouped_mm (``--baseline``), for one row: its timing and relative L1 per
+    tensor against the fp32 reference of the same math, or ``note``, why it has none (skipped, failed)."""
+
+    name: str
+    timing: Timing | None = None
+    errs: dict[str, float] | None = None
+    note: str | None = None  # None when timed; else "skipped: ..." or "failed: ..."
+    first_call_s: float | None = None
+    same_work: bool = False  # kittenmoe's timed call computes the same as this baseline's
+
+
 def make_row(problem: Problem, mode: str, *, path: str, timed_call: str, ranks_mode: str, kittenmoe: Timing,
              baseline: str, baseline_timing: Timing, errs: dict[str, float], tolerance: float, baseline_rel_l1: float,
              first_call_s: float, reps: int, warmup: int, ms_fp8_weight_quantisation: float | None,
-             config: KernelConfig, timing: str) -> dict:
+             config: KernelConfig, timing: str, extra_baselines: tuple[BaselineResult, ...] = ()) -> dict:
     """One result row (without the environment stamps ``run_bench`` adds). ``path``: ``"public"`` (the
     autograd entry point users call) or ``"launcher"``; ``errs``: relative L1 of each output and gradient vs
     the fp32 reference; ``baseline``: the baseline function's name (``grouped_mm`` rows also carry the
-    ``ms_grouped_mm*`` fields older readers know)."""
+    ``ms_grouped_mm*`` fields older readers know).
+
+    ``extra_baselines`` (``--baseline``), each NAME adds ``ms_NAME`` (p50; ``_p20``, ``_p80``),
+    ``speedup_vs_NAME`` (its p50 over kittenmoe's), ``NAME_routed_tflops``, ``rel_l1_NAME`` (worst tensor;
+    ``rel_l1_NAME_per_tensor``), ``NAME_first_call_s``, ``NAME_same_work`` and ``NAME_note``; all but the note
+    and same_work are None when it was not timed. ``baselines`` lists every baseline of the row, primary first."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     tk, tb = kittenmoe, baseline_timing
@@ -46,7 +65,21 @@ def make_row(problem: Problem, mode: str, *, path: str, timed_call: str, ranks_m
         baseline_routed_tflops=routed / tb.p50 / 1e9,
         rel_l1=worst, rel_l1_tolerance=tolerance, rel_l1_ok=bool(worst <= tolerance), rel_l1_per_tensor=errs,
         baseline_rel_l1=baseline_rel_l1, first_call_s=first_call_s, reps=reps, warmup=warmup, timing=timing,
-        config=dataclasses.asdict(config))
+        config=dataclasses.asdict(config), baselines=[baseline] + [b.name for b in extra_baselines])
+    for b in extra_baselines:
+        t = b.timing
+        row.update({
+            f"ms_{b.name}": None if t is None else t.p50,
+            f"ms_{b.name}_p20": None if t is None else t.p20,
+            f"ms_{b.name}_p80": None if t is None else t.p80,
+            f"speedup_vs_{b.name}": None if t is None else t.p50 / tk.p50,
+            f"{b.name}_routed_tflops": None if t is None else routed / t.p50 / 1e9,
+            f"rel_l1_{b.name}": None if not b.errs else max(b.errs.values()),
+            f"rel_l1_{b.name}_per_tensor": b.errs,
+            f"{b.name}_first_call_s": b.first_call_s,
+            f"{b.name}_same_work": b.same_work,
+            f"{b.name}_note": b.note,
+        })
     return row
 
 
@@ -54,9 +87,11 @@ def format_table(rows: list[dict]) -> str:
     """One line per row; R is suffixed ``p`` when the ranks were processes (torchrun), not virtual; precision is
     kittenmoe's (the baseline's is the dtype: BF16 beside an FP8 kittenmoe); path is what kittenmoe's time
     covers (public: the autograd entry point; launcher: the launchers)."""
+    extras = list(dict.fromkeys(name for r in rows for name in r.get("baselines", [])[1:]))
     head = (f"{'pass':<17}{'path':<9}{'shape':<20}{'T':>6}{'R':>4}{'E_loc':>6}{'routing':>10}{'precision':>13}"
             f"{'kmoe ms p50 [p20-p80]':>32}{'baseline':>25}{'base ms':>9}{'x':>8}{'routed TF/s':>12}"
             f"{'base TF/s':>10}{'rel L1':>9}")
+    head += "".join(f"{name[:11] + ' ms':>15}{'x':>8}{'rel L1':>9}" for name in extras)
     lines = [head, "-" * len(head)]
     for r in rows:
         rng = f"{r['ms_kittenmoe']:.3f} [{r['ms_kittenmoe_p20']:.3f}-{r['ms_kittenmoe_p80']:.3f}]"
@@ -66,8 +101,22 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['kind']:<17}{r.get('path', '-'):<9}{r['shape']:<20}{r['tokens']:>6}{ranks:>4}"
                      f"{r['experts_local']:>6}{r['routing']:>10}{prec:>13}{rng:>32}{r['baseline']:>25}"
                      f"{r['ms_baseline']:>9.3f}{r['speedup']:>7.2f}x{r['routed_tflops']:>12.4g}"
-                     f"{r['baseline_routed_tflops']:>10.4g}{r['rel_l1']:>9.1e}{flag}")
-    return "\n".join(lines)
+                     f"{r['baseline_routed_tflops']:>10.4g}{r['rel_l1']:>9.1e}{flag}"
+                     + "".join(_extra_cells(r, name) for name in extras))
+    # why an extra baseline has no figures, each distinct reason once
+    notes = dict.fromkeys(f"{name}: {r[f'{name}_note']}" for r in rows for name in extras if r.get(f"{name}_note"))
+    return "\n".join(lines + list(notes))
+
+
+def _extra_cells(row: dict, name: str) -> str:
+    """One extra baseline's table cells: ms p50, kittenmoe's speedup over it, its relative L1; ``skipped`` or
+    ``failed`` (the note, below the table, says why) when it was not timed."""
+    ms = row.get(f"ms_{name}")
+    if ms is None:
+        note = row.get(f"{name}_note") or "-"
+        return f"{note.split(':', 1)[0]:>15}{'-':>8}{'-':>9}"
+    err = row.get(f"rel_l1_{name}")
+    return f"{ms:>15.3f}{row[f'speedup_vs_{name}']:>7.2f}x{'-' if err is None else f'{err:.1e}':>9}"
 
 
 def unique_path(out_dir: Path, stem: str) -> Path:

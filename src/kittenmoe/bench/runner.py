@@ -1,5 +1,6 @@
-"""The single-process runner: one problem's inputs on one device, kittenmoe's and the grouped_mm baseline's
-timed callables, their checks against the fp32 reference, and ``bench_problem`` (one row per mode).
+"""The single-process runner: one problem's inputs on one device, kittenmoe's and the baselines' timed callables
+(grouped_mm, and those ``--baseline`` adds: ``sonicmoe``), their checks against the fp32 reference, and
+``bench_problem`` (one row per mode).
 
 kittenmoe is timed along one of two paths (``path``):
 
@@ -14,13 +15,16 @@ kittenmoe is timed along one of two paths (``path``):
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
+import traceback
+from typing import Callable, Mapping
 
 import torch
 
+from kittenmoe.bench.baselines import unsupported
 from kittenmoe.bench.problems import FP8_QUANT_REPS, KIND, Problem, rel_l1_bar
-from kittenmoe.bench.report import make_row
+from kittenmoe.bench.report import BaselineResult, make_row
 from kittenmoe.bench.timing import measure, measure_rounds
 from kittenmoe.config import KernelConfig
 
@@ -47,8 +51,10 @@ class Runner:
         self.peers = LocalPeers(R, device)
         # --fp8: all experts quantised once, outside the timed calls (quantize_weights times it apart)
         self.fp8 = None if p.fp8_block is None else self.quantize_weights(check_finite=True)
-        self._ref_fwd: list[torch.Tensor] | None = None
-        self._ref_grads: dict | None = None
+        # fp32 references, keyed by whether they include the shared expert (False: the routed part only)
+        self._ref_fwd: dict[bool, list[torch.Tensor]] = {}
+        self._ref_grads: dict[bool, dict] = {}
+        self._sonic_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def quantize_weights(self, check_finite: bool = False):
         """The routed experts in e4m3 with their transposes (``FP8ExpertWeights.quantize``), as a layer
@@ -141,32 +147,69 @@ class Runner:
 
         return fwd_bwd
 
+    def sonicmoe(self, mode: str) -> Callable[[], object]:
+        """SonicMoE's routed experts (``baselines_sonic.sonicmoe_forward``; no shared expert) on every rank's
+        inputs, the weights converted to its layout once here (``sonicmoe_prepare``), outside the timed calls.
+        Forward+backward returns per rank (output, gradients of x, router weights, interleaved w13, w2)."""
+        from kittenmoe.baselines_sonic import sonicmoe_forward, sonicmoe_prepare
+
+        if self._sonic_weights is None:
+            self._sonic_weights = sonicmoe_prepare(self.w.w13_E2IH, self.w.w2_EHI)
+        w13i, w2 = self._sonic_weights
+        lim, R = self.problem.shape.swiglu_limit, self.problem.ranks
+        if mode == "forward":
+            return lambda: [sonicmoe_forward(self.xs[r], self.ids[r], self.ws[r], w13i, w2, lim) for r in range(R)]
+        wl = [w13i.detach().requires_grad_(), w2.detach().requires_grad_()]
+        xl = [x.detach().requires_grad_() for x in self.xs]
+        sl = [v.detach().requires_grad_() for v in self.ws]
+
+        def fwd_bwd():
+            outs = []
+            for r in range(R):
+                out = sonicmoe_forward(xl[r], self.ids[r], sl[r], wl[0], wl[1], lim)
+                outs.append((out.detach(), torch.autograd.grad(out, [xl[r], sl[r]] + wl, self.d_out[r])))
+            return outs
+
+        return fwd_bwd
+
     # checks ----------------------------------------------------------------
-    def reference_forward(self) -> list[torch.Tensor]:
+    def _with_shared(self, shared: bool) -> bool:
+        """Whether a reference ``shared`` asks for differs from the routed-only one: a shared expert exists."""
+        return shared and self.w.shared_w13_2SH is not None
+
+    def reference_forward(self, shared: bool = True) -> list[torch.Tensor]:
+        """fp32 reference outputs per rank; ``shared`` False: the routed experts only."""
         from kittenmoe.reference import moe_reference_multirank
 
-        if self._ref_fwd is None:
+        key = self._with_shared(shared)
+        if key not in self._ref_fwd:
+            x, ids, tw, w13, w2, sw13, sw2, lim = self._margs()
+            if not key:
+                sw13 = sw2 = None
             with torch.no_grad():
-                self._ref_fwd = moe_reference_multirank(*self._margs(), compute_dtype=torch.float32)
-        return self._ref_fwd
+                self._ref_fwd[key] = moe_reference_multirank(x, ids, tw, w13, w2, sw13, sw2, lim,
+                                                             compute_dtype=torch.float32)
+        return self._ref_fwd[key]
 
-    def reference_grads(self) -> dict:
-        """fp32 reference gradients: d_x and d_topk_weights per rank, then the (summed) weight gradients."""
+    def reference_grads(self, shared: bool = True) -> dict:
+        """fp32 reference gradients: d_x and d_topk_weights per rank, then the (summed) weight gradients;
+        ``shared`` False: of the routed experts only (no shared-expert gradients)."""
         from kittenmoe.reference import moe_reference_multirank
 
-        if self._ref_grads is None:
+        key = self._with_shared(shared)
+        if key not in self._ref_grads:
             R = self.problem.ranks
             xl = [x.float().requires_grad_() for x in self.xs]
             sl = [v.float().requires_grad_() for v in self.ws]
-            wl = [t.float().requires_grad_() for t in self.w.tensors()]
+            wl = [t.float().requires_grad_() for t in self.w.tensors()[:4 if key else 2]]
             outs = moe_reference_multirank(xl, self.ids, sl, *wl, *([None] * (4 - len(wl))),
                                            self.problem.shape.swiglu_limit, compute_dtype=torch.float32)
             grads = torch.autograd.grad(outs, xl + sl + wl, [g.float() for g in self.d_out])
-            self._ref_grads = dict(d_x=list(grads[:R]), d_topk_weights=list(grads[R:2 * R]),
-                                   **dict(zip(GRAD_NAMES[:len(wl)], grads[2 * R:])))
-            if self._ref_fwd is None:
-                self._ref_fwd = [o.detach() for o in outs]
-        return self._ref_grads
+            self._ref_grads[key] = dict(d_x=list(grads[:R]), d_topk_weights=list(grads[R:2 * R]),
+                                        **dict(zip(GRAD_NAMES[:len(wl)], grads[2 * R:])))
+            if key not in self._ref_fwd:
+                self._ref_fwd[key] = [o.detach() for o in outs]
+        return self._ref_grads[key]
 
     def check_kittenmoe(self, mode: str, result, path: str) -> dict:
         """Device error flags, then the relative L1 of every output (and gradient) vs the fp32 reference, keyed
@@ -215,6 +258,24 @@ class Runner:
         errs["out[0]"] = rel_l1(out, self.reference_forward()[0])
         return errs
 
+    def check_sonicmoe(self, mode: str, result) -> dict:
+        """Relative L1 of SonicMoE's outputs (and, for forward+backward, every gradient: the interleaved w13's
+        converted back to our gate-then-up rows) vs the routed-only fp32 reference, keyed as kittenmoe's."""
+        from kittenmoe.baselines_sonic import deinterleave_gate_up
+        from kittenmoe.testing import rel_l1
+
+        outs = result if mode == "forward" else [o for o, _ in result]
+        errs = {f"out[{r}]": rel_l1(o, ref) for r, (o, ref) in enumerate(zip(outs, self.reference_forward(False)))}
+        if mode != "forward":
+            ref = self.reference_grads(False)
+            for r, (_, (d_x, d_tw, _, _)) in enumerate(result):
+                errs[f"d_x[{r}]"] = rel_l1(d_x, ref["d_x"][r])
+                errs[f"d_topk_weights[{r}]"] = rel_l1(d_tw, ref["d_topk_weights"][r])
+            d_w13 = deinterleave_gate_up(sum(g[2].float() for _, g in result))
+            errs["d_w13"] = rel_l1(d_w13, ref["d_w13"])
+            errs["d_w2"] = rel_l1(sum(g[3].float() for _, g in result), ref["d_w2"])
+        return errs
+
     def check_grouped_mm(self, mode: str, result) -> float:
         from kittenmoe.testing import rel_l1
 
@@ -235,9 +296,30 @@ TIMED_CALLS = {
 
 
 def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], device: torch.device, reps: int,
-                  warmup: int, seed: int = 0, log: Callable[[str], None] = print, path: str = "public") -> list[dict]:
+                  warmup: int, seed: int = 0, log: Callable[[str], None] = print, path: str = "public",
+                  extras: Mapping[str, str | None] | None = None) -> list[dict]:
     """Time kittenmoe along ``path`` and grouped_mm for each mode; one row dict per mode (without environment
-    stamps)."""
+    stamps).
+
+    ``extras`` (``--baseline``): each further baseline to time in the same rounds, mapped to None, or to why it
+    does not run in this process (``"skipped: ..."``, from ``bench.baselines.unavailable``). One that does not
+    run this problem (``bench.baselines.unsupported``) is skipped with a line in ``log``; one whose first call
+    raises is reported (the traceback in ``log``, the reason in the rows) and left out of the timing, so the
+    other providers' figures stand."""
+    extras = dict(extras or {})
+    for name, note in list(extras.items()):
+        why = None if note is not None else unsupported(name, problem, device)
+        if why is not None:
+            extras[name] = f"skipped: {why}"
+            log(f"{name} skipped for {problem.label}: {why}")
+    # kittenmoe computes what the extra baselines do (the routed experts, in the dtype) only without a shared
+    # expert and without FP8
+    same_work = problem.shared_width == 0 and problem.fp8_block is None
+    if extras and not same_work:
+        diff = [d for d, on in ((f"also computes the shared expert (S={problem.shared_width})", problem.shared_width),
+                                (f"runs the routed experts in {problem.precision}", problem.fp8_block)) if on]
+        log(f"note: {', '.join(extras)}: the routed experts only, in {problem.dtype}; kittenmoe here "
+            f"{' and '.join(diff)}, so the two times are of different work (--no-shared without --fp8 times the same)")
     run = Runner(problem, device, seed)
     tol = run.tolerance()
     ms_quant = None
@@ -254,14 +336,55 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
             log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
                 f"{tol:.0e}")
         base_err = run.check_grouped_mm(mode, b_fn())
-        timed = measure_rounds({"kittenmoe": k_fn, "grouped_mm": b_fn}, device, reps, warmup)
+        fns = {"kittenmoe": k_fn, "grouped_mm": b_fn}
+        results: dict[str, BaselineResult] = {}
+        for name, note in extras.items():
+            if note is not None:
+                results[name] = BaselineResult(name, note=note, same_work=same_work)
+                continue
+            fn, results[name] = _first_call(run, name, mode, tol, same_work, log)
+            if fn is not None:
+                fns[name] = fn
+        # an extra baseline that raises in a timed round is dropped from the rounds and reported; kittenmoe and
+        # grouped_mm raising there stop the run, as without extra baselines
+        errors: dict[str, str] = {}
+        timed = measure_rounds(fns, device, reps, warmup, errors=errors if len(fns) > 2 else None)
+        for name, err in errors.items():
+            if name in ("kittenmoe", "grouped_mm"):
+                raise RuntimeError(f"{problem.label} {KIND[mode]}: {name} raised while timed: {err}")
+            log(f"{name} failed while timed ({problem.label} {KIND[mode]}): {err}")
+            results[name] = dataclasses.replace(results[name], note=f"failed while timed: {err}")
+        for name in results:
+            if name in timed:
+                results[name] = dataclasses.replace(results[name], timing=timed[name])
         rows.append(make_row(
             problem, mode, path=path, timed_call=TIMED_CALLS[path, mode], ranks_mode="virtual",
             kittenmoe=timed["kittenmoe"], baseline="grouped_mm", baseline_timing=timed["grouped_mm"], errs=errs,
             tolerance=tol, baseline_rel_l1=base_err, first_call_s=first_s, reps=reps, warmup=warmup,
-            ms_fp8_weight_quantisation=ms_quant, config=config,
-            timing="interleaved with the baseline in rounds (kittenmoe.bench.timing.measure_rounds)"))
+            ms_fp8_weight_quantisation=ms_quant, config=config, extra_baselines=tuple(results.values()),
+            timing="interleaved with the baselines in rounds (kittenmoe.bench.timing.measure_rounds)"))
     del run
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _first_call(run: Runner, name: str, mode: str, tol: float, same_work: bool,
+                log: Callable[[str], None]) -> tuple[Callable[[], object] | None, BaselineResult]:
+    """Extra baseline ``name``'s timed callable (``Runner.<name>``) and its first call (compile, accuracy vs
+    the fp32 reference of the same math, ``Runner.check_<name>``). When that raises, the traceback goes to
+    ``log``, the callable is None and the result's note says why."""
+    t0 = time.perf_counter()
+    try:
+        fn = getattr(run, name)(mode)
+        errs = getattr(run, f"check_{name}")(mode, fn())
+    except Exception as e:  # reported in the log and the rows; kittenmoe's and grouped_mm's figures stand
+        log(f"{name} failed on its first call ({run.problem.label} {KIND[mode]}):\n{traceback.format_exc()}")
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        return None, BaselineResult(name, note=f"failed: {type(e).__name__}: {first_line}", same_work=same_work)
+    first_s = time.perf_counter() - t0
+    worst = max(errs.values())
+    if not worst <= tol:
+        log(f"WARNING: {run.problem.label} {KIND[mode]}: {name}'s relative L1 {worst:.2e} vs the fp32 reference "
+            f"of the same math exceeds {tol:.0e} ({', '.join(f'{k} {v:.1e}' for k, v in errs.items())})")
+    return fn, BaselineResult(name, errs=errs, first_call_s=first_s, same_work=same_work)
