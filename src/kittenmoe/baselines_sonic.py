@@ -50,7 +50,8 @@ def import_sonicmoe():
     try:
         from sonicmoe.enums import ActivationType
         from sonicmoe.functional import moe_general_routing_inputs
-    except (ImportError, OSError) as e:  # OSError: a shared library that would not load
+    except Exception as e:  # re-raised as ImportError, the cause chained: a missing module, a shared library that
+        # would not load (OSError), CuTe DSL's own error when it cannot read the CUDA version
         raise ImportError(f"sonicmoe is not importable ({type(e).__name__}: {e}); {INSTALL_HINT}") from e
     return moe_general_routing_inputs, ActivationType
 

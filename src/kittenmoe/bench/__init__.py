@@ -36,6 +36,14 @@ would favour whichever provider ran first. Schedule construction, the routing al
 inside the timed call. ``backward`` times forward and backward together against grouped_mm forward + autograd
 backward.
 
+More baselines (``--baseline grouped_mm,sonicmoe``; ``bench.baselines``): grouped_mm is always timed and stays the
+rows' ``baseline`` and ``speedup``; ``sonicmoe`` (SonicMoE's ``moe_general_routing_inputs`` through
+``kittenmoe.baselines_sonic``; bf16, CUDA, the routed experts only) is timed in the same rounds and checked against
+the routed-only fp32 reference (output and, for forward+backward, every gradient), adding ``ms_sonicmoe``,
+``speedup_vs_sonicmoe`` and ``rel_l1_sonicmoe`` to the rows; when it is not importable, or cannot run a problem,
+it is skipped with a line saying why. ``--no-shared`` drops the shared expert (width 0, labels ``-S0``), so that
+kittenmoe computes the same as SonicMoE, which has none (the rows' ``sonicmoe_same_work``).
+
 On CPU the megakernel runs only under the Triton interpreter (``TRITON_INTERPRET=1``); this is for tests: times
 are ``time.perf_counter`` medians of a few runs and rows carry ``"device": "cpu-interpreter"`` and ``"gpu":
 "cpu"`` so nobody mistakes them for GPU figures.
