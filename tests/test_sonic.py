@@ -224,8 +224,8 @@ def _row(extra: tuple[BaselineResult, ...], s: int = 0) -> dict:
     prob = Problem("H32-I16-E8-K2-S0", ModelShape("custom", e=8, h=32, i=16, k=2, shared_i=s), 20, 1, 1, 8,
                    "bf16", parse_routing("uniform"))
     return make_row(prob, "forward", path="public", timed_call="x", ranks_mode="virtual",
-                    kittenmoe=Timing(0.9, 1.0, 1.1, 10), baseline="grouped_mm", baseline_timing=Timing(1.8, 2.0, 2.2, 10),
-                    errs={"out[0]": 1e-3}, tolerance=1e-2, baseline_rel_l1=2e-3, first_call_s=1.0, reps=10,
+                    kittenmoe=Timing(0.9, 1.0, 1.1, 10), baseline="grouped_mm",
+                    baseline_timing=Timing(1.8, 2.0, 2.2, 10), errs={"out[0]": 1e-3}, tolerance=1e-2, baseline_rel_l1=2e-3, first_call_s=1.0, reps=10,
                     warmup=1, ms_fp8_weight_quantisation=None, config=KernelConfig(), timing="t",
                     extra_baselines=extra)
 
