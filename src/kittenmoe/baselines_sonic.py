@@ -81,7 +81,7 @@ def interleave_gate_up(w13_E2IH: torch.Tensor) -> torch.Tensor:
     """``[E, 2I, H]`` gate rows then up rows -> ``[E, 2I, H]`` with row ``2j`` gate ``j``, ``2j + 1`` up ``j``
     (a contiguous copy)."""
     e, two_i, h = w13_E2IH.shape
-    return w13_E2IH.view(e, 2, two_i // 2, h).transpose(1, 2).reshape(e, two_i, h)
+    return w13_E2IH.reshape(e, 2, two_i // 2, h).transpose(1, 2).reshape(e, two_i, h)
 
 
 def deinterleave_gate_up(w_E2IH: torch.Tensor) -> torch.Tensor:
