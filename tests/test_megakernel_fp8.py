@@ -886,16 +886,3 @@ def test_gpu_fp8_layer_cuda_graph_and_compile():
         scale = b.double().pow(2).mean().sqrt().clamp_min(1e-30)
         assert_close(a.double() / scale, b.double() / scale, "bf16", f"compiled grad {i}")
 
-
-@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])  # gate|up halves; the wide GEMMs' pairs
-def test_fp8_refuses_half_tail_tiles(knob):
-    """KernelConfig.half_tail_tiles / half_tail_wide have no e4m3 form: the FP8 forward says so instead of
-    ignoring the knob."""
-    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19)
-    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
-    cfg = CFG.with_(block_m=32, minibatch_size=32, **{knob: True})
-    with pytest.raises(NotImplementedError, match=knob):
-        megakernel_forward_multirank(*a, config=cfg, fp8=fp8)
-    d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)]
-    with pytest.raises(NotImplementedError, match=knob):  # the backward alone likewise
-        megakernel_backward_multirank(d_out, *a, config=cfg, fp8=fp8)

@@ -90,20 +90,6 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="fwd", config=dict(tile_group_m=4)), FWD),  # a minibatch's tiles in groups of 4 row tiles
-    # an expert's last tile at half height over two column tiles (KernelConfig.half_tail_tiles), kept or not
-    (dict(which="fwd", config=dict(half_tail_tiles=True)), FWD),
-    (dict(which="fwd", resident=True, config=dict(half_tail_tiles=True)), FWD),
-    # the wide GEMMs' half pairs too: the forward's down and the backward's phase B
-    (dict(which="fwd", config=dict(half_tail_tiles=True, half_tail_wide=True)), FWD),
-    (dict(which="bwd", resident=True, config=dict(half_tail_wide=True)), BWD),
-    # an expert's last tile with at most 32 / 64 rows as W x^T (KernelConfig.swap_tail_rows), plain and kept
-    (dict(which="fwd", config=dict(swap_tail_rows=32)), FWD),
-    (dict(which="fwd", resident=True, config=dict(swap_tail_rows=64)), FWD),
-    (dict(which="bwd", resident=True, config=dict(swap_tail_rows=32)), BWD),  # the backward's phase B likewise
-    # an expert's tail of at most 32 rows carried by the tile before it (KernelConfig.fold_tail_rows), plain, kept
-    (dict(which="fwd", config=dict(fold_tail_rows=32)), FWD),
-    (dict(which="fwd", resident=True, config=dict(fold_tail_rows=32)), FWD),
-    (dict(which="bwd", resident=True, config=dict(fold_tail_rows=32)), BWD),  # the backward's phase B likewise
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # each expert's row tiles of a minibatch walked together (tile_group_m = -1), forward and kept backward
     (dict(which="fwd", config=dict(tile_group_m=-1)), FWD),

@@ -122,8 +122,7 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon", "half_tail_tiles",
-               "half_tail_wide")
+               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon")
 
 
 @dataclass(frozen=True)
@@ -250,50 +249,6 @@ class KernelConfig:
         at 2 / 3 / 4 / 5 / 6 stages: 4 is where depth stops paying. The same bits at any depth (its GPU test).
         In the megakernel (forward+backward, interleaved, 2026-12-02) 6 / 5 stages: Kimi +1.4% / -0.1%,
         DeepSeek +6.0% / +2.4%, Qwen -1.5% / -2.3%: left at 0.
-    half_tail_tiles: the forward gate|up GEMM's routed row tiles whose second half is padding (an expert's
-        last tile with at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles: the tile of an even
-        column computes its own and the next column's outputs, the next one only signals. Each expert wastes
-        block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing) pads
-        2.5 tiles' work to 2.0, and this takes gate|up (2/3 of the routed FLOPs) to ~2.25. Same accumulator
-        registers; each row's arithmetic unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16);
-        elsewhere, and with FP8, the launchers raise NotImplementedError (the interpreter takes block_m >= 32).
-        Off: on the H200 the forward was 3-14% slower on all four slices (DeepSeek 5.35 ms against 4.69,
-        2026-12-01 (7)) with half tiles of four BM/2 x BN accumulators, which the sm_90 build issued as
-        m64n64k16 wgmmas (8 warps split N at 64 rows); they are now two BM/2 x 2 BN accumulators from
-        2 BN-row weight boxes, issued as the full tiles' m64n128k16 (Kimi build: 218 registers, no stack),
-        and still slower on every slice (DeepSeek 5.22 ms against 4.34, Kimi 3.46 against 3.26, 2026-12-01
-        (8)): a half tile reads 72 KB of operands a K step for a full tile's FLOPs, at 3 stages, and the
-        build's 221 KB of shared memory slows the full tiles beside it. On a GPU block_n <= 128 (TMA's
-        256-row box).
-    swap_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: the forward's routed row tiles with at most
-        that many rows (an expert's last tile, the rest of it schedule padding) compute gate|up and down as
-        W x^T, the weight tile on the MMA's M side and the tile's rows on its N side (wgmma's N runs down to 8),
-        so their padding rows cost no MMA work; each output element is the same K-long dot product, the
-        schedule and the signals unchanged, and a K step stages the full tile's weight tiles with fewer x
-        rows. DeepSeek's slice (256 rows an expert under uniform routing) pads about half its experts from
-        257-288 rows to 384: at 32 their third tile costs a quarter of one (gate|up and down work ~2.5 ->
-        ~2.1 tiles an expert). The forward's gate|up and down tiles and the backward's phase B (d_x); phase
-        A keeps full tiles. No FP8 form (``NotImplementedError``); not with the half tail tiles. Off: on the
-        H200 slower on every slice (forward at 32 / 64: DeepSeek 4.76 / 4.91 ms against 4.54, Kimi 3.50 /
-        3.63 against 3.41; forward+backward no gain, 2026-12-02): a tile's time follows the weight column
-        tile it streams, which a swapped tile reads in full, not its MMA work.
-    fold_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: a routed row tile with at most that many
-        rows (an expert's last, the rest schedule padding) is computed by the program of the row tile before
-        it when that one, in the same minibatch, is the same expert's: each K step multiplies the weight tiles
-        it stages for its own rows by the tail's rows too, swapped (W x^T, as swap_tail_rows), and the tail's
-        tile only signals. The forward's gate|up and down tiles and the backward's phase B (d_x); phase A
-        keeps full tiles. Why: a tile's
-        time follows the weight tiles it streams (swap_tail_rows' traces), so a tail tile of its own costs
-        about a full one; carried, it adds a quarter of the carrier's MMA work at 32 (and 52 KB stages
-        against 48). DeepSeek's slice (256 rows an expert under uniform routing) has about half its experts
-        ending in such a tail. No FP8 form (``NotImplementedError``); not with the other tail knobs.
-    half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
-        phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
-        phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
-        48 with half_tail_tiles; the backward's is back to the default's 8 at the half loops' 3 stages), and
-        on the H200 both together at 2 stages (then one knob, 2026-12-01) kept the bits but were slower
-        everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek 5.56 against 4.62; every tile slowed, not just
-        the tail ones: DeepSeek's gate|up 276 -> 328 program-ms for the same tiles).
     """
 
     num_comm_programs_fwd: int = 16
@@ -316,13 +271,9 @@ class KernelConfig:
     wgrad_two_per_sm: bool = False
     wgrad_gluon: bool = False
     tile_group_m: int = 0
-    half_tail_tiles: bool = False
-    half_tail_wide: bool = False
     bwd_num_stages: int = 0
     bwd_a_k_unroll: int = 1
     bwd_a_num_stages: int = 0
-    swap_tail_rows: int = 0
-    fold_tail_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -375,20 +326,6 @@ class KernelConfig:
         if self.bwd_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
                              f"{self.bwd_num_stages}")
-        if self.swap_tail_rows:
-            if self.swap_tail_rows not in (16, 32, 64) or self.swap_tail_rows >= self.block_m:
-                raise ValueError(f"KernelConfig.swap_tail_rows must be 0 (off) or one of 16, 32, 64 below "
-                                 f"block_m={self.block_m}, got {self.swap_tail_rows}")
-            if self.half_tails:
-                raise ValueError("KernelConfig.swap_tail_rows and half_tail_tiles / half_tail_wide both change "
-                                 "the tail tiles: choose one")
-        if self.fold_tail_rows:
-            if self.fold_tail_rows not in (16, 32, 64) or self.fold_tail_rows >= self.block_m:
-                raise ValueError(f"KernelConfig.fold_tail_rows must be 0 (off) or one of 16, 32, 64 below "
-                                 f"block_m={self.block_m}, got {self.fold_tail_rows}")
-            if self.half_tails or self.swap_tail_rows:
-                raise ValueError("KernelConfig.fold_tail_rows and swap_tail_rows / half_tail_tiles / half_tail_wide "
-                                 "all change the tail tiles: choose one")
         if self.bwd_a_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_a_num_stages must be >= 0 (0: bwd_stages), got "
                              f"{self.bwd_a_num_stages}")
@@ -398,9 +335,6 @@ class KernelConfig:
         if self.tile_group_m < -1:
             raise ValueError(f"KernelConfig.tile_group_m must be >= -1 (0: every row tile of a minibatch in one "
                              f"group; -1: each expert's row tiles a group), got {self.tile_group_m}")
-        if self.half_tails and self.block_m < 32:
-            raise ValueError(f"KernelConfig.half_tail_tiles / half_tail_wide need block_m >= 32 (a half tile of "
-                             f"block_m / 2 rows is a tl.dot operand of at least 16), got block_m={self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 
@@ -441,11 +375,6 @@ class KernelConfig:
                 and bwd_phase_a_smem_bytes(cfg) > SHARED_MEMORY_LIMIT:
             cfg = cfg.with_(bwd_num_stages=0)
         return cfg
-
-    @property
-    def half_tails(self) -> bool:
-        """Whether any GEMM runs half tail tiles (``half_tail_tiles`` or ``half_tail_wide``)."""
-        return self.half_tail_tiles or self.half_tail_wide
 
     @property
     def bwd_stages(self) -> int:

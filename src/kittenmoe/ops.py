@@ -209,45 +209,6 @@ def _check_gluon_device(dev: torch.device) -> None:
                                   f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad_gluon=False")
 
 
-def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8: bool) -> None:
-    """KernelConfig.half_tail_tiles and half_tail_wide, for both launchers: no FP8 form (anywhere); on a GPU
-    only through TMA (the pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an
-    H200's 227 KB) and with block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
-    instruction whose sums were never compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
-    if not config.half_tails:
-        return
-    knob = "half_tail_tiles" if config.half_tail_tiles else "half_tail_wide"
-    if fp8:
-        raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one "
-                                  "scale block at a time): run FP8 without it")
-    if dev.type != "cuda":
-        return
-    if config.block_m < 128 or not use_tma:
-        raise NotImplementedError(
-            f"KernelConfig.{knob} on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
-            f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
-    if config.half_tail_tiles and 2 * config.block_n > 256:
-        raise NotImplementedError(
-            f"KernelConfig.half_tail_tiles on a GPU loads gate|up weights in 2 x block_n-row TMA boxes, at most "
-            f"256 rows; got block_n={config.block_n}")
-
-
-def _check_swap_tail(config: KernelConfig, fp8: bool) -> None:
-    """KernelConfig.swap_tail_rows and fold_tail_rows, for both launchers: no FP8 form yet."""
-    for knob in ("swap_tail_rows", "fold_tail_rows"):
-        if fp8 and getattr(config, knob):
-            raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one scale "
-                                      "block at a time with per-row scales): run FP8 without it")
-
-
-# KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
-# block_m/2 x block_k of rows and two 2 block_n-wide weight tiles (gate|up: gate and up; down, phase B: two column
-# tiles of 2 block_n): 72 KB at
-# 128 x 128 x 64, so 3 stages (216 KB) fit beside nothing else; Triton reuses the buffers of loops not live
-# together (sm_90 builds: 221,304 B forward, 221,240 B backward). At 3 rather than 2 the builds also spill
-# less: backward with half_tail_wide 8 bytes of stack against 64 (the default build's 8), forward with both
-# knobs 48 against 56; gate|up alone stays at 220 registers and no stack.
-HALF_TAIL_STAGES = 3
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
 
 
@@ -349,7 +310,6 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
-    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if dev.type == "cuda":
@@ -392,8 +352,6 @@ def launch_rank_forward(
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma, fp8 is not None)
-    sn = config.swap_tail_rows or config.fold_tail_rows  # the rows of a swapped or carried tail's TMA blocks
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -422,18 +380,8 @@ def launch_rank_forward(
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
-        # KernelConfig.half_tail_tiles / half_tail_wide: the routed rows in half-height blocks (stand-ins without)
-        descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk]))
-                  if config.half_tails else (routed[0], routed[1]))
-        # half_tail_tiles: gate|up weights in 2 block_n-row boxes (one wide accumulator each for gate and up)
-        descs += ((TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [2 * bn, bk]),) if config.half_tail_tiles
-                  else (routed[2],))
-        # swap_tail_rows / fold_tail_rows: the routed rows in blocks of that many (stand-ins without)
-        descs += ((TD.from_tensor(st.x_routed, [sn, bk]), TD.from_tensor(st.hidden, [sn, bk])) if sn
-                  else (routed[0], routed[1]))
     else:
-        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
-                 st.x_routed, st.hidden, w13_rows, st.x_routed, st.hidden)
+        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
     num_comm = config.num_comm_programs_fwd
     self_pull = num_comm == 0  # KernelConfig checked that something pushes or gathers; this needs no wrap
     if self_pull and not ring.resident:
@@ -472,9 +420,7 @@ def launch_rank_forward(
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
-        HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
-        POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
+        COPY_PREFETCH=config.copy_prefetch, POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
     if not interp:
@@ -777,7 +723,6 @@ def launch_rank_backward(
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
-    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
@@ -848,7 +793,6 @@ def launch_rank_backward(
     two = config.wgrad_two_per_sm
     wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma, fp8 is not None)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
@@ -865,13 +809,6 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [config.block_k, bn2]))
     else:
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
-    # KernelConfig.half_tail_wide: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
-    dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_wide
-                 else b_descs[0])
-    # KernelConfig.swap_tail_rows / fold_tail_rows: phase B's d(gate|up) rows in blocks of that many (a stand-in
-    # without either)
-    sn = config.swap_tail_rows or config.fold_tail_rows
-    dgusn_desc = TD.from_tensor(bufs["dgu"], [sn, config.block_k]) if use_tma and sn else b_descs[0]
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
     if use_tma_a:
@@ -917,9 +854,8 @@ def launch_rank_backward(
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
-        HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
+        SHARED_KEPT=shared_kept, BNS=bns,
         KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
-        SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
@@ -945,7 +881,7 @@ def launch_rank_backward(
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
             saved[2] if shared_kept else bufs["dwp"], *fp8_bufs,
-            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, dgusn_desc, cnt, out["err"],
+            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 

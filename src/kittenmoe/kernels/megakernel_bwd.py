@@ -58,9 +58,8 @@ TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue i
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma,
-                                              _fold_roles, _is_half_tail, _now, _peer_rows, _route_src,
-                                              _rows_padding_from, _signal, _store_rows,
-                                              _tile_rc, _trace_event, _wait_geq, store_chunk_fp8)
+                                              _now, _peer_rows, _route_src, _signal, _tile_rc, _trace_event,
+                                              _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -482,101 +481,6 @@ def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_pt
 
 
 @triton.jit
-def _phase_b_swap(dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BN2: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a row tile with at most SN real rows (KernelConfig.swap_tail_rows)
-    over column tile nt of H, operands swapped as the forward's swapped tiles: d_x^T = W13[e]^T d(gate|up)^T, the
-    weight tile on the MMA's M side. dgusn_desc blocks [SN, BK], w13_desc blocks [BK, BN2]."""
-    acc_t = tl.zeros((BN2, SN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, 2 * I, BK):
-            a = dgusn_desc.load([row0, k0])
-            acc_t = tl.dot(w13_desc.load([e * (2 * I) + k0, nt * BN2]).T, a.T, acc_t)
-    else:
-        rs = (row0 + tl.arange(0, SN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_ptr = w13_ptr + e.to(tl.int64) * (2 * I * H)
-        for k0 in range(0, 2 * I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < 2 * I
-            a = tl.load(dgu_ptr + rs[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=k_ok[:, None] & (rn < H)[None, :],
-                        other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc_t = tl.dot(tl.trans(w), tl.trans(a), acc_t, input_precision=PRECISION)
-    rows = row0 + tl.arange(0, SN)
-    _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, tl.trans(acc_t), nt * BN2, H, BN2)
-
-
-@triton.jit
-def _phase_b_fold(dgu_desc, dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a full row tile (rows row0..) and of the tail it carries
-    (KernelConfig.fold_tail_rows: the next FN rows, swapped, d_x^T = W13[e]^T d(gate|up)^T) over column tile nt
-    of H, from the same weight tiles a K step. dgu_desc blocks [BM, BK], dgusn_desc [FN, BK], w13_desc
-    [BK, BN2]."""
-    acc = tl.zeros((BM, BN2), dtype=tl.float32)
-    acc_t = tl.zeros((BN2, FN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, 2 * I, BK):
-            a = dgu_desc.load([row0, k0])
-            t = dgusn_desc.load([row0 + BM, k0])
-            w = w13_desc.load([e * (2 * I) + k0, nt * BN2])
-            acc = tl.dot(a, w, acc)
-            acc_t = tl.dot(w.T, t.T, acc_t)
-    else:
-        rs = (row0 + tl.arange(0, BM)).to(tl.int64)
-        ts = (row0 + BM + tl.arange(0, FN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_ptr = w13_ptr + e.to(tl.int64) * (2 * I * H)
-        for k0 in range(0, 2 * I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < 2 * I
-            a = tl.load(dgu_ptr + rs[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            t = tl.load(dgu_ptr + ts[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=k_ok[:, None] & (rn < H)[None, :],
-                        other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                t = t.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            acc_t = tl.dot(tl.trans(w), tl.trans(t), acc_t, input_precision=PRECISION)
-    rows = row0 + tl.arange(0, BM)
-    _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, BN2)
-    trows = row0 + BM + tl.arange(0, FN)
-    _store_rows(dxr_ptr + trows.to(tl.int64) * H, trows >= 0, tl.trans(acc_t), nt * BN2, H, BN2)
-
-
-@triton.jit
-def _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
-                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a half tail tile (KernelConfig.half_tail_wide): its BM/2 real
-    rows over column tiles nt and nt + 1 of H, at NS stages (a stage: BM/2 x BK of d(gate|up), two BK x BN2
-    weight tiles, 72 KB at 128 x 256 x 64). dguh_desc blocks [BM/2, BK], w13_desc blocks [BK, BN2]."""
-    BMH: tl.constexpr = BM // 2
-    rows = row0 + tl.arange(0, BMH)
-    if USE_TMA:
-        acc0 = tl.zeros((BMH, BN2), dtype=tl.float32)
-        acc1 = tl.zeros((BMH, BN2), dtype=tl.float32)
-        for k0 in tl.range(0, 2 * I, BK, num_stages=NS):
-            a = dguh_desc.load([row0, k0])
-            acc0 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, nt * BN2]), acc0)
-            acc1 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, (nt + 1) * BN2]), acc1)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc0, nt * BN2, H, BN2)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc1, (nt + 1) * BN2, H, BN2)
-    else:
-        acc = _mm_acc(dgu_ptr, 2 * I, row0, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I, BMH,
-                      2 * BN2, BK, DOT_FP32, PRECISION)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, 2 * BN2)
-
-
-@triton.jit
 def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, H, I, HB, GB,
                      BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr):
     """As ``_phase_b_fp8`` through float8e4nv TMA descriptors: gq_desc blocks [BM, KS] of the e4m3 d(gate|up)
@@ -740,8 +644,6 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     xl_desc,  # x_local [T, H], blocks [BM, BK]
     sw2_desc,  # sw2 [H, S], blocks [BK, BNS]
     sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
-    dguh_desc,  # dgu [NR, 2I], blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
-    dgusn_desc,  # dgu [NR, 2I], blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32
     trace_ptr,  # [MAXE, 5] int64 events (TRACE; kinds as the forward's: shared A, A, B, shared B, pull, push)
@@ -754,10 +656,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3, SHARED_KEPT: tl.constexpr = False, BNS: tl.constexpr = 16,
-    KU_A: tl.constexpr = 1, NS_A: tl.constexpr = None, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
-    SELF_PULL: tl.constexpr = False,
+    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, SHARED_KEPT: tl.constexpr = False,
+    BNS: tl.constexpr = 16, KU_A: tl.constexpr = 1, NS_A: tl.constexpr = None, SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -985,49 +885,26 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                full = True
-                                if HALF_TAIL:  # KernelConfig.half_tail_wide: this column tile and the next at BM/2
-                                    half = _is_half_tail(peer_rank_ptr, row0, num_rows, BM)
-                                    pair = half & (nt % 2 == 0) & (nt + 1 < n_b_h)
-                                    full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_b_h))
-                                    if pair:
-                                        _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H,
-                                                      I, USE_TMA, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
-                                if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
-                                    carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, p * MB, rt, e,
-                                                                   num_rows, BM, MB, FOLD_N)
-                                    if carried:
-                                        full = False
-                                    elif carries:
-                                        full = False
-                                        _phase_b_fold(dgu_desc, dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr,
-                                                      e, nt, H, I, USE_TMA, BM, BN2, BK, FOLD_N, DOT_FP32, PRECISION)
-                                if SWAP_N > 0:  # at most SWAP_N rows: W13^T d(gate|up)^T
-                                    if _rows_padding_from(peer_rank_ptr, row0, num_rows, SWAP_N):
-                                        full = False
-                                        _phase_b_swap(dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H,
-                                                      I, USE_TMA, BN2, BK, SWAP_N, DOT_FP32, PRECISION)
-                                if full:
-                                    if FP8_B and USE_TMA:
-                                        acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
-                                                               w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
-                                                               BM, BN2, DGB, SB)
-                                    elif FP8_B:
-                                        acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0,
-                                                           w13t_ptr + e.to(tl.int64) * (2 * I * H),
-                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM,
-                                                           BN2, DGB, SB, DOT_FP32)
-                                    elif USE_TMA:
-                                        acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
-                                                          BM, BN2, BK)
-                                    else:
-                                        acc = _mm_acc(dgu_ptr, 2 * I, row0, BM,
-                                                      w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I,
-                                                      BM, BN2, BK, DOT_FP32, PRECISION)
-                                    rows = row0 + tl.arange(0, BM)
-                                    rn = nt * BN2 + tl.arange(0, BN2)
-                                    tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
-                                             mask=(rn < H)[None, :])
+                                if FP8_B and USE_TMA:
+                                    acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
+                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
+                                                           BM, BN2, DGB, SB)
+                                elif FP8_B:
+                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0,
+                                                       w13t_ptr + e.to(tl.int64) * (2 * I * H),
+                                                       w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM,
+                                                       BN2, DGB, SB, DOT_FP32)
+                                elif USE_TMA:
+                                    acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
+                                                      BM, BN2, BK)
+                                else:
+                                    acc = _mm_acc(dgu_ptr, 2 * I, row0, BM,
+                                                  w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I,
+                                                  BM, BN2, BK, DOT_FP32, PRECISION)
+                                rows = row0 + tl.arange(0, BM)
+                                rn = nt * BN2 + tl.arange(0, BN2)
+                                tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
+                                         mask=(rn < H)[None, :])
                             _signal(b_ready + p)
                             if TRACE:
                                 _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
