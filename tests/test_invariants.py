@@ -540,8 +540,6 @@ KNOB_REFUSALS = {
     # no forward comm programs with a ring that wraps (every program pulls everything first: a deadlock)
     "comm0-ring": (2, TINY, CFG.with_(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=16),
                    "forward", ValueError, "ring must hold them all"),
-    # the backward's two-step K unroll needs H a multiple of 2 x block_k (H = 48 is not)
-    "k-unroll-H48": (1, TINY_SIG, CFG.with_(bwd_a_k_unroll=2), "backward", ValueError, "bwd_a_k_unroll=2 needs H=48"),
     # the Gluon weight gradients under the interpreter (Gluon does not run there): refused, never replaced
     "wgrad-gluon-interpreter": (1, TINY, CFG.with_(wgrad_gluon=True, block_n=128, block_k=64, block_m=64,
                                                       minibatch_size=64),

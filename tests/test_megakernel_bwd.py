@@ -699,38 +699,6 @@ def test_tile_group_order_same_bits(group, keep):
         assert_bitwise_equal(got[k], base[k], f"{k}, tile_group_m={group}")
 
 
-@pytest.mark.parametrize("shape,knobs", [
-    # I = 64: routed kept tiles 2 x 16 wide, shared ones too; H = 64: two 2-step iterations
-    (TINY.with_(h=64, i=64), dict(bwd_a_k_unroll=2)),
-    # I = 48: narrow kept tiles (48 is not 2 x 16-wide); H = 96: three iterations; a pipeline depth of its own
-    (TINY.with_(h=96, i=48), dict(bwd_a_k_unroll=2, bwd_a_num_stages=3)),
-])
-def test_phase_a_k_unroll_same_bits(shape, knobs, monkeypatch):
-    """KernelConfig.bwd_a_k_unroll=2: the kept phase-A down dgrads (routed and shared) take two K steps an
-    iteration, the same dots in the same order: every gradient equals the unroll-1 run bit for bit, every
-    scratch buffer starts NaN (nothing left unwritten)."""
-    case = Case(shape, r=2, t=20)
-    inp = _make_inputs(case, seed=14)
-    cfg = case.config()
-
-    base = _kept_grads(case, inp, cfg)
-    nan_scratch(monkeypatch)
-    got = _kept_grads(case, inp, cfg.with_(**knobs))
-    monkeypatch.undo()
-    for k in base:
-        assert torch.isfinite(got[k]).all(), k
-        assert_bitwise_equal(got[k], base[k], f"{k}, {knobs}")
-
-
-def test_phase_a_k_unroll_needs_h_multiple():
-    """H = 48 is not a multiple of 2 x block_k = 32: the launcher refuses the unroll rather than read past H."""
-    case = Case(TINY.with_(h=48), r=1, t=8)
-    inp = _make_inputs(case, seed=15)
-    with pytest.raises(ValueError, match=r"bwd_a_k_unroll=2 needs H=48 to be a multiple of 2 x block_k=32"):
-        megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
-                                      config=case.config().with_(bwd_a_k_unroll=2))
-
-
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base, _ = bitwise_base
@@ -1208,30 +1176,6 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
     expect = eager(inp2)
     for k, v in expect.items():
         assert_bitwise_equal(captured[k], v, f"{name}: {k}, replay with new routing and weights")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,knobs", [
-    ("kimi-k2.7", dict(bwd_a_k_unroll=2)),  # H 7,168: 56 two-step iterations at 3 stages
-    ("qwen3.5-397b-a17b", dict(bwd_a_k_unroll=2)),  # H 4,096: 32
-    ("kimi-k2.7", dict(bwd_a_num_stages=6)),  # the kept loop 6 deep inside phase B's 192 KB
-], ids=["kimi-unroll", "qwen-unroll", "kimi-a-stages-6"])
-def test_gpu_phase_a_loop_knobs_same_bits(name, knobs, cuda_cleanup):
-    """bwd_a_k_unroll=2 / bwd_a_num_stages on a seed slice (512 tokens, every row kept, the TMA path the CPU
-    never runs): the kept down dgrads' loop issues the same wgmmas in the same order (two K steps an iteration,
-    or a deeper pipeline), so every gradient has the heuristic's bits, and they pass the bf16 bars against the
-    fp32 reference."""
-    case, inp = _seed_slice(name, 512)
-    # the slice's heuristic at its 2,048 tokens (block_m 128, 4 stages: the unrolled loop at 3), on 512 of them
-    cfg = default_config(2048, case.shape.h, case.shape.i, case.shape.e, case.shape.k, dtype=torch.bfloat16)
-
-    plain = _kept_grads(case, inp, cfg)
-    got = _kept_grads(case, inp, cfg.with_(**knobs))
-    ref = _reference_grads32(case, inp)
-    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-        _assert_rel_l1_cosine(f"{knobs} {gname}", got[gname], ref[gname])
-    for gname in plain:
-        assert_bitwise_equal(got[gname], plain[gname], f"{name} {gname}: {knobs} vs the heuristic")
 
 
 @pytest.mark.gpu

@@ -230,25 +230,6 @@ class KernelConfig:
         block_m 128 with 2-byte operands: with ``wgrad_persistent`` forward+backward went from 0.3-2.7% to
         2.3-4.6% faster than without either (H200, 2026-12-01); alone, one earlier run gave -1.5% (Kimi) and
         -0.4% (DeepSeek).
-    bwd_a_k_unroll: 1 (default) or 2: block_k-deep K steps a pipeline stage of the backward's phase-A down
-        dgrad where it runs alone (kept activations, TMA: the routed kept tiles and the shared expert's kept
-        tiles). Phase A's 128 x 128 tile does half the MMA work of a phase-B (128 x 256) or forward gate|up
-        step per loop iteration, and runs at ~3.3 TFLOP/s a program against their 5.6; 2 halves the
-        iterations (the per-iteration barrier wait, TMA issue and wgmma wait) at twice the shared memory a
-        stage, so that loop runs at ``bwd_stages`` - 1 stages (at least 1). The same MMAs in the same order:
-        the same bits (its GPU test). Needs H % (2 block_k) == 0 (the launcher raises otherwise). Off: on the
-        H200 (2026-12-02, interleaved) forward+backward moved -1.4% (Kimi), +2.7% (DeepSeek), +0.2% (Qwen),
-        -3.4% (GLM), no consistent sign; Triton 3.6 waits for the first of the two chained wgmmas inside
-        each iteration (``pendings = 0``), and two accumulators (even / odd steps, which it does overlap)
-        timed no better.
-    bwd_a_num_stages: pipeline stages of that same loop (the kept phase-A down dgrads); 0 (default): ``bwd_stages``
-        (one fewer with ``bwd_a_k_unroll`` 2). Its stage (128 x 64 of d_out and 64 x 128 of W2, 32 KB) is
-        two thirds of phase B's (48 KB), and the kernel's loops share their buffers, so up to 6 stages fit
-        in the 192 KB phase B takes at 4. Alone on the Kimi slice's phase-A problem
-        (``benchmarks/phase_a_probe.py``, H200) this loop ran at 2.3 / 3.9 / 4.7 / 4.8 / 4.7 TFLOP/s a program
-        at 2 / 3 / 4 / 5 / 6 stages: 4 is where depth stops paying. The same bits at any depth (its GPU test).
-        In the megakernel (forward+backward, interleaved, 2026-12-02) 6 / 5 stages: Kimi +1.4% / -0.1%,
-        DeepSeek +6.0% / +2.4%, Qwen -1.5% / -2.3%: left at 0.
     """
 
     num_comm_programs_fwd: int = 16
@@ -272,8 +253,6 @@ class KernelConfig:
     wgrad_gluon: bool = False
     tile_group_m: int = 0
     bwd_num_stages: int = 0
-    bwd_a_k_unroll: int = 1
-    bwd_a_num_stages: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -326,12 +305,6 @@ class KernelConfig:
         if self.bwd_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
                              f"{self.bwd_num_stages}")
-        if self.bwd_a_num_stages < 0:
-            raise ValueError(f"KernelConfig.bwd_a_num_stages must be >= 0 (0: bwd_stages), got "
-                             f"{self.bwd_a_num_stages}")
-        if self.bwd_a_k_unroll not in (1, 2):
-            raise ValueError(f"KernelConfig.bwd_a_k_unroll must be 1 or 2 (block_k steps a pipeline stage of "
-                             f"the backward's phase-A down dgrad), got {self.bwd_a_k_unroll}")
         if self.tile_group_m < -1:
             raise ValueError(f"KernelConfig.tile_group_m must be >= -1 (0: every row tile of a minibatch in one "
                              f"group; -1: each expert's row tiles a group), got {self.tile_group_m}")
@@ -381,15 +354,6 @@ class KernelConfig:
         """The backward megakernel's pipeline stages: ``bwd_num_stages``, or min(num_stages, 3) when 0."""
         return self.bwd_num_stages or min(self.num_stages, 3)
 
-    @property
-    def bwd_a_stages(self) -> int:
-        """Pipeline stages of the backward's phase-A down-dgrad loop where it runs alone: ``bwd_a_num_stages``,
-        or when 0 ``bwd_stages``, one fewer (at least 1) with ``bwd_a_k_unroll`` 2 (a stage holds two K
-        steps)."""
-        if self.bwd_a_num_stages:
-            return self.bwd_a_num_stages
-        return self.bwd_stages if self.bwd_a_k_unroll == 1 else max(1, self.bwd_stages - 1)
-
 
 def routed_capacity(r: int, t: int, k: int, experts_per_rank: int, block_m: int) -> int:
     """Worst-case routed rows on one rank: every route of every rank lands here,
@@ -417,23 +381,19 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
 
 
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
-    """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage
+    """Shared-memory estimate of the backward's largest tile: at ``config.bwd_stages`` phase A holds per stage
     the d_out and x row tiles (``2 x block_m x block_k``) and three weight tiles of half width
-    (``3 x block_n/2 x block_k``), its kept down dgrad ``bwd_a_k_unroll x (block_m + block_n) x block_k`` at
-    ``bwd_a_stages``; phase B ``(block_m + 2 block_n) x block_k``; the weight-gradient launch
-    ``block_k x 3 block_n`` with all ``num_stages``."""
+    (``3 x block_n/2 x block_k``), phase B ``(block_m + 2 block_n) x block_k`` (which also covers phase A's kept
+    down dgrad alone, ``(block_m + block_n) x block_k``); the weight-gradient launch ``block_k x 3 block_n`` with
+    all ``num_stages``."""
     bn = max(16, config.block_n // 2)
     stages = config.bwd_stages
     phase_a = stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes
     # phase B: a block_m x block_k row tile and a block_k x 2 block_n weight tile per stage
     phase_b = stages * (config.block_m + 2 * config.block_n) * config.block_k * elem_bytes
-    # phase A's down dgrad alone (kept activations): bwd_a_k_unroll K steps of a block_m x block_k row tile and
-    # a block_k x 2 (block_n / 2) weight tile per stage, at bwd_a_stages
-    kept_a = (config.bwd_a_stages * config.bwd_a_k_unroll * (config.block_m + 2 * bn) * config.block_k
-              * elem_bytes)
     # weight-gradient launch (all num_stages): block_k rows of a block_n- and a 2 block_n-wide operand
     wgrad = config.num_stages * (config.block_k * 3 * config.block_n) * elem_bytes
-    return max(phase_a, phase_b, kept_a, wgrad)
+    return max(phase_a, phase_b, wgrad)
 
 
 def check_shared_memory(config: KernelConfig, elem_bytes: int, backward: bool = False) -> None:

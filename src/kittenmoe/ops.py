@@ -736,12 +736,6 @@ def launch_rank_backward(
     shared_kept = gu_mode > 0 and saved[2] is not None
     bns = 2 * bn if shared_kept and S % (2 * bn) == 0 else bn
     NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
-    # The kept down dgrad's K loop at bwd_a_k_unroll block_k steps an iteration: the loop must end on H exactly
-    # (a second step past it would read the next expert's W2 rows against zero columns of d_out).
-    ku_a = config.bwd_a_k_unroll
-    if ku_a > 1 and H % (ku_a * config.block_k):
-        raise ValueError(f"KernelConfig.bwd_a_k_unroll={ku_a} needs H={H} to be a multiple of "
-                         f"{ku_a} x block_k={ku_a * config.block_k}")
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
@@ -855,7 +849,6 @@ def launch_rank_backward(
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
         SHARED_KEPT=shared_kept, BNS=bns,
-        KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n

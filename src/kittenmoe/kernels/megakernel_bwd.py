@@ -192,19 +192,15 @@ def _row_sum_in_order(p, BN: tl.constexpr):
 @triton.jit
 def _mm_acc(a_ptr, a_stride, a_row0, a_rows, b_ptr, b_stride, n0, N, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KU: tl.constexpr = 1):
-    """fp32 A[a_row0 : a_row0 + BM, :K] @ B[:K, n0 : n0 + BN]; A and B row-major with the given row strides.
-    KU (1 or 2): BK steps an iteration, the same dots in the same order (``_mm_acc_tma``'s)."""
+            DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 A[a_row0 : a_row0 + BM, :K] @ B[:K, n0 : n0 + BN]; A and B row-major with the given row strides."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
     row_ok = rm < a_rows
     rows = (a_row0 + rm).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, KU * BK):
+    for k0 in range(0, K, BK):
         acc = _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0, K, BK, DOT_FP32, PRECISION)
-        if KU == 2:
-            acc = _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0 + BK, K, BK, DOT_FP32,
-                           PRECISION)
     return acc
 
 
@@ -224,24 +220,15 @@ def _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0, K, 
 
 
 @triton.jit
-def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                KU: tl.constexpr = 1, NS: tl.constexpr = None):
+def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """As ``_mm_acc`` through TMA descriptors: a_desc blocks [BM, BK] (rows a_row0..), b_desc blocks [BK, BN]
     (rows b_row0 + k, columns n0..). Columns of A past its width load as zeros, so a K loop that runs past
-    one expert's 2I rows of B adds nothing. KU (1 or 2): BK steps an iteration, the same dots in the same order
-    (so the same bits) in half the iterations; K % (KU BK) == 0 then (the launcher checks). NS: the loop's
-    pipeline stages (None: the kernel's)."""
+    one expert's 2I rows of B adds nothing."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, KU * BK, num_stages=NS):
+    for k0 in tl.range(0, K, BK):
         a = a_desc.load([a_row0, k0])
         b = b_desc.load([b_row0 + k0, n0])
-        if KU == 2:
-            a2 = a_desc.load([a_row0, k0 + BK])
-            b2 = b_desc.load([b_row0 + k0 + BK, n0])
-            acc = tl.dot(a, b, acc)
-            acc = tl.dot(a2, b2, acc)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -322,31 +309,29 @@ def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_row
 @triton.jit
 def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
-                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KU: tl.constexpr = 1, NS: tl.constexpr = None):
-    """Phase A of one tile when the forward kept gate|up: the down dgrad alone (KU, NS as ``_mm_acc_tma``'s),
-    then g and u as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase A of one tile when the forward kept gate|up: the down dgrad alone, then g and u as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed
     rows)."""
     if USE_TMA_A:
-        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK, KU, NS)
+        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
     else:
         acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nt * BN, I, H, BM, BN, BK,
-                         DOT_FP32, PRECISION, KU)
+                         DOT_FP32, PRECISION)
     acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
     return acc_dh, acc_g, acc_u
 
 
 @triton.jit
 def _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nta, H, I, BM: tl.constexpr, BNA: tl.constexpr,
-                    BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                    KU: tl.constexpr = 1, NS: tl.constexpr = None):
+                    BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Routed phase A's down dgrad over a BM x BNA tile (BNA = 2 BN) when every row is kept (bf16; FP8 calls
     ``_down_dgrad_fp8_any`` at BNA): one accumulator at 2 BN columns reads each d_out row tile from L2 half as
-    often as two BN tiles do (KU, NS as ``_mm_acc_tma``'s). ``_kept_wide_epilogue`` finishes the tile."""
+    often as two BN tiles do. ``_kept_wide_epilogue`` finishes the tile."""
     if USE_TMA_A:
-        acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK, KU, NS)
+        acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK)
     else:
         acc = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nta * BNA, I, H, BM, BNA, BK,
-                      DOT_FP32, PRECISION, KU)
+                      DOT_FP32, PRECISION)
     return acc
 
 
@@ -657,7 +642,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
     MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, SHARED_KEPT: tl.constexpr = False,
-    BNS: tl.constexpr = 16, KU_A: tl.constexpr = 1, NS_A: tl.constexpr = None, SELF_PULL: tl.constexpr = False,
+    BNS: tl.constexpr = 16, SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -765,11 +750,10 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     rt = tile % n_srt
                     if SHARED_KEPT:  # the down dgrad alone, BNS wide; g and u as the forward kept them
                         if USE_TMA_A:
-                            acc = _mm_acc_tma(dol_desc, rt * BM, sw2_desc, 0, nt * BNS, H, BM, BNS, BK, KU_A,
-                                              NS_A)
+                            acc = _mm_acc_tma(dol_desc, rt * BM, sw2_desc, 0, nt * BNS, H, BM, BNS, BK)
                         else:
                             acc = _mm_acc(dout_local_ptr, H, rt * BM, T - rt * BM, sw2_ptr, S, nt * BNS, S, H, BM,
-                                          BNS, BK, DOT_FP32, PRECISION, KU_A)
+                                          BNS, BK, DOT_FP32, PRECISION)
                         _shared_kept_epilogue(acc, rt * BM, T - rt * BM, nt, sgu_ptr, sdgu_ptr, sh_ptr, wr_ptr, S,
                                               swiglu_limit, HAS_LIMIT, BM, BN, BNS)
                     else:
@@ -811,8 +795,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                             I, HB, IB, BM, BNA, SB, USE_TMA_A, DOT_FP32)
                                     else:
                                         acc = _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nt, H, I,
-                                                              BM, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION, KU_A,
-                                                              NS_A)
+                                                              BM, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION)
                                     if TRACE:
                                         t_gemm = _now()
                                     _kept_wide_epilogue(acc, row0, nt, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr,
@@ -848,12 +831,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
                                         dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,
-                                        USE_TMA_A, DOT_FP32, PRECISION, KU_A, NS_A)
+                                        USE_TMA_A, DOT_FP32, PRECISION)
                                 elif GU_MODE == 2:
                                     if row0 < gu_rows:  # macrobatch 0, left in the forward's ring
                                         acc_dh, acc_g, acc_u = _phase_a_saved(
                                             dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN,
-                                            BK, USE_TMA_A, DOT_FP32, PRECISION, KU_A, NS_A)
+                                            BK, USE_TMA_A, DOT_FP32, PRECISION)
                                     else:
                                         acc_dh, acc_g, acc_u = _phase_a_replay(
                                             dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr,
