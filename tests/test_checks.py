@@ -405,11 +405,9 @@ BAD_CONFIGS = [
     pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),
     # negative backward stages (0 is the default: follow num_stages up to 3)
     pytest.param(dict(bwd_num_stages=-1), ValueError, r"bwd_num_stages must be >= 0", id="bwd-stages-negative"),
-    # the Gluon weight gradients' tile is 128 x 256 of 64-row steps: block_n 64, 32-row steps, two programs an SM
+    # the Gluon weight gradients' tile is 128 x 256 of 64-row steps: block_n 64, 32-row steps
     pytest.param(dict(wgrad_gluon=True, block_n=64), ValueError, r"wgrad_gluon builds 128 x 256", id="gluon-bn64"),
     pytest.param(dict(wgrad_gluon=True, block_k=32), ValueError, r"min\(block_k, block_m\)=64", id="gluon-bk32"),
-    pytest.param(dict(wgrad_gluon=True, wgrad_two_per_sm=True), ValueError, r"without wgrad_two_per_sm",
-                 id="gluon-two-per-sm"),
     # a knob that is not a bool
     pytest.param(dict(wgrad_gluon=1), TypeError, r"wgrad_gluon must be a bool", id="gluon-int"),
     # num_warps not a power of two

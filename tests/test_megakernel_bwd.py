@@ -640,10 +640,6 @@ BITWISE_VARIANTS = {
     "copy-prefetch": dict(copy_prefetch=True),
     # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
     "wgrad-persistent": dict(wgrad_persistent=True),
-    # weight-gradient tiles block_n x block_n (not x 2 block_n), 4 warps (KernelConfig.wgrad_two_per_sm)
-    "wgrad-two-per-sm": dict(wgrad_two_per_sm=True),
-    # both: square tiles walked by twice as many persistent programs (6)
-    "wgrad-two-per-sm-persistent": dict(wgrad_two_per_sm=True, wgrad_persistent=True),
 }
 
 
@@ -1181,14 +1177,11 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [
     dict(wgrad_persistent=True),  # one program per SM walking the tiles
-    dict(wgrad_two_per_sm=True),  # 128 x 128 tiles from 4 warps, two programs an SM (wgmma N 128, not 256)
-    dict(wgrad_two_per_sm=True, wgrad_persistent=True),  # both: two persistent programs an SM
     dict(bwd_num_stages=4),  # the megakernel's loops one stage deeper (229,408 B of shared memory on sm_90)
     dict(wgrad_persistent=True, bwd_num_stages=4),  # both: what default_config runs at block_m 128
     dict(wgrad_gluon=True),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
     dict(wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
-], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4", "heuristic-backward", "gluon",
-        "gluon-heuristic-backward"])
+], ids=["persistent", "bwd-num-stages-4", "heuristic-backward", "gluon", "gluon-heuristic-backward"])
 def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     """The weight-gradient launch's knobs (and the backward megakernel's pipeline depth) on the Kimi slice (512
     tokens): each output element is still summed by one program over its expert's rows in row order, 64 rows an

@@ -104,8 +104,6 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad_gluon), kept and replaying
     (dict(which="bwd", resident=True, config=dict(wgrad_gluon=True)), BWD_GLUON),
     (dict(which="bwd", config=dict(wgrad_gluon=True, wgrad_persistent=True)), BWD_GLUON),
-    # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)
-    (dict(which="bwd", resident=True, config=dict(wgrad_two_per_sm=True)), BWD),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),

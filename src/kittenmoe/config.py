@@ -122,7 +122,7 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
 
 
 _BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon")
+               "copy_prefetch", "wgrad_persistent", "wgrad_gluon")
 
 
 @dataclass(frozen=True)
@@ -190,14 +190,6 @@ class KernelConfig:
         stored through one TMA buffer that drains under the next tile's K loop) forward+backward was
         0.3-2.7% faster on the four slices (H200, interleaved rounds, 2026-12-01); the earlier flat-loop
         form had been slower (DeepSeek backward 11.50 ms against 10.71).
-    wgrad_two_per_sm: weight-gradient tiles of block_n x block_n (not x 2 block_n) from 4 warps and at most 3
-        stages (3 x 32 KB of operands at 128 x 128 x 64), so two programs share an SM and one's pipeline fill
-        and 64 KB store overlap the other's MMAs. The default (128 x 256, 8 warps, 4 x 48 KB) holds a whole
-        SM: nothing overlaps a tile's fill and store, and Kimi's tiles have six 64-row steps each. Costs 1.33x
-        the operand traffic from L2 (64 FLOP a byte against 85). Combined with ``wgrad_persistent``: two
-        programs per SM. Each element is still summed by one program over its rows in order: the same bits.
-        Off: on the H200 within noise (launch alone Kimi 3.96 ms against 3.90, DeepSeek 5.14 against 5.32;
-        forward+backward 0.4-0.8% faster, 2026-12-01).
     wgrad_gluon: the weight gradients from a warp-specialized Gluon kernel (``kernels/wgrad_gluon.py``): the
         same tiles, order and bits as ``wgrad_persistent``'s, with a producer warp that keeps the TMA ring full
         across tile boundaries (the next tile's first row steps load while this one's last wgmmas and epilogue
@@ -206,7 +198,7 @@ class KernelConfig:
         every output equal bit for bit. Hopper only (wgmma), 2-byte operands through TMA, block_n 128 and
         64-row steps (min(block_k, block_m) = 64; ``gluon_wgrad_tiles_ok``), every gradient's rows (2I, H, 2S)
         a multiple of 128 and its columns of 16-byte rows (``gluon_wgrad_shape_ok``; the backward refuses other
-        widths before launching); not with ``wgrad_two_per_sm``. Gluon does not run under the
+        widths before launching). Gluon does not run under the
         Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced. Takes
         precedence over ``wgrad_persistent``. Off in the dataclass; ``default_config`` sets it on Hopper with
         2-byte operands: forward+backward medians -5.7% Kimi, -3.6% DeepSeek and GLM (15 of 15 paired rounds
@@ -249,7 +241,6 @@ class KernelConfig:
     fp8_down_high: bool = False
     copy_prefetch: bool = False
     wgrad_persistent: bool = False
-    wgrad_two_per_sm: bool = False
     wgrad_gluon: bool = False
     tile_group_m: int = 0
     bwd_num_stages: int = 0
@@ -281,12 +272,10 @@ class KernelConfig:
         if self.num_comm_programs_bwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_bwd=0 leaves no program to push the d_x rows: it "
                              "needs combine_gather=True (the backward's epilogue reads them)")
-        if self.wgrad_gluon and (self.wgrad_two_per_sm
-                                 or not gluon_wgrad_tiles_ok(self.block_n, self.block_k, self.block_m)):
+        if self.wgrad_gluon and not gluon_wgrad_tiles_ok(self.block_n, self.block_k, self.block_m):
             raise ValueError(f"KernelConfig.wgrad_gluon builds 128 x 256 weight-gradient tiles of 64-row steps: it "
-                             f"needs block_n=128 and min(block_k, block_m)=64, without wgrad_two_per_sm; got "
-                             f"block_n={self.block_n}, block_k={self.block_k}, block_m={self.block_m}, "
-                             f"wgrad_two_per_sm={self.wgrad_two_per_sm}")
+                             f"needs block_n=128 and min(block_k, block_m)=64; got block_n={self.block_n}, "
+                             f"block_k={self.block_k}, block_m={self.block_m}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:
@@ -321,7 +310,7 @@ class KernelConfig:
         a launch refuses; a knob ``changes`` names is never touched (and is then checked as given):
 
         - ``wgrad_gluon`` off where its 128 x 256 tile no longer fits (``gluon_wgrad_tiles_ok``), or with
-          ``wgrad_two_per_sm`` or ``tma=False`` (the Triton weight gradients run instead);
+          ``tma=False`` (the Triton weight gradients run instead);
         - ``bwd_num_stages`` back to 0 (``bwd_stages``' default) where the backward's phase-A tile no longer
           fits shared memory at the set depth (``bwd_phase_a_smem_bytes``, 2-byte operands: the heuristic sets
           the depth only for those);
@@ -332,7 +321,7 @@ class KernelConfig:
         v = {f.name: changes.get(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         derived = {}
         if v["wgrad_gluon"] and "wgrad_gluon" not in changes and (
-                not gluon_wgrad_tiles_ok(v["block_n"], v["block_k"], v["block_m"]) or v["wgrad_two_per_sm"]
+                not gluon_wgrad_tiles_ok(v["block_n"], v["block_k"], v["block_m"])
                 or not v["tma"]):
             derived["wgrad_gluon"] = False  # the Triton weight-gradient kernel
         if self.combine_gather and "combine_gather" not in changes and (

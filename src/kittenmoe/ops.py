@@ -783,9 +783,7 @@ def launch_rank_backward(
     # one fp32 accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for
     # v1's 64 x 128). Routed segments start and end on block_m rows and both are powers of two, so whole row
     # steps never cross into the next expert.
-    # KernelConfig.wgrad_two_per_sm: block_n x block_n from 4 warps, two programs an SM.
-    two = config.wgrad_two_per_sm
-    wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
+    wn, wm, wk = config.block_n, 2 * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
@@ -852,15 +850,14 @@ def launch_rank_backward(
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
-    # operands (4 x 48 KB on the defaults); with wgrad_two_per_sm half an SM's: at most 3 of block_k x 2 block_n.
+    # operands (4 x 48 KB on the defaults).
     # (A warp-specialized K loop, tl.range(warp_specialize=True) from a 4-warp launch, computed wrong weight
     # gradients on the H200 with Triton 3.6: rel L1 9.5e-2 on the Kimi slice, NaN losses in the HF step;
     # removed 2026-12-01, docs/perf-notes.md.)
     wmeta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=use_tma, **dot)
     if not interp:
         meta.update(num_warps=config.num_warps, num_stages=config.bwd_stages)
-        wmeta.update(num_warps=4 if two else config.num_warps,
-                     num_stages=min(config.num_stages, 3) if two else config.num_stages)
+        wmeta.update(num_warps=config.num_warps, num_stages=config.num_stages)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
@@ -928,13 +925,13 @@ def launch_rank_backward(
 
             out["compiled_wgrad"] = wgrad_gluon.launch(offsets, ends, p_op, q_op, dst, n, m, wk, wm,
                                                          _num_programs(dev, 0))
-        elif config.wgrad_persistent:  # one program per SM (3 under the interpreter; two as many with `two`)
-            progs = _num_programs(dev, 0) * (2 if two else 1)
+        elif config.wgrad_persistent:  # one program per SM (3 under the interpreter)
+            progs = _num_programs(dev, 0)
             # The store through shared memory and TMA, drained under the next tile's K loop: the output viewed
-            # as [G * N, M] must not let a tile cross into the next group's rows (N % wn), a 2-byte dtype (an
-            # fp32 tile's 128 KB buffer does not fit beside the operands), and one program an SM (with `two`,
-            # two 96 KB programs would not fit either); at 3 stages (3 x 48 KB + 64 KB = 213,016 B on sm_90).
-            tma_store = (use_tma and not two and n % wn == 0 and m % 8 == 0 and dst.element_size() == 2
+            # as [G * N, M] must not let a tile cross into the next group's rows (N % wn) and a 2-byte dtype (an
+            # fp32 tile's 128 KB buffer does not fit beside the operands); at 3 stages (3 x 48 KB + 64 KB =
+            # 213,016 B on sm_90).
+            tma_store = (use_tma and n % wn == 0 and m % 8 == 0 and dst.element_size() == 2
                          and dst.is_contiguous())
             out_desc = TD.from_tensor(dst.view(-1, m), [wn, wm]) if tma_store else dst
             pmeta = dict(wmeta)
