@@ -386,14 +386,11 @@ BAD_CONFIGS = [
     pytest.param(dict(macrobatch_size=0), ValueError, r"macrobatch_size=0 must be a positive multiple",
                  id="macrobatch-0"),
     # ---- programs, stages, warps
-    # no forward communication program and no epilogue push: nothing would push finished rows
-    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs push_in_epilogue",
-                 id="comm-fwd-0-no-push"),
-    # both combine paths at once
-    pytest.param(dict(push_in_epilogue=True, combine_gather=True), ValueError,
-                 r"push_in_epilogue and combine_gather are two ways to combine", id="push-and-gather"),
+    # no forward communication program and no gathering epilogue: nothing would push finished rows
+    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs combine_gather",
+                 id="comm-fwd-0-no-gather"),
     # negative forward communication programs
-    pytest.param(dict(num_comm_programs_fwd=-1, push_in_epilogue=True), ValueError,
+    pytest.param(dict(num_comm_programs_fwd=-1, combine_gather=True), ValueError,
                  r"num_comm_programs_fwd must be >= 0", id="comm-fwd-negative"),
     # no backward communication program and a push to do: nothing would push the d_x rows
     pytest.param(dict(num_comm_programs_bwd=0), ValueError, r"num_comm_programs_bwd=0 .* needs combine_gather",

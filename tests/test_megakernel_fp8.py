@@ -122,12 +122,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
 FP8_FWD_KNOBS = {
     # two row tiles per handoff, one comm program pulling (and quantising) every chunk
     "minibatch-32-comm-1": dict(minibatch_size=32, num_comm_programs_fwd=1),
-    # the down GEMM's epilogue pushes each finished row straight into its origin's combine buffer
-    "push-in-epilogue": dict(push_in_epilogue=True),
     # a one-slot ring that wraps: the e4m3 x / hidden rows and their scales are overwritten every minibatch
     "macrobatch-16": dict(macrobatch_size=16),
-    # no communication programs: every program quantises its chunks of every minibatch, then computes
-    "comm-0": dict(num_comm_programs_fwd=0, push_in_epilogue=True),
 }
 _FP8_ONE_RANK_KNOBS = {
     # one rank: nothing pushed, the epilogue reads y_routed rows (KernelConfig.combine_gather), no comm programs

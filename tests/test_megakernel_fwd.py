@@ -52,7 +52,6 @@ TINY_SIG = TEST_SHAPES["tiny-sigmoid"]  # E=16, H=48, I=24, K=4
 # minibatches and 16-wide tiles, so tiny shapes still span several minibatches, tiles and ring slots.
 CFG = KernelConfig(num_comm_programs_fwd=2, minibatch_size=16, block_m=16, block_n=16, block_k=16, num_warps=4,
                    num_stages=2)
-HAS_PUSH_KNOB = "push_in_epilogue" in {f.name for f in dataclasses.fields(KernelConfig)}
 
 
 @dataclass(frozen=True)
@@ -69,14 +68,10 @@ class Case:
     minibatch: int = 16
     macrobatch: int | None = None  # None: the ring never wraps
     comm: int = 2
-    push_in_epilogue: bool | None = None  # None: the config's default combine path
 
     def config(self) -> KernelConfig:
-        cfg = CFG.with_(minibatch_size=self.minibatch, macrobatch_size=self.macrobatch,
-                        num_comm_programs_fwd=self.comm)
-        if self.push_in_epilogue is not None:
-            cfg = cfg.with_(push_in_epilogue=self.push_in_epilogue)
-        return cfg
+        return CFG.with_(minibatch_size=self.minibatch, macrobatch_size=self.macrobatch,
+                         num_comm_programs_fwd=self.comm)
 
 
 @dataclass
@@ -182,14 +177,8 @@ MATCH_CASES = {
     # int32 expert ids (the router's other index dtype), four ranks
     "R4-int32-ids": Case(TINY, r=4, t=6, ids_dtype=torch.int32),
 }
-if HAS_PUSH_KNOB:
-    # both combine paths with the ring wrapping: push from the down epilogue (a pull into a slot waits on the
-    # previous occupant's down tiles) and push by the comm programs (waits on their done counter)
-    for _push in (True, False):
-        MATCH_CASES[f"R2-ring-mac16-push-in-epilogue-{_push}"] = Case(TINY, r=2, t=12, macrobatch=16,
-                                                                    push_in_epilogue=_push)
-        MATCH_CASES[f"R4-ring-mac32-push-in-epilogue-{_push}"] = Case(TINY_SIG, r=4, t=5, routing="zipf",
-                                                                    macrobatch=32, push_in_epilogue=_push)
+# the ring wrapping under skewed load: a pull into a slot waits on the comm programs' push of its previous occupant
+MATCH_CASES["R4-ring-mac32-zipf"] = Case(TINY_SIG, r=4, t=5, routing="zipf", macrobatch=32)
 
 
 @pytest.mark.parametrize("name", list(MATCH_CASES))
@@ -280,13 +269,6 @@ BITWISE_VARIANTS = {
     # the same with the ring wrapping on one slot (every pull waits on the previous minibatch's push)
     "copy-prefetch-mac16": dict(copy_prefetch=True, macrobatch_size=16),
 }
-if HAS_PUSH_KNOB:
-    # the other combine path: push from the down GEMM's epilogue vs through y_routed and the comm programs
-    BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not CFG.push_in_epilogue)
-    # no communication programs: every program pulls its chunks of every minibatch first, the epilogue pushes
-    BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True)
-    # the same with two row tiles a handoff (one chunk pattern over fewer, larger minibatches)
-    BITWISE_VARIANTS["comm-0-minibatch-32"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, minibatch_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -385,27 +367,12 @@ def _assert_kept_backward_equal(case: Case, inp: Inputs, base: KernelConfig, var
         assert_bitwise_equal(getattr(vb, gname), getattr(fb, gname), gname)
 
 
-# KernelConfig.num_comm_programs_fwd = 0 with its activations kept: two ranks (pulls cross the pointer table),
-# skewed load, a swiglu clamp; the kept x rows (padding zeroed by the pull) and gate|up feed the backward
-NO_COMM_CASE = Case(TINY, r=2, t=20, routing="zipf", swiglu_limit=0.5)
-
-
-def test_no_comm_programs_kept_backward_equal(monkeypatch):
-    """Without communication programs the forward keeps the same x rows and gate|up (scratch NaN first, so a
-    row the programs' pull missed shows) and the backward from them gives the same gradients, bit for bit."""
-    case = NO_COMM_CASE
-    inp = _make_inputs(case, seed=29)
-    cfg = case.config()
-    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(num_comm_programs_fwd=0, push_in_epilogue=True),
-                                monkeypatch)
-
-
 def test_no_comm_programs_refuse_a_wrapping_ring():
     """Every program pulls all its rows before any tile, so a ring smaller than the worst case would deadlock:
-    refused before launch, saying why."""
-    case = NO_COMM_CASE
+    refused before launch, saying why (the kept forward and backward without them: the combine_gather tests)."""
+    case = Case(TINY, r=1, t=20, routing="zipf", swiglu_limit=0.5)
     inp = _make_inputs(case, seed=29)
-    cfg = case.config().with_(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=32)
+    cfg = case.config().with_(num_comm_programs_fwd=0, combine_gather=True, macrobatch_size=32)
     with pytest.raises(ValueError, match=r"num_comm_programs_fwd=0 .* ring must hold them all"):
         _megakernel(case, inp, config=cfg)
 
@@ -847,11 +814,6 @@ GPU_BITWISE_VARIANTS = {
     # minibatch 256 walked expert by expert (tile_group_m = -1)
     "tile-group-expert-mb256": dict(minibatch_size=256, macrobatch_size=None, tile_group_m=-1),
 }
-if HAS_PUSH_KNOB:
-    # the other combine path
-    GPU_BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not GPU_RING.push_in_epilogue)
-    # no communication programs (every SM pulls first, then computes; needs the ring not to wrap)
-    GPU_BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=None)
 
 
 @pytest.mark.gpu

@@ -121,7 +121,7 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
     return all(gluon_wgrad_gradient_ok(n, m) for n, m in grads)
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
+_BOOL_KNOBS = ("combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
                "copy_prefetch", "wgrad_persistent", "wgrad_gluon")
 
 
@@ -131,8 +131,8 @@ class KernelConfig:
 
     num_comm_programs_fwd/bwd: programs (SMs) that pull and push rows instead
         of running GEMM tiles. ``num_comm_programs_fwd`` 0 (with
-        ``push_in_epilogue`` or ``combine_gather``, and a ring that does not
-        wrap): no dedicated programs; every program first pulls its share of
+        ``combine_gather``, so one rank and a ring that does not wrap): no
+        dedicated programs; every program first pulls its share of
         all routed rows, then runs GEMM tiles. The same bits.
         ``num_comm_programs_bwd`` 0 likewise (with ``combine_gather``).
     minibatch_size: rows handed from communication to compute at a time; a
@@ -143,11 +143,6 @@ class KernelConfig:
         never wraps. A multiple of ``minibatch_size``.
     block_m: GEMM row tile, also the padding of each expert's segment.
     block_n, block_k, num_stages, num_warps: Triton tile choices.
-    push_in_epilogue: the down GEMM's epilogue writes each finished row
-        straight into its origin's combine buffer (no y_routed round trip
-        through HBM; communication programs only pull). False: compute
-        programs write y_routed and communication programs push it, as in
-        MoK's role split.
     combine_gather: one rank only (R=1), ring not wrapping: nothing is
         pushed; the final epilogue reads each route's row from y_routed
         through an inverse of the schedule (route t*K + j -> row). The same
@@ -233,7 +228,6 @@ class KernelConfig:
     block_k: int = 64
     num_stages: int = 4
     num_warps: int = 8
-    push_in_epilogue: bool = False
     combine_gather: bool = False
     tma: bool = True
     keep_activations: bool = True
@@ -259,13 +253,9 @@ class KernelConfig:
         if self.num_comm_programs_fwd < 0:
             raise ValueError(f"KernelConfig.num_comm_programs_fwd must be >= 0 (0: every program pulls, then "
                              f"computes), got {self.num_comm_programs_fwd}")
-        if self.push_in_epilogue and self.combine_gather:
-            raise ValueError("KernelConfig.push_in_epilogue and combine_gather are two ways to combine (the down "
-                             "epilogue pushes rows, or the final epilogue gathers them): choose one")
-        if self.num_comm_programs_fwd == 0 and not (self.push_in_epilogue or self.combine_gather):
+        if self.num_comm_programs_fwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_fwd=0 leaves no program to push finished rows: it "
-                             "needs push_in_epilogue=True (the down GEMM's epilogue writes them) or "
-                             "combine_gather=True (the final epilogue reads them)")
+                             "needs combine_gather=True (the final epilogue reads them where they were computed)")
         if self.num_comm_programs_bwd < 0:
             raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 0 (0: every program pulls, then "
                              f"computes), got {self.num_comm_programs_bwd}")
@@ -315,7 +305,7 @@ class KernelConfig:
           fits shared memory at the set depth (``bwd_phase_a_smem_bytes``, 2-byte operands: the heuristic sets
           the depth only for those);
         - ``combine_gather`` off when ``changes`` ask for a ring (``macrobatch_size``; the caller passes None
-          where its ring would not wrap), for ``push_in_epilogue``, or turn it off; then communication
+          where its ring would not wrap), or turn it off; then communication
           programs at 0 take ``KernelConfig()``'s counts, since something must push."""
         # the knobs as they would merge, unvalidated: the merged config may be one KernelConfig refuses
         v = {f.name: changes.get(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -325,7 +315,7 @@ class KernelConfig:
                 or not v["tma"]):
             derived["wgrad_gluon"] = False  # the Triton weight-gradient kernel
         if self.combine_gather and "combine_gather" not in changes and (
-                changes.get("macrobatch_size") is not None or changes.get("push_in_epilogue")):
+                changes.get("macrobatch_size") is not None):
             derived["combine_gather"] = False
         if self.combine_gather and not derived.get("combine_gather", v["combine_gather"]):
             plain = KernelConfig()

@@ -116,7 +116,7 @@ class ForwardState:
     ring: RingGeometry
     x_routed: torch.Tensor  # [MAC, H]
     hidden: torch.Tensor  # [MAC, I]
-    y_routed: torch.Tensor  # [MAC, H] ([1, H] placeholder when the down epilogue pushes)
+    y_routed: torch.Tensor  # [MAC, H]
     shared_hidden: torch.Tensor  # [T, S]
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
@@ -323,8 +323,7 @@ def launch_rank_forward(
         ring=ring,
         x_routed=torch.empty(ring.macrobatch, H, dtype=row_dtype, device=dev),
         hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype if fp8_down else dtype, device=dev),
-        # With the push in the down epilogue nothing is staged in y_routed.
-        y_routed=torch.empty(1 if config.push_in_epilogue else ring.macrobatch, H, dtype=dtype, device=dev),
+        y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
         y_shared=torch.empty(T, H, dtype=dtype, device=dev),
         counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
@@ -383,7 +382,7 @@ def launch_rank_forward(
     else:
         descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
     num_comm = config.num_comm_programs_fwd
-    self_pull = num_comm == 0  # KernelConfig checked that something pushes or gathers; this needs no wrap
+    self_pull = num_comm == 0  # KernelConfig checked combine_gather: nothing is pushed; this needs no wrap
     if self_pull and not ring.resident:
         raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
                          f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
@@ -418,7 +417,7 @@ def launch_rank_forward(
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         COPY_PREFETCH=config.copy_prefetch, POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
@@ -448,7 +447,7 @@ def launch_rank_forward(
         # pull_ahead minibatches ahead of their pushes; it must stay below the
         # slot count or a pull would wait on a push that comes after it.
         st.compiled = launch(phases, 0, ring.num_minibatches,
-                             0 if (config.push_in_epilogue or config.combine_gather) else min(ring.slots - 1, 2))
+                             0 if config.combine_gather else min(ring.slots - 1, 2))
     else:
         # Programs run one after another: one role over one minibatch per
         # launch keeps every producer ahead of its consumers. Reading

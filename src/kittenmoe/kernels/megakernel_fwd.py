@@ -342,25 +342,6 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
     _store_rows(rows + I, row_ok, acc_u, n0, I, BN)
 
 
-@triton.jit
-def _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
-               PUSH_IN_EPILOGUE: tl.constexpr, DT: tl.constexpr, R: tl.constexpr):
-    """Where a down tile's R rows go (schedule rows srow.., ring rows arow..): with PUSH_IN_EPILOGUE straight to
-    each row's origin combine buffer at t*K + j (padding rows masked off), else to y_routed. Returns the
-    [R] row pointers and the row mask for ``_store_rows``."""
-    if PUSH_IN_EPILOGUE:
-        r = srow + tl.arange(0, R)
-        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-        ok = pr >= 0
-        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-    else:
-        rows = arow + tl.arange(0, R)
-        ok = rows >= 0
-        dst = yr_ptr + rows.to(tl.int64) * H
-    return dst, ok
-
-
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
 # Routed GEMMs on e4m3 operands, one K step per scale block (SB: 128, or MXFP8's 32): each step's fp32 product
 # is scaled by the row's activation scale and the weight block's scale and added to the fp32 accumulator
@@ -598,7 +579,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr, TGM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
     COPY_PREFETCH: tl.constexpr = False, SELF_PULL: tl.constexpr = False,
@@ -638,10 +619,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                     if p >= NSLOT:
                         _, prev_live = _mb_rows(p - NSLOT, num_rows, NSLOT, MAC, MB)
                         if prev_live:
-                            if PUSH_IN_EPILOGUE:
-                                _wait_geq(y_ready + p - NSLOT, per_mb_dn, err_ptr, max_spin)
-                            else:
-                                _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
+                            _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
                     if TRACE:
                         t_ready = _now()
                     _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
@@ -652,7 +630,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
                                      t_ready, _now())
             pp = it - pull_ahead
-            if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
+            if ((phase & 16) != 0) & (pp >= p_lo):  # PH_PUSH
                 row0, live = _mb_rows(pp, num_rows, NSLOT, MAC, MB)
                 if live:
                     if TRACE:
@@ -680,8 +658,8 @@ def dispatch_mlp_swiglu_combine_kernel(
         n_pull = num_comm
         if SELF_PULL:
             # KernelConfig.num_comm_programs_fwd = 0: every program pulls its share of every minibatch first (the
-            # launcher refuses a wrapping ring, so no slot is waited on), then runs tiles; the down epilogue
-            # pushes. A pull spread over all SMs runs at HBM speed (~0.1 ms for Kimi's 235 MB of rows) where
+            # launcher refuses a wrapping ring, so no slot is waited on), then runs tiles; nothing is pushed
+            # (KernelConfig.combine_gather: the epilogue reads y_routed). A pull spread over all SMs runs at HBM speed (~0.1 ms for Kimi's 235 MB of rows) where
             # dedicated programs would sit idle most of the launch.
             n_pull = ncomp
             if (phase & 2) != 0:  # PH_PULL
@@ -819,10 +797,8 @@ def dispatch_mlp_swiglu_combine_kernel(
                                     else:
                                         acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I),
                                                         nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
-                                    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr,
-                                                         row0 + rt * BM, arow, num_rows, H, PUSH_IN_EPILOGUE,
-                                                         DT, BM)
-                                    _store_rows(dst, ok, acc, nt * BN2, H, BN2)
+                                    rows = arow + tl.arange(0, BM)
+                                    _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, BN2)
                                 _signal(y_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())
