@@ -117,9 +117,8 @@ META_CASES = {
     # reads those rows and replays the others
     "R2-ring-kept": dict(shape=TINY, r=2, t=7, cfg=CFG.with_(macrobatch_size=16), keep=True, limit=0.5),
     # four ranks, bf16, no shared expert, the backward replays everything; persistent weight-gradient programs
-    # and prefetching copies
     "R4-bf16-no-shared-replay": dict(shape=TINY, r=4, t=5, dtype=torch.bfloat16, shared=False, keep=False,
-                                     cfg=CFG.with_(wgrad_persistent=True, copy_prefetch=True)),
+                                     cfg=CFG.with_(wgrad_persistent=True)),
     # one rank, both gathering epilogues, no communication programs at all, every routed row kept
     "R1-gather-no-comm": dict(shape=TINY_SIG, r=1, t=9, keep=True, cfg=CFG.with_(
         combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)),

@@ -636,8 +636,6 @@ BITWISE_VARIANTS = {
     "comm-1": dict(num_comm_programs_bwd=1),
     # three communication programs
     "comm-3": dict(num_comm_programs_bwd=3),
-    # the push issues the next chunk's loads before storing the current one (KernelConfig.copy_prefetch)
-    "copy-prefetch": dict(copy_prefetch=True),
     # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
     "wgrad-persistent": dict(wgrad_persistent=True),
 }

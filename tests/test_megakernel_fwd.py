@@ -176,9 +176,9 @@ MATCH_CASES = {
     "R2-bf16-ring": Case(TINY_SIG, r=2, t=8, dtype=torch.bfloat16, macrobatch=32),
     # int32 expert ids (the router's other index dtype), four ranks
     "R4-int32-ids": Case(TINY, r=4, t=6, ids_dtype=torch.int32),
+    # the ring wrapping under skewed load: a pull into a slot waits on the push of its previous occupant
+    "R4-ring-mac32-zipf": Case(TINY_SIG, r=4, t=5, routing="zipf", macrobatch=32),
 }
-# the ring wrapping under skewed load: a pull into a slot waits on the comm programs' push of its previous occupant
-MATCH_CASES["R4-ring-mac32-zipf"] = Case(TINY_SIG, r=4, t=5, routing="zipf", macrobatch=32)
 
 
 @pytest.mark.parametrize("name", list(MATCH_CASES))
@@ -264,10 +264,6 @@ BITWISE_VARIANTS = {
     "comm-3": dict(num_comm_programs_fwd=3),
     # all three knobs at once: minibatch 32, one 32-row slot, three communication programs
     "mb32-mac32-comm3": dict(minibatch_size=32, macrobatch_size=32, num_comm_programs_fwd=3),
-    # the pull and push issue the next chunk's loads before storing the current one
-    "copy-prefetch": dict(copy_prefetch=True),
-    # the same with the ring wrapping on one slot (every pull waits on the previous minibatch's push)
-    "copy-prefetch-mac16": dict(copy_prefetch=True, macrobatch_size=16),
 }
 
 

@@ -86,8 +86,6 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="fwd"), FWD),  # the BF16 forward, default config
     (dict(which="fwd", resident=True), FWD),  # SAVE_GU: keeps gate|up for the backward
     (dict(which="fwd", trace=True), FWD),  # the profiling build (TRACE: %globaltimer reads, event stores)
-    (dict(which="fwd", config=dict(copy_prefetch=True)), FWD),  # pull and push with two chunks in flight
-    (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="fwd", config=dict(tile_group_m=4)), FWD),  # a minibatch's tiles in groups of 4 row tiles
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise

@@ -144,11 +144,11 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     """Options(knobs=...): KernelConfig fields on top of the per-call config, checked when the options are made;
     the experts forward hands kittenmoe.moe a config carrying them."""
     with pytest.raises(TypeError, match="pairs"):
-        kt.Options(knobs=[("fp8_dx_high", True)])  # a list, not a tuple of pairs
+        kt.Options(knobs=[("tile_group_m", -1)])  # a list, not a tuple of pairs
     with pytest.raises(TypeError):
         kt.Options(knobs=(("no_such_knob", 1),))
     with pytest.raises(TypeError, match="must be a bool"):
-        kt.Options(knobs=(("copy_prefetch", 1),))
+        kt.Options(knobs=(("combine_gather", 1),))
     seen = {}
 
     def fake_moe(x, ids, w, w13, w2, backend, config, fp8):
@@ -156,10 +156,11 @@ def test_knobs_option_checked_and_applied(monkeypatch):
         return x
 
     monkeypatch.setattr(kt, "moe", fake_moe)
-    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("copy_prefetch", True),)))
+    knobs = (("tile_group_m", -1), ("keep_activations", False))
+    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=knobs))
 
     fwd(_Experts(h=16, i=16), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
-    assert seen["config"].copy_prefetch is True
+    assert seen["config"].tile_group_m == -1 and seen["config"].keep_activations is False
 
 
 @pytest.mark.parametrize("scale_block", [

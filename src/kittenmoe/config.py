@@ -122,7 +122,7 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
 
 
 _BOOL_KNOBS = ("combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "copy_prefetch", "wgrad_persistent", "wgrad_gluon")
+               "wgrad_persistent", "wgrad_gluon")
 
 
 @dataclass(frozen=True)
@@ -172,11 +172,6 @@ class KernelConfig:
         x's dtype (not quantised) and multiplied by the master W2; gate|up and the backward's data gradients
         stay e4m3. The FP8 down GEMM was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms
         against +1.17). Needs the master weights. No effect without FP8.
-    copy_prefetch: communication programs issue the next 32 x 512 chunk's loads before storing the current
-        one (two chunks in flight a program instead of one) in the forward's pull and push and the
-        backward's push. On 2 H200s a 16-CTA pull over NVLink reached 109 GB/s where a push reached 258
-        (p2p_probe.py, 8 KB a step): remote reads are latency-bound. On one H200 no gain (Kimi forward
-        3.58 ms against 3.57); off until timed over NVLink.
     wgrad_persistent: the backward's weight gradients in one program per SM, each walking its tiles in one
         flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
         (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
@@ -233,7 +228,6 @@ class KernelConfig:
     keep_activations: bool = True
     fp8_dx_high: bool = False
     fp8_down_high: bool = False
-    copy_prefetch: bool = False
     wgrad_persistent: bool = False
     wgrad_gluon: bool = False
     tile_group_m: int = 0

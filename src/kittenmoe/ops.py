@@ -419,7 +419,7 @@ def launch_rank_forward(
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        COPY_PREFETCH=config.copy_prefetch, POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
+        POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
     if not interp:
@@ -844,7 +844,7 @@ def launch_rank_backward(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
+        GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb,
         SHARED_KEPT=shared_kept, BNS=bns,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )

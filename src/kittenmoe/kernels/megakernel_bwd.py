@@ -641,7 +641,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, SHARED_KEPT: tl.constexpr = False,
+    MAXE: tl.constexpr = 1, SHARED_KEPT: tl.constexpr = False,
     BNS: tl.constexpr = 16, SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -699,7 +699,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         src = r.to(tl.int64) * H
                         db = _peer_rows(dxc_ptrs_ptr, pr, ok, DT) + \
                             pt.to(tl.int64) * H
-                        _copy_rows(dxr_ptr + src, db, ok, H, BLOCK_H, False, COPY_PREFETCH)
+                        _copy_rows(dxr_ptr + src, db, ok, H, BLOCK_H, False)
                         # d_w: the I-tile partial sums, reduced in tile order
                         dw = tl.zeros((ROWS,), dtype=tl.float32)
                         for q in range(0, NI):

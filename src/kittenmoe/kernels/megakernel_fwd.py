@@ -183,25 +183,12 @@ def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
 
 
 @triton.jit
-def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr,
-               PREFETCH: tl.constexpr = False):
+def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr):
     """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors. ZERO_INVALID:
-    invalid rows are written as zeros (every dst row must then be writable). PREFETCH
-    (``KernelConfig.copy_prefetch``): the next chunk's loads are issued before this chunk's stores, so two
-    chunks are in flight instead of one (a remote read's latency is several local ones'; p2p_probe.py)."""
-    if PREFETCH:
-        cols = tl.arange(0, BLOCK_H)
-        v = _load_chunk(src_base, cols, valid, H)
-        for h0 in range(BLOCK_H, H + BLOCK_H, BLOCK_H):  # the last round loads nothing (every column masked)
-            nxt_cols = h0 + tl.arange(0, BLOCK_H)
-            nxt = _load_chunk(src_base, nxt_cols, valid, H)
-            _store_chunk(dst_base, cols, v, valid, H, ZERO_INVALID)
-            cols = nxt_cols
-            v = nxt
-    else:
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            _store_chunk(dst_base, cols, _load_chunk(src_base, cols, valid, H), valid, H, ZERO_INVALID)
+    invalid rows are written as zeros (every dst row must then be writable)."""
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        _store_chunk(dst_base, cols, _load_chunk(src_base, cols, valid, H), valid, H, ZERO_INVALID)
 
 
 @triton.jit
@@ -507,8 +494,7 @@ def _down_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, w_row0, n0, I, IB,
 @triton.jit
 def _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0, brow0, num_rows, puller,
                  n_pullers, K, H, HB, DT: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                 SB: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SAVE_GU: tl.constexpr,
-                 COPY_PREFETCH: tl.constexpr):
+                 SB: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SAVE_GU: tl.constexpr):
     """Program ``puller`` of ``n_pullers`` pulls its ROWS-row chunks of the minibatch at schedule row ``row0``
     (chunks puller, puller + n_pullers, ...) from the source ranks' x into ring rows ``brow0``.. (FP8: quantised
     on the way in, e4m3 bits into xr_ptr, scales into xs_ptr, the rows unquantised into xk_ptr with SAVE_GU)."""
@@ -524,7 +510,7 @@ def _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr
                            ROWS, BLOCK_H, SB, POW2, SAVE_GU)
         else:
             # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
-            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU, COPY_PREFETCH)
+            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
 
 
 @triton.jit
@@ -582,7 +568,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
-    COPY_PREFETCH: tl.constexpr = False, SELF_PULL: tl.constexpr = False,
+    SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -624,7 +610,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         t_ready = _now()
                     _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
                                  (p % NSLOT) * MB, num_rows, pid, num_comm, K, H, HB, DT, MB, ROWS, BLOCK_H, SB, POW2,
-                                 FP8, SAVE_GU, COPY_PREFETCH)
+                                 FP8, SAVE_GU)
                     _signal(x_ready + p)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
@@ -646,7 +632,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         ok = pr >= 0
                         dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
                         src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        _copy_rows(src, dst, ok, H, BLOCK_H, False, COPY_PREFETCH)
+                        _copy_rows(src, dst, ok, H, BLOCK_H, False)
                     _signal(done + pp)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it + 1) * num_comm + pid, MAXE, TR_PUSH,
@@ -670,7 +656,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                             t_start = _now()
                         _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
                                      (p % NSLOT) * MB, num_rows, cid, ncomp, K, H, HB, DT, MB, ROWS, BLOCK_H, SB,
-                                     POW2, FP8, SAVE_GU, COPY_PREFETCH)
+                                     POW2, FP8, SAVE_GU)
                         _signal(x_ready + p)
                         if TRACE:
                             _trace_event(trace_ptr, trace_comm0 + p * nprog + pid, MAXE, TR_PULL, t_start, t_start,
