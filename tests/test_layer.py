@@ -218,7 +218,8 @@ def _op_args(case: Case, device, requires_grad: bool):
     if requires_grad:
         x, w = x.requires_grad_(), w.requires_grad_()
         wts = [t.requires_grad_() if t is not None else None for t in wts]
-    return (x, ids, w, *wts, case.swiglu_limit, *(None,) * 6, False), d_out  # bf16: no e4m3 weights
+    # bf16: no e4m3 weights; fp8_pow2, fp8_dx_high, fp8_down_high all False
+    return (x, ids, w, *wts, case.swiglu_limit, *(None,) * 6, False, False, False), d_out
 
 
 def test_opcheck_megakernel_forward_op():

@@ -109,10 +109,10 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2
     (dict(which="fwd", fp8_block=128, config=dict(block_m=64)), FWD),  # FP8 forward, the block_m it runs at
-    (dict(which="fwd", fp8_block=128, config=dict(block_m=64, fp8_down_high=True)), FWD),  # FP8, down in bf16
+    (dict(which="fwd", fp8_block=128, fp8_down_high=True, config=dict(block_m=64)), FWD),  # FP8, down in bf16
     (dict(which="bwd", fp8_block=128, config=dict(block_m=64)), BWD),  # FP8 backward, kept activations
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64)), BWD),  # FP8 replay: broke 12-01
-    (dict(which="bwd", fp8_block=128, config=dict(block_m=64, fp8_dx_high=True)), BWD),  # FP8, d_x in bf16
+    (dict(which="bwd", fp8_block=128, fp8_dx_high=True, config=dict(block_m=64)), BWD),  # FP8, d_x in bf16
     (dict(which="fwd", fp8_block=32, config=dict(block_m=64)), FWD),  # MXFP8 32-blocks
     (dict(which="bwd", fp8_block=32, replay=True, config=dict(block_m=64)), BWD),  # MXFP8 backward, replay
 ], ids=lambda v: json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else "")

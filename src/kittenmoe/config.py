@@ -121,8 +121,7 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
     return all(gluon_wgrad_gradient_ok(n, m) for n, m in grads)
 
 
-_BOOL_KNOBS = ("combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "wgrad_persistent", "wgrad_gluon")
+_BOOL_KNOBS = ("combine_gather", "tma", "keep_activations", "wgrad_persistent", "wgrad_gluon")
 
 
 @dataclass(frozen=True)
@@ -162,16 +161,6 @@ class KernelConfig:
         fp32 gate|up (8 S bytes a token, 34 MB on Kimi) is kept too, ring or
         not: the backward's shared phase A runs its down dgrad alone. False:
         always replay.
-    fp8_dx_high: with FP8 experts, the backward's routed d_x GEMM (d(gate|up) W13) runs on x's dtype, from
-        the d(gate|up) rows as the backward stores them and the master weights, instead of on e4m3 (the
-        rest of the FP8 path is unchanged). In e4m3 that GEMM promotes every 64 of its K (d(gate|up) is
-        quantised 1 x 64, phase A's tile width) and was the FP8 backward's critical path on the H200:
-        +4.5 ms against +2.0 ms for BF16's on the Kimi slice (docs/perf-notes.md). Needs the master
-        weights (the layer, ``kittenmoe.moe`` and the HF integration pass them). No effect without FP8.
-    fp8_down_high: with FP8 experts, the forward's down projection runs in x's dtype: hidden rows stored in
-        x's dtype (not quantised) and multiplied by the master W2; gate|up and the backward's data gradients
-        stay e4m3. The FP8 down GEMM was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms
-        against +1.17). Needs the master weights. No effect without FP8.
     wgrad_persistent: the backward's weight gradients in one program per SM, each walking its tiles in one
         flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
         (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
@@ -226,8 +215,6 @@ class KernelConfig:
     combine_gather: bool = False
     tma: bool = True
     keep_activations: bool = True
-    fp8_dx_high: bool = False
-    fp8_down_high: bool = False
     wgrad_persistent: bool = False
     wgrad_gluon: bool = False
     tile_group_m: int = 0

@@ -232,9 +232,9 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
         raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
     dgb = fp8_dgu_block(config, b)
-    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with fp8_dx_high nothing is
+    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with FP8Config.dx_high nothing is
     # quantised in d(gate|up) blocks
-    if dgb < 32 and not config.fp8_dx_high:
+    if dgb < 32 and not fp8.cfg.dx_high:
         raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks {dgb} "
                          f"wide, its gate|up dgrad's K step, under the 32 an e4m3 dot needs: use block_n >= 64")
     if H % b or I % b:
@@ -317,7 +317,7 @@ def launch_rank_forward(
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
     row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
-    fp8_down = fp8 is not None and not config.fp8_down_high  # else the down projection in x's dtype
+    fp8_down = fp8 is not None and not fp8.cfg.down_high  # else the down projection in x's dtype
     st = ForwardState(
         schedule=sched,
         ring=ring,
@@ -746,8 +746,8 @@ def launch_rank_backward(
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     dgb = fp8_dgu_block(config, sb)  # (a placeholder constexpr without FP8)
-    # Phase B (d_x = d(gate|up) W13) on e4m3, unless KernelConfig.fp8_dx_high keeps it in x's dtype
-    fp8_b = fp8 is not None and not config.fp8_dx_high
+    # Phase B (d_x = d(gate|up) W13) on e4m3, unless FP8Config.dx_high keeps it in x's dtype
+    fp8_b = fp8 is not None and not fp8.cfg.dx_high
     if fp8 is not None:
         # d_out rows and scales, d(gate|up) rows and scales (phase B on e4m3 only), and for a replay (rows the
         # forward did not keep) the x rows quantised again, as the forward's pull did

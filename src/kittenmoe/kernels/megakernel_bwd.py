@@ -849,7 +849,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
                                                            True, BM, BN, FP8)
-                                if FP8_B:  # phase B on e4m3 (FP8 without KernelConfig.fp8_dx_high)
+                                if FP8_B:  # phase B on e4m3 (FP8 without FP8Config.dx_high)
                                     _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
                             if TRACE:

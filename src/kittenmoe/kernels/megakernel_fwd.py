@@ -540,7 +540,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     y_shared_ptr,  # [T, H] shared-expert output
     # weights of this rank
     w13_ptr,  # [L, 2I, H] (FP8: uint8 e4m3 bits)
-    w2_ptr,  # [L, H, I] (FP8_DOWN: uint8 e4m3 bits; FP8 with fp8_down_high: the master weights)
+    w2_ptr,  # [L, H, I] (FP8_DOWN: uint8 e4m3 bits; FP8 with FP8Config.down_high: the master weights)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 block scales of w13 (FP8; else a placeholder)
     w2s_ptr,  # [L, H // SB, I // SB] fp32 block scales of w2 (FP8; else a placeholder)
     sw13_ptr,  # [2S, H]
@@ -727,7 +727,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         if FP8_DOWN:  # hidden quantised for the e4m3 down GEMM
                                             _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB,
                                                               swiglu_limit, HAS_LIMIT, POW2, BM, BN, SB)
-                                        else:  # KernelConfig.fp8_down_high: hidden in x's dtype
+                                        else:  # FP8Config.down_high: hidden in x's dtype
                                             _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
                                                           HAS_LIMIT, BM, BN)
                                         if SAVE_GU:  # the backward reads these instead of replaying the GEMM
