@@ -118,7 +118,7 @@ META_CASES = {
     "R2-ring-kept": dict(shape=TINY, r=2, t=7, cfg=CFG.with_(macrobatch_size=16), keep=True, limit=0.5),
     # four ranks, bf16, no shared expert, the backward replays everything; persistent weight-gradient programs
     "R4-bf16-no-shared-replay": dict(shape=TINY, r=4, t=5, dtype=torch.bfloat16, shared=False, keep=False,
-                                     cfg=CFG.with_(wgrad_persistent=True)),
+                                     cfg=CFG.with_(wgrad="persistent")),
     # one rank, both gathering epilogues, no communication programs at all, every routed row kept
     "R1-gather-no-comm": dict(shape=TINY_SIG, r=1, t=9, keep=True, cfg=CFG.with_(
         combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)),
@@ -535,7 +535,7 @@ KNOB_REFUSALS = {
     "comm0-ring": (1, TINY, CFG.with_(num_comm_programs_fwd=0, combine_gather=True, macrobatch_size=16),
                    "forward", ValueError, "ring must hold them all"),
     # the Gluon weight gradients under the interpreter (Gluon does not run there): refused, never replaced
-    "wgrad-gluon-interpreter": (1, TINY, CFG.with_(wgrad_gluon=True, block_n=128, block_k=64, block_m=64,
+    "wgrad-gluon-interpreter": (1, TINY, CFG.with_(wgrad="gluon", block_n=128, block_k=64, block_m=64,
                                                       minibatch_size=64),
                                 "backward", NotImplementedError, "Gluon kernels do not run under the Triton"),
 }

@@ -260,7 +260,7 @@ def test_ops_fake_impls(shared):
 
 
 def test_config_roundtrip_through_op_args():
-    cfg = KernelConfig(macrobatch_size=4096, minibatch_size=2048, combine_gather=True, tma=False)
+    cfg = KernelConfig(macrobatch_size=4096, minibatch_size=2048, combine_gather=True, tma=False, wgrad="gluon")
     assert kag.config_from_args(kag.config_to_args(cfg)) == cfg
     with pytest.raises(TypeError, match="KernelConfig"):
         kag.config_to_args({"block_m": 16})

@@ -636,8 +636,8 @@ BITWISE_VARIANTS = {
     "comm-1": dict(num_comm_programs_bwd=1),
     # three communication programs
     "comm-3": dict(num_comm_programs_bwd=3),
-    # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
-    "wgrad-persistent": dict(wgrad_persistent=True),
+    # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad="persistent")
+    "wgrad-persistent": dict(wgrad="persistent"),
 }
 
 
@@ -743,13 +743,13 @@ WGRAD_PERSISTENT_CASES = {
 
 @pytest.mark.parametrize("name", list(WGRAD_PERSISTENT_CASES))
 def test_wgrad_persistent_same_bits(name, monkeypatch):
-    """KernelConfig.wgrad_persistent: every weight gradient the same bits as one program per tile, every
+    """KernelConfig.wgrad="persistent": every weight gradient the same bits as one program per tile, every
     tile written (the launchers' buffers start NaN), the other gradients untouched."""
     case = WGRAD_PERSISTENT_CASES[name]
     inp = _make_inputs(case, seed=9)
     plain = {k: v.clone() for k, v in _named(_backward(case, inp)).items()}
     nan_scratch(monkeypatch)
-    got = _named(_backward(case, inp, config=case.config().with_(wgrad_persistent=True)))
+    got = _named(_backward(case, inp, config=case.config().with_(wgrad="persistent")))
     monkeypatch.undo()
     assert sorted(got) == sorted(plain)
     for k in plain:
@@ -1174,11 +1174,11 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [
-    dict(wgrad_persistent=True),  # one program per SM walking the tiles
+    dict(wgrad="persistent"),  # one program per SM walking the tiles
     dict(bwd_num_stages=4),  # the megakernel's loops one stage deeper (229,408 B of shared memory on sm_90)
-    dict(wgrad_persistent=True, bwd_num_stages=4),  # both: what default_config runs at block_m 128
-    dict(wgrad_gluon=True),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
-    dict(wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
+    dict(wgrad="persistent", bwd_num_stages=4),  # both: what default_config runs at block_m 128
+    dict(wgrad="gluon"),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
+    dict(wgrad="gluon", bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
 ], ids=["persistent", "bwd-num-stages-4", "heuristic-backward", "gluon", "gluon-heuristic-backward"])
 def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     """The weight-gradient launch's knobs (and the backward megakernel's pipeline depth) on the Kimi slice (512

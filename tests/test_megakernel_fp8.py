@@ -799,8 +799,8 @@ def test_gpu_fp8_seed_slice(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_backward_heuristic_knobs_same_bits():
-    """The backward knobs default_config turns on at block_m 128 (wgrad_persistent, bwd_num_stages=4, and on
-    Hopper wgrad_gluon) in the FP8 backward, kept gate|up, on the Kimi slice (512 tokens): every gradient has the
+    """The backward knobs default_config turns on at block_m 128 (wgrad="persistent", bwd_num_stages=4, and on
+    Hopper wgrad="gluon") in the FP8 backward, kept gate|up, on the Kimi slice (512 tokens): every gradient has the
     bits of the per-tile launch at 3 stages (the order of each sum is unchanged; only when operands arrive and
     which program stores a tile)."""
     base = SEED_SHAPES["kimi-k2.7"]
@@ -811,8 +811,8 @@ def test_gpu_fp8_backward_heuristic_knobs_same_bits():
     d_out = torch.randn(512, shape.h, generator=torch.Generator().manual_seed(10)).to("cuda", torch.bfloat16)
     plain = KernelConfig(minibatch_size=256)
     grads = {}
-    heuristic = plain.with_(wgrad_persistent=True, bwd_num_stages=4)
-    for label, cfg in (("plain", plain), ("heuristic", heuristic), ("gluon", heuristic.with_(wgrad_gluon=True))):
+    heuristic = plain.with_(wgrad="persistent", bwd_num_stages=4)
+    for label, cfg in (("plain", plain), ("heuristic", heuristic), ("gluon", heuristic.with_(wgrad="gluon"))):
         f = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
         b = megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved(), fp8=fp8)
         b.check_errors()
@@ -820,8 +820,8 @@ def test_gpu_fp8_backward_heuristic_knobs_same_bits():
                         "d_w13": b.d_w13.clone(), "d_w2": b.d_w2.clone(), "d_shared_w13": b.d_shared_w13.clone(),
                         "d_shared_w2": b.d_shared_w2.clone()}
     for n, want in grads["plain"].items():
-        assert_bitwise_equal(grads["heuristic"][n], want, f"{n}: wgrad_persistent + bwd_num_stages=4 vs plain")
-        assert_bitwise_equal(grads["gluon"][n], want, f"{n}: + wgrad_gluon vs plain")
+        assert_bitwise_equal(grads["heuristic"][n], want, f"{n}: wgrad='persistent' + bwd_num_stages=4 vs plain")
+        assert_bitwise_equal(grads["gluon"][n], want, f"{n}: wgrad='gluon' vs plain")
 
 
 @pytest.mark.gpu

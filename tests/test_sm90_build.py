@@ -98,10 +98,10 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(combine_gather=True, num_comm_programs_bwd=0)), BWD),
     (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
-    (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
-    # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad_gluon), kept and replaying
-    (dict(which="bwd", resident=True, config=dict(wgrad_gluon=True)), BWD_GLUON),
-    (dict(which="bwd", config=dict(wgrad_gluon=True, wgrad_persistent=True)), BWD_GLUON),
+    (dict(which="bwd", resident=True, config=dict(wgrad="persistent")), BWD_PERSISTENT),
+    # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad="gluon"), kept and replaying
+    (dict(which="bwd", resident=True, config=dict(wgrad="gluon")), BWD_GLUON),
+    (dict(which="bwd", config=dict(wgrad="gluon")), BWD_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),

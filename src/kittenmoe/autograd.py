@@ -65,7 +65,7 @@ ErrorCheck = Literal["sync", "deferred"]
 # ----------------------------------------------------------------------------- schema
 
 _FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
-                       "float | None": "float?"}
+                       "float | None": "float?", "WgradKernel": "str"}
 
 
 def _config_schema() -> str:

@@ -173,40 +173,40 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
 
 
 def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
-    """KernelConfig.wgrad_gluon's conditions, before any weight-gradient launch: a Hopper GPU (wgmma), no
+    """KernelConfig.wgrad="gluon"'s conditions, before any weight-gradient launch: a Hopper GPU (wgmma), no
     interpreter (Gluon does not run in it), the backward's TMA path, and per job (P, Q, out, N, M) 2-byte
     operands of out's dtype, N a multiple of the 128-row tile (a tile never crosses into the next expert's
     gradient), M a multiple of 8 (TMA's 16-byte rows) and a contiguous out. Each failure names itself: the knob
     is never silently replaced by the Triton kernel."""
     if interpreting():
-        raise NotImplementedError("KernelConfig.wgrad_gluon: Gluon kernels do not run under the Triton interpreter; "
-                                  "the interpreter runs the Triton weight-gradient kernel (wgrad_gluon=False), "
+        raise NotImplementedError("KernelConfig.wgrad='gluon': Gluon kernels do not run under the Triton interpreter; "
+                                  "the interpreter runs the Triton weight-gradient kernels (wgrad='persistent'), "
                                   "whose bits the Gluon kernel's GPU test holds it to")
     _check_gluon_device(dev)
     try:  # here, not at the launch after the megakernel: a Triton without Gluon's Hopper API is refused up front
         from kittenmoe.kernels import wgrad_gluon  # noqa: F401
     except ImportError as exc:
-        raise NotImplementedError(f"KernelConfig.wgrad_gluon needs Gluon's Hopper API (triton.experimental.gluon, "
+        raise NotImplementedError(f"KernelConfig.wgrad='gluon' needs Gluon's Hopper API (triton.experimental.gluon, "
                                   f"Triton 3.6 was timed); this Triton {triton.__version__} lacks it ({exc}): set "
-                                  f"wgrad_gluon=False") from exc
+                                  f"wgrad='persistent'") from exc
     if not use_tma:
-        raise NotImplementedError("KernelConfig.wgrad_gluon loads through TMA: it needs tma=True, 2-byte operands "
+        raise NotImplementedError("KernelConfig.wgrad='gluon' loads through TMA: it needs tma=True, 2-byte operands "
                                   "and 16-byte row strides (the backward's TMA path)")
     for p_op, q_op, dst, n, m in jobs:
         if not (p_op.dtype == q_op.dtype == dst.dtype and dst.element_size() == 2 and gluon_wgrad_gradient_ok(n, m)
                 and dst.is_contiguous()):
             raise NotImplementedError(
-                f"KernelConfig.wgrad_gluon: a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
+                f"KernelConfig.wgrad='gluon': a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
                 f"{q_op.dtype} operands is not built (it needs one 2-byte dtype for all three, N % 128 == 0, "
-                f"M % 8 == 0 and a contiguous gradient); set wgrad_gluon=False")
+                f"M % 8 == 0 and a contiguous gradient); set wgrad='persistent'")
 
 
 def _check_gluon_device(dev: torch.device) -> None:
     """The Gluon weight-gradient kernel issues wgmma, which only sm_90 (Hopper) has."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cap is None or cap[0] != 9:
-        raise NotImplementedError(f"KernelConfig.wgrad_gluon issues Hopper's wgmma (sm_90); this device is {dev}"
-                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad_gluon=False")
+        raise NotImplementedError(f"KernelConfig.wgrad='gluon' issues Hopper's wgmma (sm_90); this device is {dev}"
+                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad='persistent'")
 
 
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
@@ -874,7 +874,7 @@ def launch_rank_backward(
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
-    # The weight-gradient jobs, launched after the megakernel (below); listed first so that wgrad_gluon's
+    # The weight-gradient jobs, launched after the megakernel (below); listed first so that the Gluon kernel's
     # conditions are checked before the megakernel launches (the schedule's kernels have run, as for every
     # check here that needs the routed buffers).
     jobs = []  # (row offsets, ends of the rows summed, groups, P, Q, out, N, M)
@@ -888,7 +888,7 @@ def launch_rank_backward(
     if phases & mb.PB_SHARED_WGRAD and has_shared:
         whole = torch.arange(2, dtype=torch.int32, device=dev) * T  # [0, T], built on the device (capturable)
         jobs += [(whole, whole[1:], 1, "sdgu", "xl", dsw13, 2 * S, H), (whole, whole[1:], 1, "dol", "sh", dsw2, H, S)]
-    if config.wgrad_gluon and jobs:
+    if config.wgrad == "gluon" and jobs:
         _check_wgrad_gluon(dev, use_tma, [(operands[p], operands[q], dst, n, m) for *_, p, q, dst, n, m in jobs])
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
     out["route_row"] = None
@@ -919,12 +919,12 @@ def launch_rank_backward(
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
-        if config.wgrad_gluon:  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
+        if config.wgrad == "gluon":  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
             from kittenmoe.kernels import wgrad_gluon
 
             out["compiled_wgrad"] = wgrad_gluon.launch(offsets, ends, p_op, q_op, dst, n, m, wk, wm,
                                                          _num_programs(dev, 0))
-        elif config.wgrad_persistent:  # one program per SM (3 under the interpreter)
+        elif config.wgrad == "persistent":  # one program per SM (3 under the interpreter)
             progs = _num_programs(dev, 0)
             # The store through shared memory and TMA, drained under the next tile's K loop: the output viewed
             # as [G * N, M] must not let a tile cross into the next group's rows (N % wn) and a 2-byte dtype (an
