@@ -22,6 +22,9 @@ import pytest
 from kittenmoe.config import SHARED_MEMORY_LIMIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")  # build tooling, outside the installed package
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 DEVICE_TRITON = "3.6"  # the H200 image's Triton (../.library/device/README)
 
 
@@ -35,9 +38,9 @@ def _triton_dir() -> str:
 
 def _run_build(spec: dict, triton_dir: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src")])
-    return subprocess.run([sys.executable, "-m", "kittenmoe.sm90_build", json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src"), TOOLS])
+    return subprocess.run([sys.executable, os.path.join(TOOLS, "sm90_build.py"), json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=900)
 
 
 # Builds run in subprocesses, two at a time (CI has 2 cores; each build is one mostly single-threaded
@@ -180,7 +183,7 @@ def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
     (and UR8 under a predicate, which does not count); the two others have theirs on every path. With that
     wgmma reading UR16..UR19 (set before the branch) the same code passes; a second, clean function after it in
     the listing (addresses restart at 0) does not hide it; nor does a branch whose condition is an operand."""
-    from kittenmoe.sm90_build import hgmma_descriptors_unset
+    from sm90_build import hgmma_descriptors_unset
 
     bad = hgmma_descriptors_unset(_SASS_BRANCHES)
     assert len(bad) == 1 and bad[0].startswith("0x00c0") and "[8, 9, 10, 11]" in bad[0], bad
@@ -199,7 +202,7 @@ def test_hgmma_descriptor_check_flags_the_three_way_tail_build():
     warp-specialized partitions are reached through an indirect branch (BRX)."""
     import gzip
 
-    from kittenmoe.sm90_build import hgmma_descriptors_unset
+    from sm90_build import hgmma_descriptors_unset
 
     with gzip.open(os.path.join(ROOT, "tests", "data", "wgrad_gluon_three_way_tail.sass.gz"), "rt") as f:
         bad = hgmma_descriptors_unset(f.read())
@@ -227,7 +230,7 @@ def test_gluon_fp8_probe_builds_overlapped_for_sm90():
     loop-carried lag form is serialized by ptxas (every wait leaves none), which is why chunks drain."""
     d = _triton_dir()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src")])
+    env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src"), TOOLS])
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fp8_probe.py"), "--build", "--json",
                         "--k", "7168", "--stages", "4", "--modes", "pair,chunk4,chunk8,lag"],
                        capture_output=True, text=True, env=env, timeout=600)

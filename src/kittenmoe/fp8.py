@@ -47,7 +47,7 @@ E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Launch parameters of the standalone quantisers by scale block (also what kittenmoe.sm90_build compiles).
+# Launch parameters of the standalone quantisers by scale block (also what tools/sm90_build.py compiles).
 # Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: a block in
 # 32-row chunks (an amax pass, then a quantise pass), 4 warps for 128-blocks; one 32-block in one pass with one
 # warp. The one-pass form of a 128-block (RC = 128) needs 255 registers and a 280-byte stack (Triton 3.6, bf16)

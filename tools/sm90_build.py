@@ -1,6 +1,7 @@
 """Compile the kernels for sm_90 (Hopper) on a machine without a GPU, and read what the builds use.
 
-Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
+Build tooling, not library: it lives in the repository's ``tools/`` (not in the installed package) and imports
+``kittenmoe`` from ``src/``. Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
 minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
 the H200 with the Triton the device runs). The second exists because the interpreter checks neither types
 across branches nor shared memory: on 2026-12-01 the FP8 backward's replay variant, green in CI, did not
@@ -313,7 +314,7 @@ def build_quantisers() -> list[Build]:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m kittenmoe.sm90_build '{"which": "bwd", "fp8_block": 128, ...}'`` (or ``'{"which":
+    """``PYTHONPATH=src python tools/sm90_build.py '{"which": "bwd", "fp8_block": 128, ...}'`` (or ``'{"which":
     "quant"}'``): one JSON list of the builds on stdout, for tests/test_sm90_build.py's subprocess."""
     import json
 
