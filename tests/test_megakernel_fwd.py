@@ -895,25 +895,24 @@ def test_epilogue_sums_routes_in_fixed_order():
     assert not torch.equal(ordered(reversed(range(K))), ordered(range(K))), "the order never mattered: no test"
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("zero_invalid", [False, True])  # invalid rows skipped, or written as zeros
-def test_copy_rows_chunks(prefetch, zero_invalid):
+def test_copy_rows_chunks(zero_invalid):
     """_copy_rows over several column chunks (H = 40 in chunks of 16: two whole and a partial one): valid rows
-    copied, invalid rows zeroed or left alone, nothing past H touched; with and without the prefetch."""
+    copied, invalid rows zeroed or left alone, nothing past H touched."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(src, dst, valid_ptr, H, BLOCK_H: tl.constexpr, ZERO: tl.constexpr, PF: tl.constexpr):
+    def kernel(src, dst, valid_ptr, H, BLOCK_H: tl.constexpr, ZERO: tl.constexpr):
         r = tl.arange(0, 8)
         ok = tl.load(valid_ptr + r) != 0
-        mk._copy_rows(src + r * 48, dst + r * 48, ok, H, BLOCK_H, ZERO, PF)
+        mk._copy_rows(src + r * 48, dst + r * 48, ok, H, BLOCK_H, ZERO)
 
     g = torch.Generator().manual_seed(4)
     src = torch.randn(8, 48, generator=g).to(DEV)  # rows of 48 of which H = 40 are copied
     dst = torch.full((8, 48), float("nan"), device=DEV)
     valid = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.int32, device=DEV)
-    kernel[(1,)](src, dst, valid, 40, BLOCK_H=16, ZERO=zero_invalid, PF=prefetch)
+    kernel[(1,)](src, dst, valid, 40, BLOCK_H=16, ZERO=zero_invalid)
     ok = valid.bool()
     assert_bitwise_equal(dst[ok, :40], src[ok, :40], "valid rows")
     if zero_invalid:
