@@ -14,6 +14,7 @@ per shape (kind "forward-fp8") in --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -48,6 +49,11 @@ def ceilings(reps: int) -> dict:
                                      warmup=20, rep=reps * 20, return_mode="median")
     flop = 2 * n ** 3
     return dict(bf16_tflops=flop / ms_bf16 / 1e9, fp8_tflops=flop / ms_fp8 / 1e9)
+
+
+def with_flags(fp8: FP8ExpertWeights, **flags) -> FP8ExpertWeights:
+    """The same e4m3 weights with ``FP8Config`` precision flags (``dx_high``, ``down_high``) set."""
+    return dataclasses.replace(fp8, cfg=dataclasses.replace(fp8.cfg, **flags))
 
 
 def a_args(x, ids, wts, w, shape):
@@ -85,6 +91,9 @@ def main() -> int:
         x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
         ids, wts = routing_uniform(T, shape.e, shape.k, generator=g, device=dev)
         fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(args.scale_block, args.scale_block == 32))
+        fp8_down = with_flags(fp8, down_high=True)  # FP8Config.down_high: the forward's down projection in bf16
+        fp8_dx = with_flags(fp8, dx_high=True)  # FP8Config.dx_high: d_x = d(gate|up) W13 in bf16
+        fp8_both = with_flags(fp8, dx_high=True, down_high=True)
         peers = LocalPeers(1, dev)
         cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev)
         a = a_args(x, ids, wts, w, shape)
@@ -95,22 +104,22 @@ def main() -> int:
         comms = [int(v) for v in args.comm.split(",")] if args.comm else [cfg.num_comm_programs_fwd]
         cands = {f"bm{bm}-comm{nc}": cfg8.with_(block_m=bm, num_comm_programs_fwd=nc)
                  for bm in (128, 64) for nc in comms}
-        # The candidates, fp8_down_high at both row tiles (without the down GEMM's promotions block_m 128
+        # The candidates, FP8Config.down_high at both row tiles (without the down GEMM's promotions block_m 128
         # spills far less: Triton 3.6 sm_90 build, a 64-byte stack against 256, so it may win where it lost
         # before; at the first --comm count), timed together in interleaved rounds.
         cand_fns = {}
-        for label, c in list(cands.items()) + [(f"down_high-bm{bm}", cfg8.with_(block_m=bm, fp8_down_high=True,
-                                                                                num_comm_programs_fwd=comms[0]))
-                                               for bm in (128, 64)]:
-            megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)  # compile outside the timing
-            cand_fns[label] = lambda c=c: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=fp8)
+        for label, c, q in ([(k, c, fp8) for k, c in cands.items()]
+                            + [(f"down_high-bm{bm}", cfg8.with_(block_m=bm, num_comm_programs_fwd=comms[0]), fp8_down)
+                               for bm in (128, 64)]):
+            megakernel_forward_multirank(*a, config=c, peers=peers, fp8=q)  # compile outside the timing
+            cand_fns[label] = lambda c=c, q=q: megakernel_forward_multirank(*a, config=c, peers=peers, fp8=q)
         cand_ms = {k: t.ms for k, t in measure_interleaved(cand_fns, dev, rounds=args.rounds,
                                                            rep_ms=args.reps * 10 / args.rounds).items()}
         ms_alt = {k: v for k, v in cand_ms.items() if k in cands}
         print(f"  fp8 forward by config: { {k: round(v, 3) for k, v in ms_alt.items()} }", flush=True)
         cfg8 = cands[min(ms_alt, key=ms_alt.get)]
         down_ms = {bm: cand_ms[f"down_high-bm{bm}"] for bm in (128, 64)}
-        print(f"  fp8_down_high forward by block_m: { {k: round(v, 3) for k, v in down_ms.items()} }", flush=True)
+        print(f"  down_high forward by block_m: { {k: round(v, 3) for k, v in down_ms.items()} }", flush=True)
         down_bm = min(down_ms, key=down_ms.get)
         phase_ms = {}
         if args.breakdown:  # where the FP8 forward's time goes, beside the BF16 forward's
@@ -141,10 +150,10 @@ def main() -> int:
                     print(f"  {key:<22} {phase_ms[key]:.3f} ms", flush=True)
                 del kept
 
-        cfg8d = cfg8.with_(fp8_down_high=True, block_m=down_bm)
+        cfg8d = cfg8.with_(block_m=down_bm)
 
-        def run_fp8_down_high():  # KernelConfig.fp8_down_high: the forward's down projection in bf16
-            return megakernel_forward_multirank(*a, config=cfg8d, peers=peers, fp8=fp8).outputs[0]
+        def run_fp8_down_high():  # FP8Config.down_high: the forward's down projection in bf16
+            return megakernel_forward_multirank(*a, config=cfg8d, peers=peers, fp8=fp8_down).outputs[0]
 
         def run_fp8():
             return megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8).outputs[0]
@@ -183,17 +192,14 @@ def main() -> int:
             megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8)
             return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, fp8=fp8)
 
-        cfg8h = cfg8.with_(fp8_dx_high=True)
-
-        def run_fp8_fb_dx_high():  # KernelConfig.fp8_dx_high: d_x = d(gate|up) W13 in bf16, the rest e4m3
-            f = megakernel_forward_multirank(*a, config=cfg8h, peers=peers, fp8=fp8, save_for_backward=True)
-            return megakernel_backward_multirank([d_out], *a, config=cfg8h, peers=peers, saved=f.saved(), fp8=fp8)
-
-        cfg8b = cfg8.with_(fp8_dx_high=True, fp8_down_high=True)
+        def run_fp8_fb_dx_high():  # FP8Config.dx_high: d_x = d(gate|up) W13 in bf16, the rest e4m3
+            f = megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8_dx, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, saved=f.saved(), fp8=fp8_dx)
 
         def run_fp8_fb_both_high():  # both: e4m3 gate|up and down dgrad, the rest bf16 (+ bf16 wgrad)
-            f = megakernel_forward_multirank(*a, config=cfg8b, peers=peers, fp8=fp8, save_for_backward=True)
-            return megakernel_backward_multirank([d_out], *a, config=cfg8b, peers=peers, saved=f.saved(), fp8=fp8)
+            f = megakernel_forward_multirank(*a, config=cfg8, peers=peers, fp8=fp8_both, save_for_backward=True)
+            return megakernel_backward_multirank([d_out], *a, config=cfg8, peers=peers, saved=f.saved(),
+                                                 fp8=fp8_both)
 
         def run_bf16_fb():
             f = megakernel_forward_multirank(*a, config=cfg, peers=peers, save_for_backward=True)
@@ -212,12 +218,12 @@ def main() -> int:
               f"{ {k: f'{v:.1e}' for k, v in row['grad_rel_l1_vs_emulation'].items()} }", flush=True)
         fb = run_fp8_fb_dx_high()
         fb.check_errors()
-        emu_g = moe_backward_reference_fp8(d_out, x, ids, wts, fp8, w.shared_w13_2SH, w.shared_w2_HS,
+        emu_g = moe_backward_reference_fp8(d_out, x, ids, wts, fp8_dx, w.shared_w13_2SH, w.shared_w2_HS,
                                            shape.swiglu_limit, dgu_block=fp8_dgu_block(cfg8, fp8.cfg.scale_block),
                                            compute_dtype=torch.float32, dx_w13_E2IH=w.w13_E2IH)
         row["dx_high_d_x_rel_l1_vs_emulation"] = rel_l1(fb.d_x[0], emu_g["d_x"])
         del emu_g, fb
-        print(f"  fp8_dx_high: d_x vs its emulation rel L1 {row['dx_high_d_x_rel_l1_vs_emulation']:.1e}", flush=True)
+        print(f"  dx_high: d_x vs its emulation rel L1 {row['dx_high_d_x_rel_l1_vs_emulation']:.1e}", flush=True)
         bench = dict(fp8=run_fp8, bf16=run_bf16,
                      grouped_mm=lambda: grouped_mm_forward(x, ids, wts, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH,
                                                            w.shared_w2_HS, shape.swiglu_limit),
@@ -245,8 +251,8 @@ def main() -> int:
               f"grouped_mm {row['ms_grouped_mm']:.3f} ms; {row['routed_tflops']:.0f} routed TF/s; fwd+bwd fp8 "
               f"{row['ms_fp8_fwd_bwd']:.3f} ms, bf16 {row['ms_bf16_fwd_bwd']:.3f} ms "
               f"({row['fwd_bwd_speedup_vs_bf16']:.2f}x); fp8 replaying gate|up {row['ms_fp8_fwd_bwd_replay']:.3f} ms; "
-              f"fp8 with d_x in bf16 (fp8_dx_high) {row['ms_fp8_fwd_bwd_dx_high']:.3f} ms "
-              f"({row['fwd_bwd_dx_high_speedup_vs_bf16']:.2f}x); fp8_down_high forward {row['ms_fp8_down_high']:.3f} "
+              f"fp8 with d_x in bf16 (dx_high) {row['ms_fp8_fwd_bwd_dx_high']:.3f} ms "
+              f"({row['fwd_bwd_dx_high_speedup_vs_bf16']:.2f}x); down_high forward {row['ms_fp8_down_high']:.3f} "
               f"ms ({row['down_high_speedup_vs_bf16']:.2f}x); both high fwd+bwd {row['ms_fp8_fwd_bwd_both_high']:.3f} ms "
               f"({row['fwd_bwd_both_high_speedup_vs_bf16']:.2f}x)", flush=True)
         rows.append(row)

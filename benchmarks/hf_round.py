@@ -78,8 +78,7 @@ def implementations(device: torch.device) -> list[str]:
         register(Options(fp8=FP8Config()), name=FP8_NAME)
         impls.append(FP8_NAME)
         # FP8 with its down GEMM and d_x GEMM in bf16 (the e4m3 forms were slower than BF16's on the H200)
-        register(Options(fp8=FP8Config(), knobs=(("fp8_dx_high", True), ("fp8_down_high", True))),
-                 name="kittenmoe-fp8-high")
+        register(Options(fp8=FP8Config(dx_high=True, down_high=True)), name="kittenmoe-fp8-high")
         impls += ["kittenmoe-fp8-high"]
     try:
         import sonicmoe  # noqa: F401

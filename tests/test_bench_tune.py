@@ -511,10 +511,10 @@ CORRUPT = [
     # a config field this version does not have
     ("field", lambda e: json.dumps(dict(e, config=dict(e["config"], warp_specialize=1))),
      "another set of KernelConfig knobs .*unknown: warp_specialize"),
-    # tuned before a knob existed (as every entry written before wgrad_gluon: the package version did not move,
-    # and the knob would silently take its dataclass default over what the heuristic now sets)
-    ("missing-knob", lambda e: json.dumps(dict(e, config={k: v for k, v in e["config"].items() if k != "wgrad_gluon"})),
-     "stale: tuned with another set of KernelConfig knobs \\(missing: wgrad_gluon; unknown: none\\)"),
+    # tuned before a knob existed (the package version did not move, and the knob would silently take its
+    # dataclass default over what the heuristic now sets)
+    ("missing-knob", lambda e: json.dumps(dict(e, config={k: v for k, v in e["config"].items() if k != "wgrad"})),
+     "stale: tuned with another set of KernelConfig knobs \\(missing: wgrad; unknown: none\\)"),
     # a config value KernelConfig rejects
     ("value", lambda e: json.dumps(dict(e, config=dict(e["config"], block_m=24))), "not a valid KernelConfig"),
     # config missing altogether
@@ -619,8 +619,8 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
     ((2048, 7168, 2048, 48, 8), 1, torch.bfloat16, dict(block_m=128, minibatch_size=2048, num_stages=4,
                                                         num_comm_programs_fwd=0, combine_gather=True,
                                                         num_comm_programs_bwd=0,
-                                                        macrobatch_size=None, wgrad_persistent=True,
-                                                        wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1)),
+                                                        macrobatch_size=None, wgrad="gluon",
+                                                        bwd_num_stages=4, tile_group_m=-1)),
     # narrow experts (Qwen3.5 EP8, I=1024) on one rank: no comm programs either
     ((4096, 4096, 1024, 64, 10), 1, torch.bfloat16, dict(num_comm_programs_fwd=0, num_comm_programs_bwd=0)),
     # the Kimi slice's widths over 8 ranks: pushes (no gather), forward comm programs by I (12), the backward's
@@ -633,11 +633,11 @@ def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
     # (the backward's knobs were timed with 2-byte operands only: fp32 keeps the per-tile launch, 3 stages, and
     # the comm programs pushing)
     ((2048, 7168, 2048, 48, 8), 1, torch.float32, dict(block_k=32, num_stages=4, bwd_num_stages=0,
-                                                       wgrad_persistent=False, wgrad_gluon=False, tile_group_m=0,
+                                                       wgrad="triton", tile_group_m=0,
                                                        combine_gather=False, num_comm_programs_fwd=12)),
     # few rows per expert (T*K*R/E = 16 < 96): block_m 64, a minibatch of n/4 rows (backward stages as timed)
     ((256, 1024, 512, 128, 8), 1, torch.bfloat16, dict(block_m=64, minibatch_size=512, bwd_num_stages=0,
-                                                       wgrad_persistent=True, wgrad_gluon=True)),
+                                                       wgrad="gluon")),
     # a huge routed buffer (64 ranks x 8192 tokens x 8 routes x 2*7168+2048 wide): the ring window kicks in
     ((8192, 7168, 2048, 384, 8), 64, torch.bfloat16, dict(minibatch_size=2048)),
 ])
@@ -657,7 +657,7 @@ def test_default_config_gluon_weight_gradients_on_hopper_only(monkeypatch):
     # the Gluon weight-gradient kernel issues Hopper's wgmma: a newer GPU (sm_100) keeps the Triton kernel
     _fake_gpu(monkeypatch, major=10)
     cfg = default_config(2048, 7168, 2048, 48, 8, device="cuda")
-    assert not cfg.wgrad_gluon and cfg.wgrad_persistent, cfg
+    assert cfg.wgrad == "persistent", cfg
 
 
 @pytest.mark.parametrize("h,i,s,gluon", [
@@ -672,25 +672,25 @@ def test_default_config_gluon_weight_gradients_only_where_the_widths_fit(monkeyp
     # refuse the knob there, so the heuristic must not set it)
     _fake_gpu(monkeypatch)
     cfg = default_config(2048, h, i, 48, 8, device="cuda", s=s)
-    assert cfg.wgrad_gluon == gluon and cfg.wgrad_persistent, cfg
+    assert cfg.wgrad == ("gluon" if gluon else "persistent"), cfg
 
 
 def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
     # a tile point the Gluon kernel does not build (block_n 64) keeps its place in the grid with the Triton
     # weight gradients, rather than being pruned as an invalid config
-    base = KernelConfig(wgrad_gluon=True, wgrad_persistent=True)
+    base = KernelConfig(wgrad="gluon")
     kept, pruned = expand_grid({"tiles": ((128, 4), (64, 4))}, base, 2048, 8, 48, 1, 2, 132)
     assert not pruned, pruned
-    assert [(c.block_n, c.wgrad_gluon) for c in kept] == [(128, True), (64, False)]
+    assert [(c.block_n, c.wgrad) for c in kept] == [(128, "gluon"), (64, "persistent")]
 
 
 @pytest.mark.parametrize("spec, want", [
     # tiles off the Gluon kernel's 128 x 256: the Triton weight gradients
-    ("block_n=64", dict(block_n=64, wgrad_gluon=False)),
+    ("block_n=64", dict(block_n=64, wgrad="persistent")),
     # no TMA: the Gluon kernel cannot run; the Triton one does
-    ("tma=False", dict(tma=False, wgrad_gluon=False)),
+    ("tma=False", dict(tma=False, wgrad="persistent")),
     # a deeper K step: the backward's phase-A tile no longer fits at 4 stages, so it takes bwd_stages' default
-    ("block_k=128,num_stages=2", dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad_gluon=False)),
+    ("block_k=128,num_stages=2", dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad="persistent")),
     # a ring, or pushes: the one-rank gather goes (a wrapping ring would overwrite the rows it reads) and the
     # comm programs that push come back at KernelConfig()'s counts
     ("macrobatch_size=8192", dict(macrobatch_size=8192, combine_gather=False, num_comm_programs_fwd=16,
@@ -708,14 +708,14 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
     accept (an audit found each of these refused at launch), and nothing else moves."""
     _fake_gpu(monkeypatch)
     base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
-    assert base.wgrad_gluon and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
+    assert base.wgrad == "gluon" and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
     cfg = apply_overrides(base, parse_config_overrides(spec))
     assert cfg == base.with_(**want)
     assert bwd_phase_a_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT and gate_up_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("block_n=64,wgrad_gluon=True", "KernelConfig.wgrad_gluon builds 128 x 256"),  # asked for: checked as given
+    ("block_n=64,wgrad=gluon", "KernelConfig.wgrad='gluon' builds 128 x 256"),  # asked for: checked as given
     # both named: the config's own error (no program would push the backward's d_x rows)
     ("combine_gather=False,num_comm_programs_bwd=0", "num_comm_programs_bwd=0 leaves no program to push"),
     ("macrobatch_size=8192,num_comm_programs_fwd=0", "leaves no program to push"),  # no pusher, and none given back

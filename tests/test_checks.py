@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kittenmoe.config import TEST_SHAPES, KernelConfig, ModelShape, get_shape
+from kittenmoe.config import TEST_SHAPES, KernelConfig, ModelShape, default_config, get_shape
 from kittenmoe.testing import make_weights, routing_uniform
 from kittenmoe.torch_backend import moe_forward_multirank
 
@@ -386,14 +386,11 @@ BAD_CONFIGS = [
     pytest.param(dict(macrobatch_size=0), ValueError, r"macrobatch_size=0 must be a positive multiple",
                  id="macrobatch-0"),
     # ---- programs, stages, warps
-    # no forward communication program and no epilogue push: nothing would push finished rows
-    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs push_in_epilogue",
-                 id="comm-fwd-0-no-push"),
-    # both combine paths at once
-    pytest.param(dict(push_in_epilogue=True, combine_gather=True), ValueError,
-                 r"push_in_epilogue and combine_gather are two ways to combine", id="push-and-gather"),
+    # no forward communication program and no gathering epilogue: nothing would push finished rows
+    pytest.param(dict(num_comm_programs_fwd=0), ValueError, r"num_comm_programs_fwd=0 .* needs combine_gather",
+                 id="comm-fwd-0-no-gather"),
     # negative forward communication programs
-    pytest.param(dict(num_comm_programs_fwd=-1, push_in_epilogue=True), ValueError,
+    pytest.param(dict(num_comm_programs_fwd=-1, combine_gather=True), ValueError,
                  r"num_comm_programs_fwd must be >= 0", id="comm-fwd-negative"),
     # no backward communication program and a push to do: nothing would push the d_x rows
     pytest.param(dict(num_comm_programs_bwd=0), ValueError, r"num_comm_programs_bwd=0 .* needs combine_gather",
@@ -405,15 +402,15 @@ BAD_CONFIGS = [
     pytest.param(dict(num_stages=0), ValueError, r"num_stages must be >= 1", id="stages-0"),
     # negative backward stages (0 is the default: follow num_stages up to 3)
     pytest.param(dict(bwd_num_stages=-1), ValueError, r"bwd_num_stages must be >= 0", id="bwd-stages-negative"),
-    pytest.param(dict(bwd_a_k_unroll=3), ValueError, r"bwd_a_k_unroll must be 1 or 2", id="bwd-a-unroll-3"),
-    pytest.param(dict(bwd_a_num_stages=-1), ValueError, r"bwd_a_num_stages must be >= 0", id="bwd-a-stages-neg"),
-    # the Gluon weight gradients' tile is 128 x 256 of 64-row steps: block_n 64, 32-row steps, two programs an SM
-    pytest.param(dict(wgrad_gluon=True, block_n=64), ValueError, r"wgrad_gluon builds 128 x 256", id="gluon-bn64"),
-    pytest.param(dict(wgrad_gluon=True, block_k=32), ValueError, r"min\(block_k, block_m\)=64", id="gluon-bk32"),
-    pytest.param(dict(wgrad_gluon=True, wgrad_two_per_sm=True), ValueError, r"without wgrad_two_per_sm",
-                 id="gluon-two-per-sm"),
+    # the Gluon weight gradients' tile is 128 x 256 of 64-row steps: block_n 64, 32-row steps
+    pytest.param(dict(wgrad="gluon", block_n=64), ValueError, r"wgrad='gluon' builds 128 x 256", id="gluon-bn64"),
+    pytest.param(dict(wgrad="gluon", block_k=32), ValueError, r"min\(block_k, block_m\)=64", id="gluon-bk32"),
     # a knob that is not a bool
-    pytest.param(dict(wgrad_gluon=1), TypeError, r"wgrad_gluon must be a bool", id="gluon-int"),
+    pytest.param(dict(tma=1), TypeError, r"tma must be a bool", id="tma-int"),
+    # the weight-gradient kernel is one of three names; an unknown one (or not a string) names them
+    pytest.param(dict(wgrad="cutlass"), ValueError, r"wgrad must be one of 'triton', 'persistent', 'gluon', "
+                 r"got 'cutlass'", id="wgrad-unknown"),
+    pytest.param(dict(wgrad=True), ValueError, r"wgrad must be one of", id="wgrad-bool"),
     # num_warps not a power of two
     pytest.param(dict(num_warps=3), ValueError, r"num_warps must be one of 1, 2, 4, 8, 16, got 3", id="warps-3"),
     # num_warps too many
@@ -532,3 +529,94 @@ def test_kernel_config_bwd_stages(kwargs, stages):
     one = bwd_phase_a_smem_bytes(cfg.with_(num_stages=1, bwd_num_stages=1))
     # the megakernel's loops scale with bwd_stages (the weight-gradient launch's term with num_stages)
     assert bwd_phase_a_smem_bytes(cfg) >= stages * one
+
+
+# ---------------------------------------------------------------- default_config: the heuristic and pinned knobs
+
+KIMI = (2048, 7168, 2048, 48, 8)  # the Kimi slice at one EP8 rank: t, h, i, e, k
+
+
+def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem, major=major))
+
+
+@pytest.mark.parametrize("major, dtype, wgrad", [
+    (9, torch.bfloat16, "gluon"),  # Hopper, 2-byte operands, widths of whole 128-row tiles: the Gluon kernel
+    (10, torch.bfloat16, "persistent"),  # no wgmma off Hopper: the Triton kernel, one program an SM
+    (9, torch.float32, "triton"),  # fp32 operands (the persistent launch was timed with 2-byte ones only)
+])
+def test_default_config_weight_gradient_kernel(monkeypatch, major, dtype, wgrad):
+    _fake_gpu(monkeypatch, major=major)
+    assert default_config(*KIMI, device="cuda", dtype=dtype, s=2048).wgrad == wgrad
+
+
+@pytest.mark.parametrize("pins, want", [
+    # knobs that derive nothing: honoured, the rest is the heuristic's
+    (dict(tile_group_m=0, keep_activations=False), dict(tile_group_m=0, keep_activations=False)),
+    # a tile off the Gluon kernel's 128 x 256: the Triton weight gradients, one program an SM
+    (dict(block_n=64), dict(block_n=64, wgrad="persistent", num_stages=4, bwd_num_stages=4)),
+    # a deeper K step: the stages that fit 227 KB follow (2), the backward's 4 stages no longer fit (0)
+    (dict(block_k=128), dict(block_k=128, num_stages=2, bwd_num_stages=0, wgrad="persistent")),
+    # a ring: the one-rank gather goes (its rows would be overwritten) and the comm programs come back
+    (dict(macrobatch_size=8192), dict(macrobatch_size=8192, combine_gather=False, num_comm_programs_fwd=12,
+                                       num_comm_programs_bwd=12)),
+    # no gather: comm programs to push, at the heuristic's counts for I = 2048
+    (dict(combine_gather=False), dict(combine_gather=False, num_comm_programs_fwd=12, num_comm_programs_bwd=12)),
+    # no TMA: the Gluon kernel cannot load, the Triton one runs
+    (dict(tma=False), dict(tma=False, wgrad="persistent")),
+    # a smaller row tile: the minibatch stays a multiple of it
+    (dict(block_m=64), dict(block_m=64, minibatch_size=2048, bwd_num_stages=0)),
+])
+def test_default_config_honours_pinned_knobs(monkeypatch, pins, want):
+    """The pinned knobs as given; the knobs the heuristic derives from them follow; the rest is unchanged."""
+    _fake_gpu(monkeypatch)
+    base = default_config(*KIMI, device="cuda", s=2048)
+    assert base.wgrad == "gluon" and base.combine_gather and base.num_comm_programs_fwd == 0
+    cfg = default_config(*KIMI, device="cuda", s=2048, overrides=pins)
+    assert cfg == base.with_(**want), cfg
+    assert gate_up_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT and bwd_phase_a_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT
+
+
+def test_default_config_pinned_zero_comm_programs_take_the_gather(monkeypatch):
+    # fp32 operands: the heuristic pushes through comm programs; pinning none on one rank turns the gather on
+    _fake_gpu(monkeypatch)
+    assert not default_config(*KIMI, device="cuda", dtype=torch.float32).combine_gather
+    cfg = default_config(*KIMI, device="cuda", dtype=torch.float32, overrides=dict(num_comm_programs_fwd=0))
+    assert cfg.combine_gather and cfg.num_comm_programs_fwd == 0
+    # and on CPU (the interpreter's config) likewise
+    cfg = default_config(24, 32, 16, 8, 2, device="cpu", overrides=dict(num_comm_programs_fwd=0))
+    assert cfg.combine_gather and cfg.num_comm_programs_fwd == 0 and cfg.block_m == 16
+
+
+@pytest.mark.parametrize("kwargs, pins, match", [
+    # not a knob
+    (dict(), dict(block_q=64), r"no KernelConfig field: block_q"),
+    # a value KernelConfig refuses, named
+    (dict(), dict(wgrad="cutlass"), r"pinned wgrad='cutlass' conflict: .*one of 'triton', 'persistent', 'gluon'"),
+    # the Gluon kernel with a tile it does not build
+    (dict(), dict(wgrad="gluon", block_n=64), r"pinned wgrad='gluon', block_n=64 conflict: .*128 x 256"),
+    # ... off Hopper, or off its widths (2S = 192 rows would split a 128-row tile)
+    (dict(major=10), dict(wgrad="gluon"), r"pinned wgrad='gluon' cannot run here: .*Hopper's wgmma"),
+    (dict(s=96), dict(wgrad="gluon"), r"pinned wgrad='gluon' cannot run here: .*128-row tile"),
+    # stages that overflow shared memory at the pinned tiles
+    (dict(), dict(block_k=128, num_stages=4), r"pinned num_stages=4, block_k=128 do not fit: .*shared memory"),
+    (dict(), dict(bwd_num_stages=6), r"pinned bwd_num_stages=6 do not fit: .*backward phase-A"),
+    # the gather reads one rank's rows, and needs every row in the ring
+    (dict(ranks=8, e=384), dict(combine_gather=True), r"pinned combine_gather=True runs one rank"),
+    (dict(), dict(combine_gather=True, macrobatch_size=2048), r"combine_gather=True .* ring must hold all"),
+    # no comm programs where no gather is possible (several ranks): nothing would push
+    (dict(ranks=8, e=384), dict(num_comm_programs_fwd=0), r"pinned num_comm_programs_fwd=0 conflict: .*needs "
+                                                          r"combine_gather"),
+    # comm programs that leave no SM to compute
+    (dict(), dict(combine_gather=False, num_comm_programs_bwd=132), r"num_comm_programs_bwd=132 leaves no compute"),
+])
+def test_default_config_refuses_pins_it_cannot_run(monkeypatch, kwargs, pins, match):
+    kwargs = dict(kwargs)
+    _fake_gpu(monkeypatch, major=kwargs.pop("major", 9))
+    t, h, i, e, k = KIMI
+    e = kwargs.pop("e", e)
+    with pytest.raises(ValueError, match=match):
+        default_config(t, h, i, e, k, device="cuda", **{"s": 2048, **kwargs}, overrides=pins)

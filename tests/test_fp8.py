@@ -41,6 +41,8 @@ def _e4m3_values() -> torch.Tensor:
     (dict(scale_block=32), "pow2_scales=True"),  # MXFP8 block without E8M0 scales
     (dict(scale_block=32, pow2_scales=False), "pow2_scales=True"),  # same, explicit
     (dict(pow2_scales=1), "bool"),  # truthy int is not a bool
+    (dict(dx_high=1), "dx_high must be a bool"),  # the precision flags likewise
+    (dict(down_high="yes"), "down_high must be a bool"),
 ])
 def test_config_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -49,7 +51,7 @@ def test_config_rejects(kwargs, match):
 
 def test_config_frozen_and_defaults():
     cfg = FP8Config()
-    assert (cfg.scale_block, cfg.pow2_scales) == (128, False)
+    assert (cfg.scale_block, cfg.pow2_scales, cfg.dx_high, cfg.down_high) == (128, False, False, False)
     with pytest.raises(Exception):
         cfg.scale_block = 32  # frozen dataclass
 

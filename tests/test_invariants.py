@@ -117,15 +117,11 @@ META_CASES = {
     # reads those rows and replays the others
     "R2-ring-kept": dict(shape=TINY, r=2, t=7, cfg=CFG.with_(macrobatch_size=16), keep=True, limit=0.5),
     # four ranks, bf16, no shared expert, the backward replays everything; persistent weight-gradient programs
-    # and prefetching copies
     "R4-bf16-no-shared-replay": dict(shape=TINY, r=4, t=5, dtype=torch.bfloat16, shared=False, keep=False,
-                                     cfg=CFG.with_(wgrad_persistent=True, copy_prefetch=True)),
+                                     cfg=CFG.with_(wgrad="persistent")),
     # one rank, both gathering epilogues, no communication programs at all, every routed row kept
     "R1-gather-no-comm": dict(shape=TINY_SIG, r=1, t=9, keep=True, cfg=CFG.with_(
         combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)),
-    # the push from the down GEMM's epilogue, every program pulling first (num_comm_programs_fwd = 0)
-    "R2-push-in-epilogue-self-pull": dict(shape=TINY, r=2, t=6, keep=True, cfg=CFG.with_(
-        push_in_epilogue=True, num_comm_programs_fwd=0)),
     # FP8 routed experts (e4m3 weights quantised without the finite check, as the layer does every step)
     "R2-fp8": dict(shape=FP8_SHAPE, r=2, t=5, dtype=torch.bfloat16, keep=True, cfg=FP8_CFG, fp8=True),
 }
@@ -215,7 +211,7 @@ def test_custom_op_impls_have_no_host_sync(cfg, meta_launches, monkeypatch):
     mw = make_weights(sh, device="meta")
     x = torch.empty(t, sh.h, device="meta")
     args = (x, torch.empty(t, sh.k, dtype=torch.int64, device="meta"), torch.empty(t, sh.k, device="meta"),
-            *mw.tensors(), 0.5, None, None, None, None, None, None, False)
+            *mw.tensors(), 0.5, None, None, None, None, None, None, False, False, False)
     cargs = kag.config_to_args(cfg)
     out = torch.ops.kittenmoe.moe_forward.default.redispatch(_COMPOSITE, *args, *cargs)
     grads = torch.ops.kittenmoe.moe_backward.default.redispatch(_COMPOSITE, torch.empty_like(x), *args, *out[1:],
@@ -358,8 +354,6 @@ BF16_VARIANTS = {
     "macrobatch-16": (dict(macrobatch_size=16), False),
     # one communication program, a two-slot ring
     "comm-1-mac-32": (dict(num_comm_programs_fwd=1, macrobatch_size=32), False),
-    # no communication programs: every program pulls, the down epilogue pushes
-    "comm-0": (dict(num_comm_programs_fwd=0, push_in_epilogue=True), False),
     # the same config with the activations kept for a backward (gate|up stored, padding rows zeroed)
     "save-for-backward": ({}, True),
     # kept activations with the ring wrapping
@@ -538,12 +532,10 @@ KNOB_REFUSALS = {
     "gather-ring": (1, TINY, CFG.with_(combine_gather=True, macrobatch_size=16), "forward", ValueError,
                     "ring must hold them all"),
     # no forward comm programs with a ring that wraps (every program pulls everything first: a deadlock)
-    "comm0-ring": (2, TINY, CFG.with_(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=16),
+    "comm0-ring": (1, TINY, CFG.with_(num_comm_programs_fwd=0, combine_gather=True, macrobatch_size=16),
                    "forward", ValueError, "ring must hold them all"),
-    # the backward's two-step K unroll needs H a multiple of 2 x block_k (H = 48 is not)
-    "k-unroll-H48": (1, TINY_SIG, CFG.with_(bwd_a_k_unroll=2), "backward", ValueError, "bwd_a_k_unroll=2 needs H=48"),
     # the Gluon weight gradients under the interpreter (Gluon does not run there): refused, never replaced
-    "wgrad-gluon-interpreter": (1, TINY, CFG.with_(wgrad_gluon=True, block_n=128, block_k=64, block_m=64,
+    "wgrad-gluon-interpreter": (1, TINY, CFG.with_(wgrad="gluon", block_n=128, block_k=64, block_m=64,
                                                       minibatch_size=64),
                                 "backward", NotImplementedError, "Gluon kernels do not run under the Triton"),
 }

@@ -218,7 +218,8 @@ def _op_args(case: Case, device, requires_grad: bool):
     if requires_grad:
         x, w = x.requires_grad_(), w.requires_grad_()
         wts = [t.requires_grad_() if t is not None else None for t in wts]
-    return (x, ids, w, *wts, case.swiglu_limit, *(None,) * 6, False), d_out  # bf16: no e4m3 weights
+    # bf16: no e4m3 weights; fp8_pow2, fp8_dx_high, fp8_down_high all False
+    return (x, ids, w, *wts, case.swiglu_limit, *(None,) * 6, False, False, False), d_out
 
 
 def test_opcheck_megakernel_forward_op():
@@ -259,7 +260,7 @@ def test_ops_fake_impls(shared):
 
 
 def test_config_roundtrip_through_op_args():
-    cfg = KernelConfig(macrobatch_size=4096, minibatch_size=2048, push_in_epilogue=True, tma=False)
+    cfg = KernelConfig(macrobatch_size=4096, minibatch_size=2048, combine_gather=True, tma=False, wgrad="gluon")
     assert kag.config_from_args(kag.config_to_args(cfg)) == cfg
     with pytest.raises(TypeError, match="KernelConfig"):
         kag.config_to_args({"block_m": 16})

@@ -636,14 +636,8 @@ BITWISE_VARIANTS = {
     "comm-1": dict(num_comm_programs_bwd=1),
     # three communication programs
     "comm-3": dict(num_comm_programs_bwd=3),
-    # the push issues the next chunk's loads before storing the current one (KernelConfig.copy_prefetch)
-    "copy-prefetch": dict(copy_prefetch=True),
-    # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad_persistent)
-    "wgrad-persistent": dict(wgrad_persistent=True),
-    # weight-gradient tiles block_n x block_n (not x 2 block_n), 4 warps (KernelConfig.wgrad_two_per_sm)
-    "wgrad-two-per-sm": dict(wgrad_two_per_sm=True),
-    # both: square tiles walked by twice as many persistent programs (6)
-    "wgrad-two-per-sm-persistent": dict(wgrad_two_per_sm=True, wgrad_persistent=True),
+    # weight gradients from 3 persistent programs walking every tile (KernelConfig.wgrad="persistent")
+    "wgrad-persistent": dict(wgrad="persistent"),
 }
 
 
@@ -699,38 +693,6 @@ def test_tile_group_order_same_bits(group, keep):
         assert_bitwise_equal(got[k], base[k], f"{k}, tile_group_m={group}")
 
 
-@pytest.mark.parametrize("shape,knobs", [
-    # I = 64: routed kept tiles 2 x 16 wide, shared ones too; H = 64: two 2-step iterations
-    (TINY.with_(h=64, i=64), dict(bwd_a_k_unroll=2)),
-    # I = 48: narrow kept tiles (48 is not 2 x 16-wide); H = 96: three iterations; a pipeline depth of its own
-    (TINY.with_(h=96, i=48), dict(bwd_a_k_unroll=2, bwd_a_num_stages=3)),
-])
-def test_phase_a_k_unroll_same_bits(shape, knobs, monkeypatch):
-    """KernelConfig.bwd_a_k_unroll=2: the kept phase-A down dgrads (routed and shared) take two K steps an
-    iteration, the same dots in the same order: every gradient equals the unroll-1 run bit for bit, every
-    scratch buffer starts NaN (nothing left unwritten)."""
-    case = Case(shape, r=2, t=20)
-    inp = _make_inputs(case, seed=14)
-    cfg = case.config()
-
-    base = _kept_grads(case, inp, cfg)
-    nan_scratch(monkeypatch)
-    got = _kept_grads(case, inp, cfg.with_(**knobs))
-    monkeypatch.undo()
-    for k in base:
-        assert torch.isfinite(got[k]).all(), k
-        assert_bitwise_equal(got[k], base[k], f"{k}, {knobs}")
-
-
-def test_phase_a_k_unroll_needs_h_multiple():
-    """H = 48 is not a multiple of 2 x block_k = 32: the launcher refuses the unroll rather than read past H."""
-    case = Case(TINY.with_(h=48), r=1, t=8)
-    inp = _make_inputs(case, seed=15)
-    with pytest.raises(ValueError, match=r"bwd_a_k_unroll=2 needs H=48 to be a multiple of 2 x block_k=32"):
-        megakernel_backward_multirank(inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit,
-                                      config=case.config().with_(bwd_a_k_unroll=2))
-
-
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
 def test_bitwise_across_configs(bitwise_base, variant):
     inp, base, _ = bitwise_base
@@ -781,13 +743,13 @@ WGRAD_PERSISTENT_CASES = {
 
 @pytest.mark.parametrize("name", list(WGRAD_PERSISTENT_CASES))
 def test_wgrad_persistent_same_bits(name, monkeypatch):
-    """KernelConfig.wgrad_persistent: every weight gradient the same bits as one program per tile, every
+    """KernelConfig.wgrad="persistent": every weight gradient the same bits as one program per tile, every
     tile written (the launchers' buffers start NaN), the other gradients untouched."""
     case = WGRAD_PERSISTENT_CASES[name]
     inp = _make_inputs(case, seed=9)
     plain = {k: v.clone() for k, v in _named(_backward(case, inp)).items()}
     nan_scratch(monkeypatch)
-    got = _named(_backward(case, inp, config=case.config().with_(wgrad_persistent=True)))
+    got = _named(_backward(case, inp, config=case.config().with_(wgrad="persistent")))
     monkeypatch.undo()
     assert sorted(got) == sorted(plain)
     for k in plain:
@@ -1211,40 +1173,13 @@ def test_gpu_fwd_bwd_cuda_graph_replay(name, cuda_cleanup):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,knobs", [
-    ("kimi-k2.7", dict(bwd_a_k_unroll=2)),  # H 7,168: 56 two-step iterations at 3 stages
-    ("qwen3.5-397b-a17b", dict(bwd_a_k_unroll=2)),  # H 4,096: 32
-    ("kimi-k2.7", dict(bwd_a_num_stages=6)),  # the kept loop 6 deep inside phase B's 192 KB
-], ids=["kimi-unroll", "qwen-unroll", "kimi-a-stages-6"])
-def test_gpu_phase_a_loop_knobs_same_bits(name, knobs, cuda_cleanup):
-    """bwd_a_k_unroll=2 / bwd_a_num_stages on a seed slice (512 tokens, every row kept, the TMA path the CPU
-    never runs): the kept down dgrads' loop issues the same wgmmas in the same order (two K steps an iteration,
-    or a deeper pipeline), so every gradient has the heuristic's bits, and they pass the bf16 bars against the
-    fp32 reference."""
-    case, inp = _seed_slice(name, 512)
-    # the slice's heuristic at its 2,048 tokens (block_m 128, 4 stages: the unrolled loop at 3), on 512 of them
-    cfg = default_config(2048, case.shape.h, case.shape.i, case.shape.e, case.shape.k, dtype=torch.bfloat16)
-
-    plain = _kept_grads(case, inp, cfg)
-    got = _kept_grads(case, inp, cfg.with_(**knobs))
-    ref = _reference_grads32(case, inp)
-    for gname in ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2"):
-        _assert_rel_l1_cosine(f"{knobs} {gname}", got[gname], ref[gname])
-    for gname in plain:
-        assert_bitwise_equal(got[gname], plain[gname], f"{name} {gname}: {knobs} vs the heuristic")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [
-    dict(wgrad_persistent=True),  # one program per SM walking the tiles
-    dict(wgrad_two_per_sm=True),  # 128 x 128 tiles from 4 warps, two programs an SM (wgmma N 128, not 256)
-    dict(wgrad_two_per_sm=True, wgrad_persistent=True),  # both: two persistent programs an SM
+    dict(wgrad="persistent"),  # one program per SM walking the tiles
     dict(bwd_num_stages=4),  # the megakernel's loops one stage deeper (229,408 B of shared memory on sm_90)
-    dict(wgrad_persistent=True, bwd_num_stages=4),  # both: what default_config runs at block_m 128
-    dict(wgrad_gluon=True),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
-    dict(wgrad_gluon=True, bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
-], ids=["persistent", "two-per-sm", "two-per-sm-persistent", "bwd-num-stages-4", "heuristic-backward", "gluon",
-        "gluon-heuristic-backward"])
+    dict(wgrad="persistent", bwd_num_stages=4),  # both: what default_config runs at block_m 128
+    dict(wgrad="gluon"),  # the warp-specialized Gluon kernel (a producer warp, two 64-row math groups)
+    dict(wgrad="gluon", bwd_num_stages=4, tile_group_m=-1),  # it beside the heuristic's backward knobs
+], ids=["persistent", "bwd-num-stages-4", "heuristic-backward", "gluon", "gluon-heuristic-backward"])
 def test_gpu_wgrad_launch_same_bits(knobs, cuda_cleanup):
     """The weight-gradient launch's knobs (and the backward megakernel's pipeline depth) on the Kimi slice (512
     tokens): each output element is still summed by one program over its expert's rows in row order, 64 rows an

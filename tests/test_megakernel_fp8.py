@@ -61,14 +61,15 @@ CASES = {
     # MXFP8 blocks (1 x 32 / 32 x 32, power-of-two scales), two ranks: four scale blocks per 128-wide tile
     # (per-column weight scales, four hidden scales a tile row), K steps of 32
     "mx32": dict(r=2, t=12, sb=32),
-    # KernelConfig.fp8_down_high: hidden kept in x's dtype, the down projection from the master W2; two ranks
+    # FP8Config.down_high: hidden kept in x's dtype, the down projection from the master W2; two ranks
     "down-high-r2": dict(r=2, t=12, down_high=True),
     # the same with MXFP8 blocks and a ring that wraps
     "down-high-mx32-ring": dict(r=2, t=24, sb=32, macrobatch=16, down_high=True),
 }
 
 
-def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=False, device=DEV, sb=128):
+def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=False, device=DEV, sb=128,
+             dx_high=False, down_high=False):
     g = torch.Generator().manual_seed(seed)
     w = make_weights(shape, dtype=torch.bfloat16, device=device, generator=g, shared=shared)
     xs = [torch.randn(t, shape.h, generator=g).to(device, torch.bfloat16) for _ in range(r)]
@@ -90,7 +91,8 @@ def _problem(r, t, shape=FP8_TINY, seed=0, shared=True, routing="uniform", pow2=
             e, n, k = t.shape
             pw = torch.randint(-3, 4, (e, n // 32, k // 32), generator=g).float().exp2()
             t.mul_(pw.repeat_interleave(32, 1).repeat_interleave(32, 2).to(t.device, t.dtype))
-    fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(sb, pow2_scales=pow2 or sb == 32))
+    fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(sb, pow2_scales=pow2 or sb == 32,
+                                                                    dx_high=dx_high, down_high=down_high))
     return w, xs, ids, ws, fp8
 
 
@@ -101,8 +103,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
     limit = c.get("swiglu_limit")
     w, xs, ids, ws, fp8 = _problem(r, t, shape=c.get("shape", FP8_TINY), shared=c.get("shared", True),
                                    routing=c.get("routing", "uniform"), pow2=c.get("pow2", False),
-                                   sb=c.get("sb", 128))
-    cfg = CFG.with_(macrobatch_size=c.get("macrobatch"), fp8_down_high=c.get("down_high", False))
+                                   sb=c.get("sb", 128), down_high=c.get("down_high", False))
+    cfg = CFG.with_(macrobatch_size=c.get("macrobatch"))
     res = megakernel_forward_multirank(xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit,
                                        config=cfg, fp8=fp8)
     res.check_errors()
@@ -112,7 +114,7 @@ def test_fp8_forward_matches_emulation_and_reference(name):
         out = res.outputs[k]
         assert out.dtype == torch.bfloat16 and out.shape == xs[k].shape
         emu = moe_reference_fp8(xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS, limit,
-                                down_w2_EHI=w.w2_EHI if cfg.fp8_down_high else None)
+                                down_w2_EHI=w.w2_EHI if fp8.cfg.down_high else None)
         assert_close(out.double(), emu, "bf16", f"rank {k} vs the fp8 emulation")
         assert_close(out.double(), ref[k], "fp8", f"rank {k} vs the unquantised reference")
 
@@ -122,12 +124,8 @@ def test_fp8_forward_matches_emulation_and_reference(name):
 FP8_FWD_KNOBS = {
     # two row tiles per handoff, one comm program pulling (and quantising) every chunk
     "minibatch-32-comm-1": dict(minibatch_size=32, num_comm_programs_fwd=1),
-    # the down GEMM's epilogue pushes each finished row straight into its origin's combine buffer
-    "push-in-epilogue": dict(push_in_epilogue=True),
     # a one-slot ring that wraps: the e4m3 x / hidden rows and their scales are overwritten every minibatch
     "macrobatch-16": dict(macrobatch_size=16),
-    # no communication programs: every program quantises its chunks of every minibatch, then computes
-    "comm-0": dict(num_comm_programs_fwd=0, push_in_epilogue=True),
 }
 _FP8_ONE_RANK_KNOBS = {
     # one rank: nothing pushed, the epilogue reads y_routed rows (KernelConfig.combine_gather), no comm programs
@@ -251,7 +249,7 @@ BWD_CASES = {
     # MXFP8 blocks, two ranks: d_out 1 x 32, d(gate|up) 1 x 32 (narrower than phase A's 64-wide tile), K steps
     # of 32 in both data-gradient GEMMs, per-column weight scales
     "mx32": dict(r=2, t=12, sb=32),
-    # KernelConfig.fp8_dx_high: d_x from the bf16 d(gate|up) rows and master W13 (no e4m3 phase B), two ranks
+    # FP8Config.dx_high: d_x from the bf16 d(gate|up) rows and master W13 (no e4m3 phase B), two ranks
     "dx-high-r2": dict(r=2, t=12, dx_high=True),
     # the same with MXFP8 blocks and the clamp (phase A still e4m3 and clamped)
     "dx-high-mx32-limit": dict(r=1, t=20, sb=32, swiglu_limit=0.5, dx_high=True, emulation_only=True),
@@ -275,7 +273,7 @@ def _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit, config=CF
     """Every gradient of ``bwd`` against moe_backward_reference_fp8 (routes with ids outside [0, E) contribute
     nothing there) at bf16 tolerance on the reference's RMS scale; returns (got, want) by name."""
     r = len(xs)
-    dx_w13 = w.w13_E2IH if config.fp8_dx_high else None
+    dx_w13 = w.w13_E2IH if fp8.cfg.dx_high else None
     emu = [moe_backward_reference_fp8(d_outs[k], xs[k], ids[k], ws[k], fp8, w.shared_w13_2SH, w.shared_w2_HS,
                                       limit, dgu_block=fp8_dgu_block(config, fp8.cfg.scale_block),
                                       dx_w13_E2IH=dx_w13) for k in range(r)]
@@ -309,16 +307,16 @@ def test_fp8_backward_matches_emulation_and_reference(name):
     r, t, limit = c["r"], c["t"], c.get("swiglu_limit")
     shape = c.get("shape", FP8_TINY)
     w, xs, ids, ws, fp8 = _problem(r, t, shape=shape, seed=9, shared=c.get("shared", True), pow2=c.get("pow2", False),
-                                   sb=c.get("sb", 128))
+                                   sb=c.get("sb", 128), dx_high=c.get("dx_high", False),
+                                   down_high=c.get("down_high", False))
     g = torch.Generator().manual_seed(10)
     d_outs = [torch.randn(t, shape.h, generator=g).to(DEV, torch.bfloat16) for _ in range(r)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
     peers = LocalPeers(r, DEV)
-    cfg = CFG.with_(fp8_dx_high=c.get("dx_high", False), fp8_down_high=c.get("down_high", False))
-    fwd = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
-    bwd = megakernel_backward_multirank(d_outs, *a, config=cfg, peers=peers, saved=fwd.saved(), fp8=fp8)
+    fwd = megakernel_forward_multirank(*a, config=CFG, peers=peers, fp8=fp8, save_for_backward=True)
+    bwd = megakernel_backward_multirank(d_outs, *a, config=CFG, peers=peers, saved=fwd.saved(), fp8=fp8)
     bwd.check_errors()
-    got, _ = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit, config=cfg)
+    got, _ = _check_grads_vs_emulation(bwd, d_outs, w, xs, ids, ws, fp8, limit)
     if c.get("emulation_only"):
         return
     plain = _grads_of_unquantised(w, xs, ids, ws, d_outs, limit)
@@ -333,12 +331,11 @@ def test_fp8_backward_matches_emulation_and_reference(name):
 def test_fp8_backward_without_given_transposes_equals_with(dx_high):
     """FP8ExpertWeights built without w13_qt / w2_qt: the backward makes what it reads (only W2^T when phase B
     runs in bf16) and gives the same bits as with the transposes given."""
-    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19)
+    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19, dx_high=dx_high)
     bare = FP8ExpertWeights(fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg)
     d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(5)).to(DEV, torch.bfloat16)]
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
-    cfg = CFG.with_(fp8_dx_high=dx_high)
-    got = [megakernel_backward_multirank(d_out, *a, config=cfg, fp8=f) for f in (fp8, bare)]
+    got = [megakernel_backward_multirank(d_out, *a, config=CFG, fp8=f) for f in (fp8, bare)]
     for name in ("d_w13", "d_w2"):
         assert_bitwise_equal(getattr(got[1], name), getattr(got[0], name), name)
     assert_bitwise_equal(got[1].d_x[0], got[0].d_x[0], "d_x")
@@ -654,17 +651,23 @@ def test_fp8_backward_bitwise_across_knobs(fp8_bwd_base, variant):
 # ----------------------------------------------------------------------------- autograd (kittenmoe.moe(fp8=...))
 
 
-def test_fp8_through_autograd_equals_the_ops():
-    """kittenmoe.moe(..., fp8=FP8Config()) quantises the bf16 master weights, runs the FP8 forward keeping gate|up,
-    and autograd's backward runs the FP8 backward: output and every gradient equal the ops-level calls bit for
-    bit (the same kernels on the same data); gradients land on the bf16 master weights."""
+@pytest.mark.parametrize("flags", [
+    {},  # every routed GEMM on e4m3
+    dict(down_high=True),  # FP8Config.down_high: the forward's down projection in bf16
+    dict(dx_high=True, down_high=True),  # and FP8Config.dx_high: the backward's d_x GEMM too
+], ids=["e4m3", "down-high", "dx-down-high"])
+def test_fp8_through_autograd_equals_the_ops(flags):
+    """kittenmoe.moe(..., fp8=FP8Config(...)) quantises the bf16 master weights, runs the FP8 forward keeping
+    gate|up, and autograd's backward runs the FP8 backward: output and every gradient equal the ops-level calls
+    bit for bit (the same kernels on the same data, the FP8 config's precision flags carried through the custom
+    ops); gradients land on the bf16 master weights."""
     from kittenmoe import moe
 
-    w, xs, ids, ws, fp8 = _problem(1, 20, seed=12)
+    w, xs, ids, ws, fp8 = _problem(1, 20, seed=12, **flags)
     d_out = torch.randn(20, FP8_TINY.h, generator=torch.Generator().manual_seed(13)).to(DEV, torch.bfloat16)
     leaves = [xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()] + \
         [t.clone().requires_grad_() for t in w.tensors()]
-    out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=CFG, fp8=FP8Config())
+    out = moe(leaves[0], ids[0], leaves[1], *leaves[2:], backend="megakernel", config=CFG, fp8=FP8Config(**flags))
     grads = torch.autograd.grad(out, leaves, d_out)
     a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
     f = megakernel_forward_multirank(*a, config=CFG, fp8=fp8, save_for_backward=True)
@@ -796,8 +799,8 @@ def test_gpu_fp8_seed_slice(name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_gpu_fp8_backward_heuristic_knobs_same_bits():
-    """The backward knobs default_config turns on at block_m 128 (wgrad_persistent, bwd_num_stages=4, and on
-    Hopper wgrad_gluon) in the FP8 backward, kept gate|up, on the Kimi slice (512 tokens): every gradient has the
+    """The backward knobs default_config turns on at block_m 128 (wgrad="persistent", bwd_num_stages=4, and on
+    Hopper wgrad="gluon") in the FP8 backward, kept gate|up, on the Kimi slice (512 tokens): every gradient has the
     bits of the per-tile launch at 3 stages (the order of each sum is unchanged; only when operands arrive and
     which program stores a tile)."""
     base = SEED_SHAPES["kimi-k2.7"]
@@ -808,8 +811,8 @@ def test_gpu_fp8_backward_heuristic_knobs_same_bits():
     d_out = torch.randn(512, shape.h, generator=torch.Generator().manual_seed(10)).to("cuda", torch.bfloat16)
     plain = KernelConfig(minibatch_size=256)
     grads = {}
-    heuristic = plain.with_(wgrad_persistent=True, bwd_num_stages=4)
-    for label, cfg in (("plain", plain), ("heuristic", heuristic), ("gluon", heuristic.with_(wgrad_gluon=True))):
+    heuristic = plain.with_(wgrad="persistent", bwd_num_stages=4)
+    for label, cfg in (("plain", plain), ("heuristic", heuristic), ("gluon", heuristic.with_(wgrad="gluon"))):
         f = megakernel_forward_multirank(*a, config=cfg, peers=peers, fp8=fp8, save_for_backward=True)
         b = megakernel_backward_multirank([d_out], *a, config=cfg, peers=peers, saved=f.saved(), fp8=fp8)
         b.check_errors()
@@ -817,8 +820,8 @@ def test_gpu_fp8_backward_heuristic_knobs_same_bits():
                         "d_w13": b.d_w13.clone(), "d_w2": b.d_w2.clone(), "d_shared_w13": b.d_shared_w13.clone(),
                         "d_shared_w2": b.d_shared_w2.clone()}
     for n, want in grads["plain"].items():
-        assert_bitwise_equal(grads["heuristic"][n], want, f"{n}: wgrad_persistent + bwd_num_stages=4 vs plain")
-        assert_bitwise_equal(grads["gluon"][n], want, f"{n}: + wgrad_gluon vs plain")
+        assert_bitwise_equal(grads["heuristic"][n], want, f"{n}: wgrad='persistent' + bwd_num_stages=4 vs plain")
+        assert_bitwise_equal(grads["gluon"][n], want, f"{n}: wgrad='gluon' vs plain")
 
 
 @pytest.mark.gpu
@@ -886,16 +889,3 @@ def test_gpu_fp8_layer_cuda_graph_and_compile():
         scale = b.double().pow(2).mean().sqrt().clamp_min(1e-30)
         assert_close(a.double() / scale, b.double() / scale, "bf16", f"compiled grad {i}")
 
-
-@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])  # gate|up halves; the wide GEMMs' pairs
-def test_fp8_refuses_half_tail_tiles(knob):
-    """KernelConfig.half_tail_tiles / half_tail_wide have no e4m3 form: the FP8 forward says so instead of
-    ignoring the knob."""
-    w, xs, ids, ws, fp8 = _problem(1, 16, seed=19)
-    a = (xs, ids, ws, w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
-    cfg = CFG.with_(block_m=32, minibatch_size=32, **{knob: True})
-    with pytest.raises(NotImplementedError, match=knob):
-        megakernel_forward_multirank(*a, config=cfg, fp8=fp8)
-    d_out = [torch.randn(16, FP8_TINY.h, generator=torch.Generator().manual_seed(3)).to(DEV, torch.bfloat16)]
-    with pytest.raises(NotImplementedError, match=knob):  # the backward alone likewise
-        megakernel_backward_multirank(d_out, *a, config=cfg, fp8=fp8)

@@ -52,7 +52,6 @@ TINY_SIG = TEST_SHAPES["tiny-sigmoid"]  # E=16, H=48, I=24, K=4
 # minibatches and 16-wide tiles, so tiny shapes still span several minibatches, tiles and ring slots.
 CFG = KernelConfig(num_comm_programs_fwd=2, minibatch_size=16, block_m=16, block_n=16, block_k=16, num_warps=4,
                    num_stages=2)
-HAS_PUSH_KNOB = "push_in_epilogue" in {f.name for f in dataclasses.fields(KernelConfig)}
 
 
 @dataclass(frozen=True)
@@ -69,14 +68,10 @@ class Case:
     minibatch: int = 16
     macrobatch: int | None = None  # None: the ring never wraps
     comm: int = 2
-    push_in_epilogue: bool | None = None  # None: the config's default combine path
 
     def config(self) -> KernelConfig:
-        cfg = CFG.with_(minibatch_size=self.minibatch, macrobatch_size=self.macrobatch,
-                        num_comm_programs_fwd=self.comm)
-        if self.push_in_epilogue is not None:
-            cfg = cfg.with_(push_in_epilogue=self.push_in_epilogue)
-        return cfg
+        return CFG.with_(minibatch_size=self.minibatch, macrobatch_size=self.macrobatch,
+                         num_comm_programs_fwd=self.comm)
 
 
 @dataclass
@@ -181,15 +176,9 @@ MATCH_CASES = {
     "R2-bf16-ring": Case(TINY_SIG, r=2, t=8, dtype=torch.bfloat16, macrobatch=32),
     # int32 expert ids (the router's other index dtype), four ranks
     "R4-int32-ids": Case(TINY, r=4, t=6, ids_dtype=torch.int32),
+    # the ring wrapping under skewed load: a pull into a slot waits on the push of its previous occupant
+    "R4-ring-mac32-zipf": Case(TINY_SIG, r=4, t=5, routing="zipf", macrobatch=32),
 }
-if HAS_PUSH_KNOB:
-    # both combine paths with the ring wrapping: push from the down epilogue (a pull into a slot waits on the
-    # previous occupant's down tiles) and push by the comm programs (waits on their done counter)
-    for _push in (True, False):
-        MATCH_CASES[f"R2-ring-mac16-push-in-epilogue-{_push}"] = Case(TINY, r=2, t=12, macrobatch=16,
-                                                                    push_in_epilogue=_push)
-        MATCH_CASES[f"R4-ring-mac32-push-in-epilogue-{_push}"] = Case(TINY_SIG, r=4, t=5, routing="zipf",
-                                                                    macrobatch=32, push_in_epilogue=_push)
 
 
 @pytest.mark.parametrize("name", list(MATCH_CASES))
@@ -275,18 +264,7 @@ BITWISE_VARIANTS = {
     "comm-3": dict(num_comm_programs_fwd=3),
     # all three knobs at once: minibatch 32, one 32-row slot, three communication programs
     "mb32-mac32-comm3": dict(minibatch_size=32, macrobatch_size=32, num_comm_programs_fwd=3),
-    # the pull and push issue the next chunk's loads before storing the current one
-    "copy-prefetch": dict(copy_prefetch=True),
-    # the same with the ring wrapping on one slot (every pull waits on the previous minibatch's push)
-    "copy-prefetch-mac16": dict(copy_prefetch=True, macrobatch_size=16),
 }
-if HAS_PUSH_KNOB:
-    # the other combine path: push from the down GEMM's epilogue vs through y_routed and the comm programs
-    BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not CFG.push_in_epilogue)
-    # no communication programs: every program pulls its chunks of every minibatch first, the epilogue pushes
-    BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True)
-    # the same with two row tiles a handoff (one chunk pattern over fewer, larger minibatches)
-    BITWISE_VARIANTS["comm-0-minibatch-32"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, minibatch_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -350,32 +328,10 @@ def test_tile_group_m_checked():
         KernelConfig(tile_group_m=-2)
 
 
-# KernelConfig.half_tail_tiles: block_m 32, so an expert whose last tile holds 1-16 rows runs it as a 16-row
-# tile over two column tiles. 20 tokens x K 2 over 8 experts on 2 ranks: ~10 rows an expert, every last tile
-# (most are the only tile) is a half tail.
-HALF_TAIL_CASES = {
-    # I = 64: four 16-wide gate|up tiles, H = 64: two 32-wide down tiles: every column tile in a pair
-    "pairs": Case(TINY.with_(h=64, i=64), r=2, t=20, minibatch=64),
-    # I = 48, H = 96: three gate|up and three down tiles: the last column tile of each runs at full height
-    "odd-tiles": Case(TINY.with_(h=96, i=48), r=2, t=20, minibatch=64),
-    # rows pushed from the down epilogue, through a ring that wraps (macrobatch = minibatch = 32), 48 tokens
-    "push-ring": Case(TINY.with_(h=64, i=64), r=2, t=48, minibatch=32, macrobatch=32, push_in_epilogue=True),
-    # a K = 4 shape with the clamp: more routes an expert, so full and half tiles both occur
-    "k4-limit": Case(TINY_SIG.with_(h=64, i=32), r=2, t=24, minibatch=64, swiglu_limit=0.5),
-}
-
-
-def _half_tail_tiles(sched, bm: int) -> int:
-    """Row tiles of a schedule whose rows bm/2.. are all padding (what the kernel runs as half tail tiles)."""
-    n = int(sched.num_rows.item())
-    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
-    return int(((pr[:, bm // 2:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
-
-
 def _assert_kept_backward_equal(case: Case, inp: Inputs, base: KernelConfig, variant: KernelConfig,
                                 monkeypatch=None) -> None:
     """The forward with its activations kept, then the backward from them, under ``base`` and under ``variant``
-    (a tail-tile knob): each run's kept gate|up is finite with exact-zero padding rows (the backward's weight
+    (another combine or pull path): each run's kept gate|up is finite with exact-zero padding rows (the backward's weight
     gradients sum them), and the variant's gate|up, d_x, d_w and weight gradients equal the base's bit for bit.
     With ``monkeypatch`` the variant's scratch starts NaN, so a row read before it is written shows."""
     a = (inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
@@ -407,27 +363,12 @@ def _assert_kept_backward_equal(case: Case, inp: Inputs, base: KernelConfig, var
         assert_bitwise_equal(getattr(vb, gname), getattr(fb, gname), gname)
 
 
-# KernelConfig.num_comm_programs_fwd = 0 with its activations kept: two ranks (pulls cross the pointer table),
-# skewed load, a swiglu clamp; the kept x rows (padding zeroed by the pull) and gate|up feed the backward
-NO_COMM_CASE = Case(TINY, r=2, t=20, routing="zipf", swiglu_limit=0.5)
-
-
-def test_no_comm_programs_kept_backward_equal(monkeypatch):
-    """Without communication programs the forward keeps the same x rows and gate|up (scratch NaN first, so a
-    row the programs' pull missed shows) and the backward from them gives the same gradients, bit for bit."""
-    case = NO_COMM_CASE
-    inp = _make_inputs(case, seed=29)
-    cfg = case.config()
-    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(num_comm_programs_fwd=0, push_in_epilogue=True),
-                                monkeypatch)
-
-
 def test_no_comm_programs_refuse_a_wrapping_ring():
     """Every program pulls all its rows before any tile, so a ring smaller than the worst case would deadlock:
-    refused before launch, saying why."""
-    case = NO_COMM_CASE
+    refused before launch, saying why (the kept forward and backward without them: the combine_gather tests)."""
+    case = Case(TINY, r=1, t=20, routing="zipf", swiglu_limit=0.5)
     inp = _make_inputs(case, seed=29)
-    cfg = case.config().with_(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=32)
+    cfg = case.config().with_(num_comm_programs_fwd=0, combine_gather=True, macrobatch_size=32)
     with pytest.raises(ValueError, match=r"num_comm_programs_fwd=0 .* ring must hold them all"):
         _megakernel(case, inp, config=cfg)
 
@@ -508,193 +449,6 @@ def test_combine_gather_refuses(r, macrobatch, exc, match):
     inp = _make_inputs(case, seed=2)
     with pytest.raises(exc, match=match):
         _megakernel(case, inp, config=case.config().with_(combine_gather=True, macrobatch_size=macrobatch))
-
-
-# the knobs: gate|up half tiles alone (the spill-free sm_90 form), and with the wide GEMMs' half pairs (the
-# forward's down, the backward's phase B) too
-HALF_KNOBS = {"gate-up": dict(half_tail_tiles=True), "all": dict(half_tail_tiles=True, half_tail_wide=True)}
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 run the half tiles' pointer path, which a GPU refuses "
-                    "(test_gpu_half_tail_tiles_refused_where_unsupported); test_gpu_half_tail_tiles_same_bits covers it")
-@pytest.mark.parametrize("name,knobs", [
-    # each case with one knob set (CI time: a case is ~20 s under the interpreter); the clamped case with both
-    ("pairs", "all"), ("odd-tiles", "gate-up"), ("push-ring", "all"), ("push-ring", "gate-up"),
-    ("k4-limit", "all"), ("k4-limit", "gate-up"),
-])
-def test_half_tail_tiles_match(name, knobs):
-    """KernelConfig.half_tail_tiles (and half_tail_wide): the forward's output equals the full-tile run's bit for
-    bit (each row's sums do not depend on the tile's height or width: the MMAs on a GPU, the conftest's fp64-accumulated dot
-    under the interpreter) and is close to the fp64 reference; with the activations kept, gate|up equals the
-    full-tile run's and its padding rows are exact zeros (the backward's weight gradients sum them), so every
-    gradient of the backward from them has the same bits too."""
-    case = HALF_TAIL_CASES[name]
-    inp = _make_inputs(case, seed=21)
-    cfg = case.config().with_(block_m=32)
-    full = _megakernel(case, inp, config=cfg)
-    got = _megakernel(case, inp, config=cfg.with_(**HALF_KNOBS[knobs]))
-    assert sum(_half_tail_tiles(st.schedule, 32) for st in got.states) > 0, "no half tail tile in this case"
-    ref = _reference64(case, inp)
-    for r in range(case.r):
-        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
-        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
-    if case.macrobatch is not None:
-        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
-    _assert_kept_backward_equal(case, inp, cfg, cfg.with_(**HALF_KNOBS[knobs]))
-
-
-@pytest.mark.parametrize("block_m,tma,ok", [
-    (128, True, True),  # the built form: 64-row halves through TMA
-    (64, True, False),  # 32-row halves: mma.sync on sm_90
-    (128, False, False),  # the pointer path: its half loops overflow shared memory at 4 stages
-])
-@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])
-def test_half_tail_gpu_conditions(block_m, tma, ok, knob):
-    """The launchers' check for a CUDA device (a pure function of the config, so it runs on CPU too)."""
-    cfg = KernelConfig(block_m=block_m, **{knob: True})
-    if ok:
-        ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
-    else:
-        with pytest.raises(NotImplementedError, match=f"{knob} on a GPU needs block_m >= 128"):
-            ops._check_half_tail(cfg, torch.device("cuda"), tma, False)
-    ops._check_half_tail(cfg.with_(block_m=32), torch.device("cpu"), False, False)  # the interpreter takes any size
-
-
-def test_half_tail_tiles_gpu_block_n():
-    """half_tail_tiles loads gate|up weights in 2 x block_n-row TMA boxes on a GPU: block_n 256 (512 rows, over
-    TMA's 256) is refused; half_tail_wide (separate column tiles) and the interpreter take it."""
-    cfg = KernelConfig(half_tail_tiles=True, block_n=256)
-    with pytest.raises(NotImplementedError, match="2 x block_n-row TMA boxes, at most 256 rows"):
-        ops._check_half_tail(cfg, torch.device("cuda"), True, False)
-    ops._check_half_tail(KernelConfig(half_tail_wide=True, block_n=256), torch.device("cuda"), True, False)
-    ops._check_half_tail(cfg, torch.device("cpu"), False, False)
-
-
-@pytest.mark.parametrize("knob", ["half_tail_tiles", "half_tail_wide"])
-def test_half_tail_tiles_refuse_small_block_m(knob):
-    """half_tail_tiles / half_tail_wide need block_m >= 32 (a 16-row half for tl.dot): a clear error at
-    construction."""
-    with pytest.raises(ValueError, match="block_m >= 32"):
-        KernelConfig(block_m=16, **{knob: True})
-
-
-def _tail_tiles(sched, bm: int, r: int) -> int:
-    """Row tiles of a schedule with real rows whose rows r.. are all padding (swap_tail_rows = r runs them
-    swapped)."""
-    n = int(sched.num_rows.item())
-    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
-    return int(((pr[:, r:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum())
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 are the interpreter's sizes; "
-                    "test_gpu_swap_tail_rows covers the GPU form")
-# the half tail tiles' cases where most last tiles are tails: swapped tiles beside full ones under the clamp,
-# and rows pushed from the down epilogue through a wrapping ring (the pairs' column layouts do not matter here)
-@pytest.mark.parametrize("name", ["k4-limit", "push-ring"])
-def test_swap_tail_rows_match(name, monkeypatch):
-    """KernelConfig.swap_tail_rows = 16 at block_m 32: row tiles with at most 16 rows compute W x^T (forward
-    gate|up and down, the backward's phase B). The output equals the full-tile run's bit for bit (the conftest's
-    fp64-accumulated dot under the interpreter) and is close to the fp64 reference with every scratch buffer
-    NaN first; with the activations kept, gate|up equals the full tiles' (its padding rows exact zeros) and so
-    does every gradient of the backward (itself with swapped phase-B tiles) from it."""
-    case = HALF_TAIL_CASES[name]
-    inp = _make_inputs(case, seed=21)  # the half tail tiles' inputs: each case has tails of <= 16 rows
-    cfg = case.config().with_(block_m=32)
-    swap = cfg.with_(swap_tail_rows=16)
-    full = _megakernel(case, inp, config=cfg)
-    nan_scratch(monkeypatch)
-    got = _megakernel(case, inp, config=swap)
-    monkeypatch.undo()
-    assert sum(_tail_tiles(st.schedule, 32, 16) for st in got.states) > 0, "no swapped tail tile in this case"
-    ref = _reference64(case, inp)
-    for r in range(case.r):
-        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
-        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
-    if case.macrobatch is not None:
-        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
-    _assert_kept_backward_equal(case, inp, cfg, swap, monkeypatch)
-
-
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(swap_tail_rows=24), "one of 16, 32, 64"),  # not a tl.dot width
-    (dict(swap_tail_rows=32, block_m=32), "below block_m=32"),  # as tall as the tile: nothing to save
-    (dict(swap_tail_rows=32, half_tail_tiles=True), "choose one"),  # two ways to run the same tail tiles
-    (dict(fold_tail_rows=48), "one of 16, 32, 64"),  # likewise for the folded tails
-    (dict(fold_tail_rows=64, block_m=64), "below block_m=64"),  # as tall as the tile: no tail to carry
-    (dict(fold_tail_rows=32, swap_tail_rows=32), "choose one"),  # swapped or carried: one of them
-    (dict(fold_tail_rows=32, half_tail_wide=True), "choose one"),
-])
-def test_tail_row_knobs_checked(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        KernelConfig(**kwargs)
-
-
-@pytest.mark.parametrize("knob", ["swap_tail_rows", "fold_tail_rows"])
-def test_tail_row_knobs_refuse_fp8(knob):
-    """No FP8 form: a clear NotImplementedError from both launchers, not a silent full-tile run."""
-    from kittenmoe.fp8 import FP8ExpertWeights
-
-    case = Case(TINY.with_(h=128, i=128), r=1, t=8)
-    inp = _make_inputs(case, seed=3)
-    fp8 = FP8ExpertWeights.quantize(inp.weights()[0], inp.weights()[1])
-    cfg = case.config().with_(minibatch_size=32, block_m=32, **{knob: 16})
-    with pytest.raises(NotImplementedError, match=f"{knob} has no FP8 form"):
-        megakernel_forward_multirank(inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
-    d_out = [torch.randn(case.t, case.shape.h, generator=torch.Generator().manual_seed(1)).to(DEV, case.dtype)]
-    with pytest.raises(NotImplementedError, match=f"{knob} has no FP8 form"):
-        megakernel_backward_multirank(d_out, inp.xs, inp.ids, inp.ws, *inp.weights(), None, config=cfg, fp8=fp8)
-
-
-def _carried_tiles(sched, bm: int, r: int, mb: int) -> int:
-    """Row tiles that fold_tail_rows = r folds into the tile before them: real rows, rows r.. all padding, and the
-    previous row tile in the same minibatch (of mb rows) the same expert's."""
-    n = int(sched.num_rows.item())
-    pr = sched.peer_rank[:n].reshape(-1, bm).cpu()
-    te = sched.tile_expert[: n // bm].cpu()
-    tail = (pr[:, r:] < 0).all(dim=1) & (pr[:, 0] >= 0)
-    idx = torch.arange(n // bm)
-    prev_same = torch.zeros_like(tail)
-    prev_same[1:] = te[1:] == te[:-1]
-    return int((tail & prev_same & (idx % (mb // bm) != 0)).sum())
-
-
-FOLD_CASES = {
-    # ~40 rows an expert (2 ranks x 80 tokens x K 2 / 8 experts): many experts end in a tile of <= 16 rows after
-    # a full one; minibatches of two row tiles, so some tails sit in the next minibatch and stay on their own
-    "fold": Case(TINY.with_(h=64, i=64), r=2, t=80, minibatch=64),
-    # rows pushed from the down epilogue through a ring that wraps (macrobatch = minibatch = 64)
-    "fold-push-ring": Case(TINY.with_(h=64, i=64), r=2, t=80, minibatch=64, macrobatch=64, push_in_epilogue=True),
-    # K = 4 with the clamp, ~36 rows an expert, four row tiles a minibatch; I = 32 is one column tile
-    "fold-limit": Case(TINY_SIG.with_(h=64, i=32), r=2, t=72, minibatch=128, swiglu_limit=0.5),
-}
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="block_m 32 and fp32 are the interpreter's sizes; "
-                    "test_gpu_fold_tail_rows covers the GPU form")
-@pytest.mark.parametrize("name", list(FOLD_CASES))
-def test_fold_tail_rows_match(name, monkeypatch):
-    """KernelConfig.fold_tail_rows = 16 at block_m 32: a tail tile of at most 16 rows after a full tile of the same
-    expert in the same minibatch is computed by that tile's program (swapped, from the same weight tiles), its
-    own tile only signalling. The output equals the full-tile run's bit for bit (the conftest's fp64-accumulated
-    dot under the interpreter) with every scratch buffer NaN first, and is close to the fp64 reference; with the
-    activations kept, gate|up (padding rows exact zeros) and every gradient equal the full tiles'."""
-    case = FOLD_CASES[name]
-    inp = _make_inputs(case, seed=23)
-    cfg = case.config().with_(block_m=32)
-    fold = cfg.with_(fold_tail_rows=16)
-    full = _megakernel(case, inp, config=cfg)
-    nan_scratch(monkeypatch)
-    got = _megakernel(case, inp, config=fold)
-    monkeypatch.undo()
-    assert sum(_carried_tiles(st.schedule, 32, 16, st.ring.minibatch) for st in got.states) > 0, \
-        "no carried tail tile in this case"
-    ref = _reference64(case, inp)
-    for r in range(case.r):
-        assert_bitwise_equal(got.outputs[r], full.outputs[r], f"out[{r}] vs full tiles")
-        assert_close(got.outputs[r], ref[r].float(), "fp32", f"out[{r}] vs fp64 reference")
-    if case.macrobatch is not None:
-        return  # a wrapping ring keeps macrobatch 0 only: the kept rows are the same check again
-    _assert_kept_backward_equal(case, inp, cfg, fold, monkeypatch)
 
 
 @pytest.mark.parametrize("variant", list(BITWISE_VARIANTS))
@@ -914,136 +668,6 @@ def _seed_slice_inputs(name: str, seed: int = 0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", list(HALF_KNOBS))
-@pytest.mark.parametrize("name,keep", [
-    ("deepseek-v4-pro-T2048", False),  # 256 rows an expert on average: about half the experts end in a half tile
-    ("glm-5.2-T2048", True),  # 512 an expert, with gate|up kept for the backward (padding rows stored as zeros)
-])
-def test_gpu_half_tail_tiles_same_bits(name, keep, knobs, cuda_cleanup):
-    """KernelConfig.half_tail_tiles at the default tiles (128 x 128 gate|up, 128 x 256 down, 8 warps): an expert's
-    last tile with at most 64 rows runs as 64 x 256 / 64 x 512 through the same wgmma path, and each row's sums do
-    not depend on the tile's height or width, so the output (and the kept gate|up) have the full tiles' bits;
-    with gate|up kept, the backward from each (its phase B at half height too) gives every gradient the same
-    bits."""
-    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
-    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
-    runs = {}
-    for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(**HALF_KNOBS[knobs]))):
-        res = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
-        res.check_errors()
-        runs[label] = res
-    sched = runs["half"].states[0].schedule
-    n = int(sched.num_rows.item())
-    pr = sched.peer_rank[:n].reshape(-1, 128)
-    assert int(((pr[:, 64:] < 0).all(dim=1) & (pr[:, 0] >= 0)).sum()) > 0, "no half tail tile in this routing"
-    assert_bitwise_equal(runs["half"].outputs[0], runs["full"].outputs[0], f"{name}: out")
-    if keep:
-        assert_bitwise_equal(runs["half"].states[0].gate_up[:n], runs["full"].states[0].gate_up[:n],
-                             f"{name}: kept gate|up")
-        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
-        grads = {}
-        for label, cfg in (("full", KernelConfig()), ("half", KernelConfig(**HALF_KNOBS[knobs]))):
-            b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=runs[label].saved())
-            b.check_errors()
-            grads[label] = [b.d_x[0], b.d_topk_weights[0], b.d_w13, b.d_w2, b.d_shared_w13, b.d_shared_w2]
-        for i, (g, f) in enumerate(zip(grads["half"], grads["full"], strict=True)):
-            assert_bitwise_equal(g, f, f"{name}: gradient {i} (d_x, d_w, d_w13, d_w2, d_sw13, d_sw2)")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,sn,keep", [
-    ("deepseek-v4-pro-T2048", 32, False),  # 256 rows an expert: about half the experts end in a tile of <= 32
-    ("deepseek-v4-pro-T2048", 64, True),  # tails of <= 64 rows, gate|up kept (padding rows stored as zeros)
-    ("glm-5.2-T2048", 32, False),  # 512 an expert: tails where an expert has 513-544 rows
-])
-def test_gpu_swap_tail_rows(name, sn, keep, cuda_cleanup):
-    """KernelConfig.swap_tail_rows at the default tiles (W x^T through TMA, the tile's rows on wgmma's N side):
-    the output passes the bf16 bar against the fp32 reference, repeats bit for bit, and equals the full tiles'
-    output to within bf16 rounding (each element the same dot product; whether the swapped wgmma sums its 16
-    products in the same order is not assumed, so the comparison is a tolerance); with gate|up kept the
-    padding rows are exact zeros and the backward's gradients pass their bars."""
-    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
-    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
-    cfg = KernelConfig(swap_tail_rows=sn)
-    full = megakernel_forward_multirank(*args, config=KernelConfig(), save_for_backward=keep)
-    got = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
-    got.check_errors()
-    again = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
-    assert _tail_tiles(got.states[0].schedule, 128, sn) > 0, "no swapped tail tile in this routing"
-    assert_bitwise_equal(again.outputs[0], got.outputs[0], f"{name}: out, two runs")
-    ref = moe_reference_multirank([x.float()], [ids], [w], *(t_.float() for t_ in mw.tensors()), shape.swiglu_limit,
-                                  compute_dtype=torch.float32)[0]
-    assert_close(got.outputs[0], ref, "bf16", f"{name}: out vs fp32 reference")
-    assert_close(got.outputs[0], full.outputs[0], "bf16", f"{name}: out vs full tiles")
-    if keep:
-        st = got.states[0]
-        n = int(st.schedule.num_rows.item())
-        assert torch.all(st.gate_up[:n][st.schedule.peer_rank[:n] < 0] == 0), "gate|up padding rows not zero"
-        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
-        b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=got.saved())
-        b.check_errors()
-        bf = megakernel_backward_multirank(d_out, *args, config=KernelConfig(), saved=full.saved())
-        for g, f, gname in zip([b.d_x[0], b.d_w13, b.d_w2], [bf.d_x[0], bf.d_w13, bf.d_w2], ["d_x", "d_w13", "d_w2"]):
-            assert_close(g, f, "bf16", f"{name}: {gname} vs full tiles")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,fn,keep", [
-    ("deepseek-v4-pro-T2048", 32, False),  # 256 rows an expert: about half the experts end in a tile of <= 32
-    ("deepseek-v4-pro-T2048", 64, True),  # tails of <= 64 rows, gate|up kept (padding rows stored as zeros)
-    ("glm-5.2-T2048", 32, False),  # 512 an expert: tails where an expert has 513-544 rows
-])
-def test_gpu_fold_tail_rows(name, fn, keep, cuda_cleanup):
-    """KernelConfig.fold_tail_rows at the default tiles (the tail's rows multiplied through TMA from the
-    carrier's weight tiles, on wgmma's N side): the output passes the bf16 bar against the fp32 reference,
-    repeats bit for bit, and equals the full tiles' output to within bf16 rounding (whether the swapped wgmma
-    sums in the same order is not assumed); with gate|up kept the padding rows are exact zeros and the
-    backward's gradients match the full tiles' within bf16 rounding."""
-    shape, t, x, ids, w, mw = _seed_slice_inputs(name)
-    args = ([x], [ids], [w], mw.w13_E2IH, mw.w2_EHI, mw.shared_w13_2SH, mw.shared_w2_HS, shape.swiglu_limit)
-    cfg = KernelConfig(fold_tail_rows=fn)
-    full = megakernel_forward_multirank(*args, config=KernelConfig(), save_for_backward=keep)
-    got = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
-    got.check_errors()
-    again = megakernel_forward_multirank(*args, config=cfg, save_for_backward=keep)
-    st = got.states[0]
-    assert _carried_tiles(st.schedule, 128, fn, st.ring.minibatch) > 0, "no carried tail tile in this routing"
-    assert_bitwise_equal(again.outputs[0], got.outputs[0], f"{name}: out, two runs")
-    ref = moe_reference_multirank([x.float()], [ids], [w], *(t_.float() for t_ in mw.tensors()), shape.swiglu_limit,
-                                  compute_dtype=torch.float32)[0]
-    assert_close(got.outputs[0], ref, "bf16", f"{name}: out vs fp32 reference")
-    assert_close(got.outputs[0], full.outputs[0], "bf16", f"{name}: out vs full tiles")
-    if keep:
-        n = int(st.schedule.num_rows.item())
-        assert torch.all(st.gate_up[:n][st.schedule.peer_rank[:n] < 0] == 0), "gate|up padding rows not zero"
-        d_out = [torch.randn(t, shape.h, generator=torch.Generator().manual_seed(7)).to("cuda", torch.bfloat16)]
-        b = megakernel_backward_multirank(d_out, *args, config=cfg, saved=got.saved())
-        b.check_errors()
-        bf = megakernel_backward_multirank(d_out, *args, config=KernelConfig(), saved=full.saved())
-        for g, f, gname in zip([b.d_x[0], b.d_w13, b.d_w2], [bf.d_x[0], bf.d_w13, bf.d_w2], ["d_x", "d_w13", "d_w2"]):
-            assert_close(g, f, "bf16", f"{name}: {gname} vs full tiles")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [
-    KernelConfig(half_tail_tiles=True, block_m=64),  # 32-row halves would compile to mma.sync, not wgmma
-    KernelConfig(half_tail_tiles=True, tma=False),  # the pointer path's half loops overflow shared memory
-    KernelConfig(half_tail_wide=True, tma=False),  # the wide pairs likewise (the backward's phase B too)
-])
-def test_gpu_half_tail_tiles_refused_where_unsupported(cfg, cuda_cleanup):
-    """half_tail_tiles on a GPU outside its built form (block_m >= 128 through TMA): a clear error, forward and
-    backward, not a launch failure or an unchecked instruction path."""
-    case = Case(TINY.with_(h=256, i=128), r=1, t=64, dtype=torch.bfloat16)
-    inp = _make_inputs(case, device="cuda")
-    a = (inp.xs, inp.ids, inp.ws, *inp.weights(), None)
-    with pytest.raises(NotImplementedError, match="half_tail_(tiles|wide) on a GPU"):
-        megakernel_forward_multirank(*a, config=cfg.with_(minibatch_size=128))
-    d_out = [torch.randn_like(inp.xs[0])]
-    with pytest.raises(NotImplementedError, match="half_tail_(tiles|wide) on a GPU"):
-        megakernel_backward_multirank(d_out, *a, config=cfg.with_(minibatch_size=128))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("knobs", [
     "plain",  # KernelConfig()'s dataclass defaults: 16 comm programs pulling, then pushing into the combine buffer
     "heuristic",  # what MoELayer and the benchmarks run untuned: default_config for the slice (on the H200:
@@ -1186,11 +810,6 @@ GPU_BITWISE_VARIANTS = {
     # minibatch 256 walked expert by expert (tile_group_m = -1)
     "tile-group-expert-mb256": dict(minibatch_size=256, macrobatch_size=None, tile_group_m=-1),
 }
-if HAS_PUSH_KNOB:
-    # the other combine path
-    GPU_BITWISE_VARIANTS["push-path-flipped"] = dict(push_in_epilogue=not GPU_RING.push_in_epilogue)
-    # no communication programs (every SM pulls first, then computes; needs the ring not to wrap)
-    GPU_BITWISE_VARIANTS["comm-0"] = dict(num_comm_programs_fwd=0, push_in_epilogue=True, macrobatch_size=None)
 
 
 @pytest.mark.gpu
@@ -1276,25 +895,24 @@ def test_epilogue_sums_routes_in_fixed_order():
     assert not torch.equal(ordered(reversed(range(K))), ordered(range(K))), "the order never mattered: no test"
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("zero_invalid", [False, True])  # invalid rows skipped, or written as zeros
-def test_copy_rows_chunks(prefetch, zero_invalid):
+def test_copy_rows_chunks(zero_invalid):
     """_copy_rows over several column chunks (H = 40 in chunks of 16: two whole and a partial one): valid rows
-    copied, invalid rows zeroed or left alone, nothing past H touched; with and without the prefetch."""
+    copied, invalid rows zeroed or left alone, nothing past H touched."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(src, dst, valid_ptr, H, BLOCK_H: tl.constexpr, ZERO: tl.constexpr, PF: tl.constexpr):
+    def kernel(src, dst, valid_ptr, H, BLOCK_H: tl.constexpr, ZERO: tl.constexpr):
         r = tl.arange(0, 8)
         ok = tl.load(valid_ptr + r) != 0
-        mk._copy_rows(src + r * 48, dst + r * 48, ok, H, BLOCK_H, ZERO, PF)
+        mk._copy_rows(src + r * 48, dst + r * 48, ok, H, BLOCK_H, ZERO)
 
     g = torch.Generator().manual_seed(4)
     src = torch.randn(8, 48, generator=g).to(DEV)  # rows of 48 of which H = 40 are copied
     dst = torch.full((8, 48), float("nan"), device=DEV)
     valid = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1], dtype=torch.int32, device=DEV)
-    kernel[(1,)](src, dst, valid, 40, BLOCK_H=16, ZERO=zero_invalid, PF=prefetch)
+    kernel[(1,)](src, dst, valid, 40, BLOCK_H=16, ZERO=zero_invalid)
     ok = valid.bool()
     assert_bitwise_equal(dst[ok, :40], src[ok, :40], "valid rows")
     if zero_invalid:

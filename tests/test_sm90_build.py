@@ -22,6 +22,9 @@ import pytest
 from kittenmoe.config import SHARED_MEMORY_LIMIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")  # build tooling, outside the installed package
+if TOOLS not in sys.path:
+    sys.path.insert(0, TOOLS)
 DEVICE_TRITON = "3.6"  # the H200 image's Triton (../.library/device/README)
 
 
@@ -35,9 +38,9 @@ def _triton_dir() -> str:
 
 def _run_build(spec: dict, triton_dir: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src")])
-    return subprocess.run([sys.executable, "-m", "kittenmoe.sm90_build", json.dumps(spec)], capture_output=True,
-                          text=True, env=env, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src"), TOOLS])
+    return subprocess.run([sys.executable, os.path.join(TOOLS, "sm90_build.py"), json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=900)
 
 
 # Builds run in subprocesses, two at a time (CI has 2 cores; each build is one mostly single-threaded
@@ -86,24 +89,8 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="fwd"), FWD),  # the BF16 forward, default config
     (dict(which="fwd", resident=True), FWD),  # SAVE_GU: keeps gate|up for the backward
     (dict(which="fwd", trace=True), FWD),  # the profiling build (TRACE: %globaltimer reads, event stores)
-    (dict(which="fwd", config=dict(copy_prefetch=True)), FWD),  # pull and push with two chunks in flight
-    (dict(which="bwd", config=dict(copy_prefetch=True)), BWD),  # the backward's push likewise
     (dict(which="bwd"), BWD),  # BF16 backward with replay (GU_MODE 0)
     (dict(which="fwd", config=dict(tile_group_m=4)), FWD),  # a minibatch's tiles in groups of 4 row tiles
-    # an expert's last tile at half height over two column tiles (KernelConfig.half_tail_tiles), kept or not
-    (dict(which="fwd", config=dict(half_tail_tiles=True)), FWD),
-    (dict(which="fwd", resident=True, config=dict(half_tail_tiles=True)), FWD),
-    # the wide GEMMs' half pairs too: the forward's down and the backward's phase B
-    (dict(which="fwd", config=dict(half_tail_tiles=True, half_tail_wide=True)), FWD),
-    (dict(which="bwd", resident=True, config=dict(half_tail_wide=True)), BWD),
-    # an expert's last tile with at most 32 / 64 rows as W x^T (KernelConfig.swap_tail_rows), plain and kept
-    (dict(which="fwd", config=dict(swap_tail_rows=32)), FWD),
-    (dict(which="fwd", resident=True, config=dict(swap_tail_rows=64)), FWD),
-    (dict(which="bwd", resident=True, config=dict(swap_tail_rows=32)), BWD),  # the backward's phase B likewise
-    # an expert's tail of at most 32 rows carried by the tile before it (KernelConfig.fold_tail_rows), plain, kept
-    (dict(which="fwd", config=dict(fold_tail_rows=32)), FWD),
-    (dict(which="fwd", resident=True, config=dict(fold_tail_rows=32)), FWD),
-    (dict(which="bwd", resident=True, config=dict(fold_tail_rows=32)), BWD),  # the backward's phase B likewise
     (dict(which="bwd", resident=True, config=dict(tile_group_m=4)), BWD),  # the backward's likewise
     # each expert's row tiles of a minibatch walked together (tile_group_m = -1), forward and kept backward
     (dict(which="fwd", config=dict(tile_group_m=-1)), FWD),
@@ -114,12 +101,10 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="bwd", resident=True, config=dict(combine_gather=True, num_comm_programs_bwd=0)), BWD),
     (dict(which="bwd", resident=True, config=dict(tile_group_m=-1)), BWD),
     # weight gradients from one persistent program per SM (its flat loop of row steps pipelines over tiles)
-    (dict(which="bwd", resident=True, config=dict(wgrad_persistent=True)), BWD_PERSISTENT),
-    # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad_gluon), kept and replaying
-    (dict(which="bwd", resident=True, config=dict(wgrad_gluon=True)), BWD_GLUON),
-    (dict(which="bwd", config=dict(wgrad_gluon=True, wgrad_persistent=True)), BWD_GLUON),
-    # weight-gradient tiles of 128 x 128 from 4 warps, two programs an SM (KernelConfig.wgrad_two_per_sm)
-    (dict(which="bwd", resident=True, config=dict(wgrad_two_per_sm=True)), BWD),
+    (dict(which="bwd", resident=True, config=dict(wgrad="persistent")), BWD_PERSISTENT),
+    # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad="gluon"), kept and replaying
+    (dict(which="bwd", resident=True, config=dict(wgrad="gluon")), BWD_GLUON),
+    (dict(which="bwd", config=dict(wgrad="gluon")), BWD_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),
@@ -127,10 +112,10 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     (dict(which="bwd", resident=True, trace=True), BWD),  # its profiling build (TRACE)
     (dict(which="bwd", resident=True, config=dict(minibatch_size=128, macrobatch_size=128)), BWD),  # ring wraps: GU_MODE 2
     (dict(which="fwd", fp8_block=128, config=dict(block_m=64)), FWD),  # FP8 forward, the block_m it runs at
-    (dict(which="fwd", fp8_block=128, config=dict(block_m=64, fp8_down_high=True)), FWD),  # FP8, down in bf16
+    (dict(which="fwd", fp8_block=128, fp8_down_high=True, config=dict(block_m=64)), FWD),  # FP8, down in bf16
     (dict(which="bwd", fp8_block=128, config=dict(block_m=64)), BWD),  # FP8 backward, kept activations
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64)), BWD),  # FP8 replay: broke 12-01
-    (dict(which="bwd", fp8_block=128, config=dict(block_m=64, fp8_dx_high=True)), BWD),  # FP8, d_x in bf16
+    (dict(which="bwd", fp8_block=128, fp8_dx_high=True, config=dict(block_m=64)), BWD),  # FP8, d_x in bf16
     (dict(which="fwd", fp8_block=32, config=dict(block_m=64)), FWD),  # MXFP8 32-blocks
     (dict(which="bwd", fp8_block=32, replay=True, config=dict(block_m=64)), BWD),  # MXFP8 backward, replay
 ], ids=lambda v: json.dumps(v, separators=(",", ":")) if isinstance(v, dict) else "")
@@ -198,7 +183,7 @@ def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
     (and UR8 under a predicate, which does not count); the two others have theirs on every path. With that
     wgmma reading UR16..UR19 (set before the branch) the same code passes; a second, clean function after it in
     the listing (addresses restart at 0) does not hide it; nor does a branch whose condition is an operand."""
-    from kittenmoe.sm90_build import hgmma_descriptors_unset
+    from sm90_build import hgmma_descriptors_unset
 
     bad = hgmma_descriptors_unset(_SASS_BRANCHES)
     assert len(bad) == 1 and bad[0].startswith("0x00c0") and "[8, 9, 10, 11]" in bad[0], bad
@@ -217,7 +202,7 @@ def test_hgmma_descriptor_check_flags_the_three_way_tail_build():
     warp-specialized partitions are reached through an indirect branch (BRX)."""
     import gzip
 
-    from kittenmoe.sm90_build import hgmma_descriptors_unset
+    from sm90_build import hgmma_descriptors_unset
 
     with gzip.open(os.path.join(ROOT, "tests", "data", "wgrad_gluon_three_way_tail.sass.gz"), "rt") as f:
         bad = hgmma_descriptors_unset(f.read())
@@ -245,7 +230,7 @@ def test_gluon_fp8_probe_builds_overlapped_for_sm90():
     loop-carried lag form is serialized by ptxas (every wait leaves none), which is why chunks drain."""
     d = _triton_dir()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src")])
+    env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src"), TOOLS])
     r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fp8_probe.py"), "--build", "--json",
                         "--k", "7168", "--stages", "4", "--modes", "pair,chunk4,chunk8,lag"],
                        capture_output=True, text=True, env=env, timeout=600)

@@ -38,14 +38,14 @@ def _problem(r, t, seed=0, shape=TINY):
 @pytest.mark.parametrize("r,t,macrobatch,comm", [
     (1, 24, None, 2),  # one rank, two minibatches, no ring
     (2, 20, 16, 2),  # two ranks, a ring of one minibatch that wraps (pulls wait on pushes)
-    (2, 20, None, 0),  # no comm programs: every program records a pull per minibatch, nobody a push
+    (1, 20, None, 0),  # no comm programs (one rank, gathering): every program a pull per minibatch, no push
 ])
 def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch, comm):
     """Each comm program records one pull and one push per live minibatch (without comm programs every program
     one pull), each gate|up / down / shared tile one event on exactly one compute program; the outputs equal an
     untraced run's bit for bit."""
     a = _problem(r, t)
-    cfg = CFG.with_(macrobatch_size=macrobatch, num_comm_programs_fwd=comm, push_in_epilogue=comm == 0)
+    cfg = CFG.with_(macrobatch_size=macrobatch, num_comm_programs_fwd=comm, combine_gather=comm == 0)
     plain = megakernel_forward_multirank(*a, config=cfg)
     traced = megakernel_forward_multirank(*a, config=cfg, trace=True)
     for k in range(r):

@@ -144,11 +144,11 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     """Options(knobs=...): KernelConfig fields on top of the per-call config, checked when the options are made;
     the experts forward hands kittenmoe.moe a config carrying them."""
     with pytest.raises(TypeError, match="pairs"):
-        kt.Options(knobs=[("fp8_dx_high", True)])  # a list, not a tuple of pairs
+        kt.Options(knobs=[("tile_group_m", -1)])  # a list, not a tuple of pairs
     with pytest.raises(TypeError):
         kt.Options(knobs=(("no_such_knob", 1),))
     with pytest.raises(TypeError, match="must be a bool"):
-        kt.Options(knobs=(("copy_prefetch", 1),))
+        kt.Options(knobs=(("combine_gather", 1),))
     seen = {}
 
     def fake_moe(x, ids, w, w13, w2, backend, config, fp8):
@@ -156,10 +156,11 @@ def test_knobs_option_checked_and_applied(monkeypatch):
         return x
 
     monkeypatch.setattr(kt, "moe", fake_moe)
-    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=(("copy_prefetch", True),)))
+    knobs = (("tile_group_m", -1), ("keep_activations", False))
+    fwd = kt.make_experts_forward(kt.Options(backend="torch", knobs=knobs))
 
     fwd(_Experts(h=16, i=16), torch.randn(6, 16), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
-    assert seen["config"].copy_prefetch is True
+    assert seen["config"].tile_group_m == -1 and seen["config"].keep_activations is False
 
 
 @pytest.mark.parametrize("scale_block", [
@@ -168,7 +169,7 @@ def test_knobs_option_checked_and_applied(monkeypatch):
     128,  # DeepSeek-V3's blocks: one a tile
 ])
 def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block):
-    """The megakernel path's heuristic config on a Hopper GPU sets wgrad_gluon; with FP8 the integration takes
+    """The megakernel path's heuristic config on a Hopper GPU sets wgrad="gluon"; with FP8 the integration takes
     MoELayer's gate|up tile width (``FP8Config.tile_block_n``, 128 for both blocks), so the knob stays, and the
     tiles pass what the FP8 launch checks (at 32 wide they did not: every MXFP8 call raised). The device and
     the heuristic are faked (no GPU here)."""
@@ -181,14 +182,14 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     seen = {}
     monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
     monkeypatch.setattr(autoconfig, "_auto_config_args", lambda *a: config_to_args(
-        KernelConfig(wgrad_gluon=True, wgrad_persistent=True)))
+        KernelConfig(wgrad="gluon")))
     monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
     fp8 = FP8Config(scale_block, scale_block == 32)
     fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=fp8))
 
     fwd(_Experts(h=128, i=128), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
     cfg = seen["config"]
-    assert cfg.block_n == 128 and cfg.wgrad_gluon is True
+    assert cfg.block_n == 128 and cfg.wgrad == "gluon"
     # what ops._check_fp8 asks of the tiles: whole scale blocks a tile, d(gate|up) blocks >= 32 for e4m3 dots
     assert cfg.block_n % scale_block == 0 and fp8_dgu_block(cfg, scale_block) >= 32
 

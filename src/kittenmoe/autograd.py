@@ -6,7 +6,8 @@ Layering (DESIGN.md "Where code lives"): launcher (``kittenmoe.ops``) -> the cus
 Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
-  swiglu_limit?, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?, fp8_pow2, <KernelConfig fields>)
+  swiglu_limit?, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?, fp8_pow2, fp8_dx_high, fp8_down_high,
+  <KernelConfig fields>)
   -> (out_TH, x_routed, gate_up, shared_gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their
   128 x 128 scales and transposes; None for x's dtype). With
   ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and fp32 gate|up
@@ -64,7 +65,7 @@ ErrorCheck = Literal["sync", "deferred"]
 # ----------------------------------------------------------------------------- schema
 
 _FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
-                       "float | None": "float?"}
+                       "float | None": "float?", "WgradKernel": "str"}
 
 
 def _config_schema() -> str:
@@ -104,12 +105,13 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 # [MAC, H] and fp32 gate_up [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S], or [0, H] / [0, 2I] /
 # [0, 2S] when it kept nothing (the backward replays; [0, 0] for the last without a shared expert).
 # FP8 (issue 7): the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
-# bf16) and whether the activation scales are powers of two. The bf16 master weights stay the differentiable
+# bf16), whether the activation scales are powers of two, and FP8Config's dx_high / down_high (which GEMMs stay
+# in x's dtype). The bf16 master weights stay the differentiable
 # inputs: their gradients are computed from e4m3 data gradients and bf16 weight-gradient products.
 # w13_qt / w2_qt: the same e4m3 weights transposed ([E, H, 2I], [E, I, H]), which the backward's data-gradient
 # GEMMs read (e4m3 wgmma takes B K-major only); None makes the backward transpose them per call.
 _FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
-        "bool fp8_pow2")
+        "bool fp8_pow2, bool fp8_dx_high, bool fp8_down_high")
 torch.library.define("kittenmoe::moe_forward",
                      f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
                      "Tensor shared_gate_up)")
@@ -119,7 +121,7 @@ torch.library.define("kittenmoe::moe_backward",
                      f"-> {_GRADS}")
 
 
-def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2):
+def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high):
     """The op's FP8 arguments as a kittenmoe.fp8.FP8ExpertWeights, or None (bf16)."""
     if w13_q is None:
         return None
@@ -131,7 +133,8 @@ def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2):
     block = next((b for b in (128, 32) if tuple(-(-d // b) for d in dims) == sdims), None)
     if block is None:
         raise ValueError(f"FP8 weights: w13 scales {sdims} for w13 {dims} match neither 128- nor 32-blocks")
-    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, FP8Config(block, pow2_scales=fp8_pow2), w13_qt, w2_qt)
+    cfg = FP8Config(block, pow2_scales=fp8_pow2, dx_high=fp8_dx_high, down_high=fp8_down_high)
+    return FP8ExpertWeights(w13_q, w13_scale, w2_q, w2_scale, cfg, w13_qt, w2_qt)
 
 # ----------------------------------------------------------------------------- device errors, workspace
 
@@ -239,14 +242,15 @@ def _report(st: _DeviceState, flags: list[Tensor]) -> None:
 
 @torch.library.impl("kittenmoe::moe_forward", "default")
 def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                      swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
+                      swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high,
+                      fp8_down_high, *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
     res = ops.megakernel_forward_multirank(
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations,
-        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high))
     _report(st, [state.err for state in res.states])
     kept = res.saved()[0]
     if kept is None:  # the fake impl's dtypes (an FP8 forward keeps its rows in x's dtype too)
@@ -262,7 +266,7 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                        shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2,
-                       x_routed, gate_up, shared_gate_up,
+                       fp8_dx_high, fp8_down_high, x_routed, gate_up, shared_gate_up,
                        *config_args):
     config = config_from_args(config_args)
     ops._check_device(x_TH.device)
@@ -273,7 +277,7 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
         saved=[(x_routed, gate_up, shared_gate_up if shared_gate_up.shape[0] else None)
                if x_routed.shape[0] else None],
-        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2))
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high))
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
@@ -300,7 +304,8 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 
 
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                  swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, *config_args):
+                  swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high,
+                  *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
     # (an FP8 forward keeps its routed rows in x's dtype, beside the e4m3 ring its GEMMs read)
     two_s = _shared_width(shared_w13_2SH)
@@ -310,8 +315,8 @@ def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                   shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, x_routed,
-                   gate_up, shared_gate_up, *rest):
+                   shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high,
+                   fp8_down_high, x_routed, gate_up, shared_gate_up, *rest):
     return (
         torch.empty_like(x_TH),
         topk_weights_TK.new_empty(topk_weights_TK.shape, dtype=torch.float32),
@@ -334,8 +339,8 @@ def _setup_context(ctx, inputs, output):
     fp8_tensors = inputs[8:14]  # w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                           x_routed, gate_up, shared_gate_up, *fp8_tensors)
-    ctx.swiglu_limit, ctx.fp8_pow2 = inputs[7], inputs[14]
-    ctx.config_args = tuple(inputs[15:])
+    ctx.swiglu_limit, ctx.fp8_flags = inputs[7], tuple(inputs[14:17])  # fp8_pow2, fp8_dx_high, fp8_down_high
+    ctx.config_args = tuple(inputs[17:])
     # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
     # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
     ctx.mark_non_differentiable(x_routed, gate_up, shared_gate_up)
@@ -349,13 +354,13 @@ def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up, _d_shared_gate_up):
         d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, ctx.fp8_pow2, x_routed, gate_up, shared_gate_up,
+        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, *ctx.fp8_flags, x_routed, gate_up, shared_gate_up,
         *ctx.config_args)
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None
     # topk_ids, the e4m3 copies and every non-tensor argument get no gradient.
     return ((d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2)
-            + (None,) * (8 + len(ctx.config_args)))
+            + (None,) * (10 + len(ctx.config_args)))
 
 
 torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_context=_setup_context)
@@ -383,5 +388,12 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
     q = (None,) * 6 if fp8 is None else (*fp8[:4], *fp8[5:7])
     return torch.ops.kittenmoe.moe_forward(
         x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), *q, fp8 is not None and fp8[4].pow2_scales,
+        None if swiglu_limit is None else float(swiglu_limit), *q, *_fp8_flags(None if fp8 is None else fp8[4]),
         *config_to_args(config))[0]
+
+
+def _fp8_flags(cfg) -> tuple[bool, bool, bool]:
+    """The op's (fp8_pow2, fp8_dx_high, fp8_down_high) from a kittenmoe.fp8.FP8Config, all False without FP8."""
+    if cfg is None:
+        return False, False, False
+    return cfg.pow2_scales, cfg.dx_high, cfg.down_high

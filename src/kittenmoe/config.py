@@ -9,10 +9,14 @@ A name such as ``w13_E2IH`` is a tensor of shape [E, 2*I, H].
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 ScoreFunc = Literal["softmax", "sigmoid"]
+# KernelConfig.wgrad: the kernel of the backward's weight gradients
+WgradKernel = Literal["triton", "persistent", "gluon"]
+WGRAD_KERNELS: tuple[str, ...] = ("triton", "persistent", "gluon")
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,11 @@ def _is_pow2(v: int) -> bool:
 
 
 def gluon_wgrad_tiles_ok(block_n: int, block_k: int, block_m: int) -> bool:
-    """``KernelConfig.wgrad_gluon``'s tile: block_n x 2 block_n = 128 x 256 outputs, 64-row steps
-    (min(block_k, block_m)). One home for the condition: KernelConfig checks it, ``default_config`` sets the
-    knob only where it holds, and ``KernelConfig.with_overrides`` (``--config``, the tuner's grid, the FP8 tile
-    width) turns the knob off where a tile change breaks it rather than building a config that is refused."""
+    """``KernelConfig.wgrad="gluon"``'s tile: block_n x 2 block_n = 128 x 256 outputs, 64-row steps
+    (min(block_k, block_m)). One home for the condition: KernelConfig checks it, ``default_config`` picks the
+    Gluon kernel only where it holds, and ``KernelConfig.with_overrides`` (``--config``, the tuner's grid, the FP8
+    tile width) turns it into "persistent" where a tile change breaks it rather than building a config that is
+    refused."""
     return block_n == 128 and min(block_k, block_m) == 64
 
 
@@ -121,179 +126,74 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
     return all(gluon_wgrad_gradient_ok(n, m) for n, m in grads)
 
 
-_BOOL_KNOBS = ("push_in_epilogue", "combine_gather", "tma", "keep_activations", "fp8_dx_high", "fp8_down_high",
-               "copy_prefetch", "wgrad_persistent", "wgrad_two_per_sm", "wgrad_gluon", "half_tail_tiles",
-               "half_tail_wide")
+_BOOL_KNOBS = ("combine_gather", "tma", "keep_activations")
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The megakernel's knobs (DESIGN.md "Knobs").
+    """The megakernels' knobs (DESIGN.md "Knobs"): what each moves, its constraint, and why its default (H200
+    timings on the four seed slices, Kimi, DeepSeek, Qwen and GLM at one EP8 rank; ``default_config`` sets the
+    CUDA values, the dataclass defaults are its one-rank-agnostic baseline). Knobs measured and retired:
+    docs/experiments/.
 
-    num_comm_programs_fwd/bwd: programs (SMs) that pull and push rows instead
-        of running GEMM tiles. ``num_comm_programs_fwd`` 0 (with
-        ``push_in_epilogue`` or ``combine_gather``, and a ring that does not
-        wrap): no dedicated programs; every program first pulls its share of
-        all routed rows, then runs GEMM tiles. The same bits.
-        ``num_comm_programs_bwd`` 0 likewise (with ``combine_gather``).
-    minibatch_size: rows handed from communication to compute at a time; a
-        multiple of ``block_m`` so a GEMM row tile never straddles two
-        minibatches.
-    macrobatch_size: rows of routed activations held at once (the ring
-        window); ``None`` sizes the buffers for the worst case, so the ring
-        never wraps. A multiple of ``minibatch_size``.
-    block_m: GEMM row tile, also the padding of each expert's segment.
-    block_n, block_k, num_stages, num_warps: Triton tile choices.
-    push_in_epilogue: the down GEMM's epilogue writes each finished row
-        straight into its origin's combine buffer (no y_routed round trip
-        through HBM; communication programs only pull). False: compute
-        programs write y_routed and communication programs push it, as in
-        MoK's role split.
-    combine_gather: one rank only (R=1), ring not wrapping: nothing is
-        pushed; the final epilogue reads each route's row from y_routed
-        through an inverse of the schedule (route t*K + j -> row). The same
-        bits; communication programs only pull.
-    tma: load GEMM operands through TMA descriptors where possible (a
-        Hopper-or-newer GPU, bf16/fp16, I, S multiples of block_n, H a
-        multiple of 2*block_n, widths multiples of block_k); otherwise, and
-        always under the interpreter, pointer loads.
-    keep_activations: a forward that autograd will differentiate keeps its
-        ring's routed x rows and fp32 gate|up pre-activations (H x dtype +
-        8 I bytes a row; Kimi EP8 slice without a ring: ~0.58 GB a layer)
-        for the backward, which skips the gate|up replay for those rows (4
-        of phase A's 6 FLOPs per element). A ring that does not wrap holds
-        every row (the backward also skips the x pull); a wrapping ring
-        ends holding macrobatch 0 (the forward runs macrobatches last to
-        first) and the backward replays only the rest. The shared expert's
-        fp32 gate|up (8 S bytes a token, 34 MB on Kimi) is kept too, ring or
-        not: the backward's shared phase A runs its down dgrad alone. False:
+    num_comm_programs_fwd: programs (SMs) of the forward that pull routed rows and push finished ones instead of
+        running GEMM tiles. 0 needs ``combine_gather`` (one rank, a ring that does not wrap): every program pulls
+        its share of all routed rows first, then runs tiles; the same bits. The pull limited the forward at 8
+        (Kimi 6.75 ms against 4.58 at 16); ``default_config``: 16 / 12 / 8 as I grows (bytes per FLOP fall), 0
+        on one rank.
+    num_comm_programs_bwd: the same for the backward (pull x, d_out and router weights; push d_x and d_w). 0 needs
+        ``combine_gather``. ``default_config``: 16, 12 on one rank with I > 1024 (Kimi and GLM ~3% faster), 0
+        with the gather.
+    minibatch_size: rows handed from communication to compute at a time; a multiple of ``block_m`` (a row tile
+        never straddles two minibatches). 2048: the seed slices' optimum (Kimi forward 4.06 ms against 4.54 at
+        1024).
+    macrobatch_size: routed rows the ring holds at once, a multiple of ``minibatch_size``; None sizes the buffers
+        for the worst case, so the ring never wraps. ``default_config`` sets a ring only where the worst-case
+        buffers would pass min(8 GiB, 1/8 of the GPU's memory).
+    block_m: GEMM row tile, also the padding of each expert's segment; a power of two in 16-256. 128; 64 where
+        experts average under 96 rows (the padding would dominate).
+    block_n, block_k: GEMM column tile and K step, powers of two in 16-256; the gate|up tile must fit 227 KB of
+        shared memory at ``num_stages`` (``gate_up_smem_bytes``). 128 x 64: block_n 64 with 4 warps ran the Kimi
+        forward at 5.54 ms against 4.06, block_k 32 at 5 stages at 4.45.
+    num_stages: pipeline stages of the forward's GEMM loops and of the weight-gradient launch. 4: the Kimi forward
+        4.06 ms against 4.20 at 3.
+    num_warps: warps a program: 1, 2, 4, 8 or 16. 8: a 128 x 256 fp32 accumulator is 128 registers a thread.
+    combine_gather: one rank (R=1) and a ring that does not wrap: nothing is pushed; the epilogues read each
+        route's row where it was computed (the forward's y_routed, the backward's d_x rows and d_w partials)
+        through an inverse of the schedule. The same bits. ``default_config`` sets it on one rank with 2-byte
+        operands, with no comm programs: forward+backward 0.4-4.5% faster (the combine buffers, 2 x T*K*H, not
+        allocated).
+    tma: load GEMM operands through TMA descriptors where possible (a Hopper-or-newer GPU, bf16/fp16, widths that
+        divide into tiles); otherwise, and always under the interpreter, pointer loads. TMA with 4 stages: the
+        Kimi forward 3.88 ms against 4.20 with pointer loads.
+    keep_activations: a forward that autograd will differentiate keeps its ring's routed x rows and fp32 gate|up
+        (H x dtype + 8 I bytes a row; ~0.58 GB a layer on the Kimi slice) and the shared expert's fp32 gate|up
+        (8 S bytes a token), so the backward skips the gate|up replay for those rows (4 of phase A's 6 FLOPs an
+        element). A wrapping ring keeps macrobatch 0 only (the forward runs macrobatches last to first). False:
         always replay.
-    fp8_dx_high: with FP8 experts, the backward's routed d_x GEMM (d(gate|up) W13) runs on x's dtype, from
-        the d(gate|up) rows as the backward stores them and the master weights, instead of on e4m3 (the
-        rest of the FP8 path is unchanged). In e4m3 that GEMM promotes every 64 of its K (d(gate|up) is
-        quantised 1 x 64, phase A's tile width) and was the FP8 backward's critical path on the H200:
-        +4.5 ms against +2.0 ms for BF16's on the Kimi slice (docs/perf-notes.md). Needs the master
-        weights (the layer, ``kittenmoe.moe`` and the HF integration pass them). No effect without FP8.
-    fp8_down_high: with FP8 experts, the forward's down projection runs in x's dtype: hidden rows stored in
-        x's dtype (not quantised) and multiplied by the master W2; gate|up and the backward's data gradients
-        stay e4m3. The FP8 down GEMM was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms
-        against +1.17). Needs the master weights. No effect without FP8.
-    copy_prefetch: communication programs issue the next 32 x 512 chunk's loads before storing the current
-        one (two chunks in flight a program instead of one) in the forward's pull and push and the
-        backward's push. On 2 H200s a 16-CTA pull over NVLink reached 109 GB/s where a push reached 258
-        (p2p_probe.py, 8 KB a step): remote reads are latency-bound. On one H200 no gain (Kimi forward
-        3.58 ms against 3.57); off until timed over NVLink.
-    wgrad_persistent: the backward's weight gradients in one program per SM, each walking its tiles in one
-        flat loop of row steps, so the next tile's loads overlap this tile's last steps and its store
-        (``weight_grad_persistent_kernel``). One program per tile paid its pipeline fill and 64 KB store
-        alone: Kimi's tiles have six 64-row steps, and the launch ran at ~450 TFLOP/s. The same bits.
-        Off in the dataclass, on in ``default_config``'s CUDA configs: in its nested-loop form (each tile
-        stored through one TMA buffer that drains under the next tile's K loop) forward+backward was
-        0.3-2.7% faster on the four slices (H200, interleaved rounds, 2026-12-01); the earlier flat-loop
-        form had been slower (DeepSeek backward 11.50 ms against 10.71).
-    wgrad_two_per_sm: weight-gradient tiles of block_n x block_n (not x 2 block_n) from 4 warps and at most 3
-        stages (3 x 32 KB of operands at 128 x 128 x 64), so two programs share an SM and one's pipeline fill
-        and 64 KB store overlap the other's MMAs. The default (128 x 256, 8 warps, 4 x 48 KB) holds a whole
-        SM: nothing overlaps a tile's fill and store, and Kimi's tiles have six 64-row steps each. Costs 1.33x
-        the operand traffic from L2 (64 FLOP a byte against 85). Combined with ``wgrad_persistent``: two
-        programs per SM. Each element is still summed by one program over its rows in order: the same bits.
-        Off: on the H200 within noise (launch alone Kimi 3.96 ms against 3.90, DeepSeek 5.14 against 5.32;
-        forward+backward 0.4-0.8% faster, 2026-12-01).
-    wgrad_gluon: the weight gradients from a warp-specialized Gluon kernel (``kernels/wgrad_gluon.py``): the
-        same tiles, order and bits as ``wgrad_persistent``'s, with a producer warp that keeps the TMA ring full
-        across tile boundaries (the next tile's first row steps load while this one's last wgmmas and epilogue
-        run) and two 64-row math groups. H200, the launches alone (2026-12-03): 1.10-1.26x faster than the
-        Triton kernel on the Kimi, DeepSeek and Qwen slices (Kimi d_W13 1.887 ms against 2.204, cutlass 2.180),
-        every output equal bit for bit. Hopper only (wgmma), 2-byte operands through TMA, block_n 128 and
-        64-row steps (min(block_k, block_m) = 64; ``gluon_wgrad_tiles_ok``), every gradient's rows (2I, H, 2S)
-        a multiple of 128 and its columns of 16-byte rows (``gluon_wgrad_shape_ok``; the backward refuses other
-        widths before launching); not with ``wgrad_two_per_sm``. Gluon does not run under the
-        Triton interpreter: there the knob is refused (NotImplementedError), never silently replaced. Takes
-        precedence over ``wgrad_persistent``. Off in the dataclass; ``default_config`` sets it on Hopper with
-        2-byte operands: forward+backward medians -5.7% Kimi, -3.6% DeepSeek and GLM (15 of 15 paired rounds
-        lower, past the run's A/A gap of 1.3-1.8%), -0.9% Qwen (within its 4.4%) (H200, 2026-12-03).
-    tile_group_m: the order of a minibatch's GEMM tiles in both megakernels. 0: column tile by column tile,
-        every row tile of the minibatch under one (the order timed so far): a weight tile serves its
-        expert's 2-3 row tiles at once, but each 128-row x tile is read again for every column tile, after
-        the whole minibatch's rows (Kimi 29 MB a minibatch) and the weights streaming by have passed
-        through L2. G > 0: groups of G row tiles, each walked column tile by column tile, so a wave of
-        ~116 programs reads ~G row tiles' x many times while it is in L2 (Triton's GROUP_M swizzle). The
-        same bits in any order. Off: on the H200 the forward was 1-3% slower at G = 4 and 8 on every slice
-        (2026-12-01): fixed groups split an expert's row tiles, whose weight tiles are then read once per
-        group. G = -1: each expert's row tiles in the minibatch are one group, walked column tile by column
-        tile, so its x rows stay in L2 over its column tiles and each weight tile still serves all of them at
-        once (Nsight Compute, DeepSeek forward, default order: 11.55 GB read from DRAM for 6.5 GB of weights,
-        L2 hit rate 39%, 2026-12-02).
-    bwd_num_stages: pipeline stages of the backward megakernel's GEMM loops; 0 (default): min(num_stages, 3),
-        the build timed so far. 4 fits on sm_90 with the default tiles (229,408 B of shared memory, replaying,
-        kept and FP8 builds alike; the loops share their buffers), for phase A's 112-step K loop over H
-        (Kimi), which runs at ~3.3 TFLOP/s a program against phase B's 5.6. ``default_config`` sets 4 at
-        block_m 128 with 2-byte operands: with ``wgrad_persistent`` forward+backward went from 0.3-2.7% to
-        2.3-4.6% faster than without either (H200, 2026-12-01); alone, one earlier run gave -1.5% (Kimi) and
-        -0.4% (DeepSeek).
-    bwd_a_k_unroll: 1 (default) or 2: block_k-deep K steps a pipeline stage of the backward's phase-A down
-        dgrad where it runs alone (kept activations, TMA: the routed kept tiles and the shared expert's kept
-        tiles). Phase A's 128 x 128 tile does half the MMA work of a phase-B (128 x 256) or forward gate|up
-        step per loop iteration, and runs at ~3.3 TFLOP/s a program against their 5.6; 2 halves the
-        iterations (the per-iteration barrier wait, TMA issue and wgmma wait) at twice the shared memory a
-        stage, so that loop runs at ``bwd_stages`` - 1 stages (at least 1). The same MMAs in the same order:
-        the same bits (its GPU test). Needs H % (2 block_k) == 0 (the launcher raises otherwise). Off: on the
-        H200 (2026-12-02, interleaved) forward+backward moved -1.4% (Kimi), +2.7% (DeepSeek), +0.2% (Qwen),
-        -3.4% (GLM), no consistent sign; Triton 3.6 waits for the first of the two chained wgmmas inside
-        each iteration (``pendings = 0``), and two accumulators (even / odd steps, which it does overlap)
-        timed no better.
-    bwd_a_num_stages: pipeline stages of that same loop (the kept phase-A down dgrads); 0 (default): ``bwd_stages``
-        (one fewer with ``bwd_a_k_unroll`` 2). Its stage (128 x 64 of d_out and 64 x 128 of W2, 32 KB) is
-        two thirds of phase B's (48 KB), and the kernel's loops share their buffers, so up to 6 stages fit
-        in the 192 KB phase B takes at 4. Alone on the Kimi slice's phase-A problem
-        (``benchmarks/phase_a_probe.py``, H200) this loop ran at 2.3 / 3.9 / 4.7 / 4.8 / 4.7 TFLOP/s a program
-        at 2 / 3 / 4 / 5 / 6 stages: 4 is where depth stops paying. The same bits at any depth (its GPU test).
-        In the megakernel (forward+backward, interleaved, 2026-12-02) 6 / 5 stages: Kimi +1.4% / -0.1%,
-        DeepSeek +6.0% / +2.4%, Qwen -1.5% / -2.3%: left at 0.
-    half_tail_tiles: the forward gate|up GEMM's routed row tiles whose second half is padding (an expert's
-        last tile with at most block_m / 2 rows) run as block_m/2 x 2 block_n tiles: the tile of an even
-        column computes its own and the next column's outputs, the next one only signals. Each expert wastes
-        block_m / 2 padding rows on average; DeepSeek's slice (256 rows an expert under uniform routing) pads
-        2.5 tiles' work to 2.0, and this takes gate|up (2/3 of the routed FLOPs) to ~2.25. Same accumulator
-        registers; each row's arithmetic unchanged. On a GPU: block_m >= 128 through TMA (bf16/fp16);
-        elsewhere, and with FP8, the launchers raise NotImplementedError (the interpreter takes block_m >= 32).
-        Off: on the H200 the forward was 3-14% slower on all four slices (DeepSeek 5.35 ms against 4.69,
-        2026-12-01 (7)) with half tiles of four BM/2 x BN accumulators, which the sm_90 build issued as
-        m64n64k16 wgmmas (8 warps split N at 64 rows); they are now two BM/2 x 2 BN accumulators from
-        2 BN-row weight boxes, issued as the full tiles' m64n128k16 (Kimi build: 218 registers, no stack),
-        and still slower on every slice (DeepSeek 5.22 ms against 4.34, Kimi 3.46 against 3.26, 2026-12-01
-        (8)): a half tile reads 72 KB of operands a K step for a full tile's FLOPs, at 3 stages, and the
-        build's 221 KB of shared memory slows the full tiles beside it. On a GPU block_n <= 128 (TMA's
-        256-row box).
-    swap_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: the forward's routed row tiles with at most
-        that many rows (an expert's last tile, the rest of it schedule padding) compute gate|up and down as
-        W x^T, the weight tile on the MMA's M side and the tile's rows on its N side (wgmma's N runs down to 8),
-        so their padding rows cost no MMA work; each output element is the same K-long dot product, the
-        schedule and the signals unchanged, and a K step stages the full tile's weight tiles with fewer x
-        rows. DeepSeek's slice (256 rows an expert under uniform routing) pads about half its experts from
-        257-288 rows to 384: at 32 their third tile costs a quarter of one (gate|up and down work ~2.5 ->
-        ~2.1 tiles an expert). The forward's gate|up and down tiles and the backward's phase B (d_x); phase
-        A keeps full tiles. No FP8 form (``NotImplementedError``); not with the half tail tiles. Off: on the
-        H200 slower on every slice (forward at 32 / 64: DeepSeek 4.76 / 4.91 ms against 4.54, Kimi 3.50 /
-        3.63 against 3.41; forward+backward no gain, 2026-12-02): a tile's time follows the weight column
-        tile it streams, which a swapped tile reads in full, not its MMA work.
-    fold_tail_rows: 0 (default: off), 16, 32 or 64, below block_m: a routed row tile with at most that many
-        rows (an expert's last, the rest schedule padding) is computed by the program of the row tile before
-        it when that one, in the same minibatch, is the same expert's: each K step multiplies the weight tiles
-        it stages for its own rows by the tail's rows too, swapped (W x^T, as swap_tail_rows), and the tail's
-        tile only signals. The forward's gate|up and down tiles and the backward's phase B (d_x); phase A
-        keeps full tiles. Why: a tile's
-        time follows the weight tiles it streams (swap_tail_rows' traces), so a tail tile of its own costs
-        about a full one; carried, it adds a quarter of the carrier's MMA work at 32 (and 52 KB stages
-        against 48). DeepSeek's slice (256 rows an expert under uniform routing) has about half its experts
-        ending in such a tail. No FP8 form (``NotImplementedError``); not with the other tail knobs.
-    half_tail_wide: the same for the 2 block_n-wide GEMMs: the forward's down projection and the backward's
-        phase B (d_x = d(gate|up) W13), as block_m/2 x 4 block_n pairs (two accumulators); the backward's
-        phase A keeps full tiles. Same conditions. Off: its sm_90 forward builds spill (40 bytes of stack alone,
-        48 with half_tail_tiles; the backward's is back to the default's 8 at the half loops' 3 stages), and
-        on the H200 both together at 2 stages (then one knob, 2026-12-01) kept the bits but were slower
-        everywhere (forward: Kimi 3.85 ms against 3.43, DeepSeek 5.56 against 4.62; every tile slowed, not just
-        the tail ones: DeepSeek's gate|up 276 -> 328 program-ms for the same tiles).
+    wgrad: the backward's weight-gradient kernel, one of "triton", "persistent", "gluon"; the same tiles
+        (block_n x 2 block_n outputs, min(block_k, block_m)-row steps), order and bits in each. "triton": one
+        program a tile, which pays its pipeline fill and 64 KB store alone (~450 TFLOP/s on Kimi, six 64-row
+        steps a tile). "persistent": one program an SM walking its tiles, each tile stored through a TMA buffer
+        that drains under the next tile's K loop: forward+backward 0.3-2.7% faster. "gluon": a warp-specialized
+        Gluon kernel (``kernels/wgrad_gluon.py``) whose producer warp keeps the TMA ring full across tiles: the
+        launches 1.10-1.26x faster than the Triton kernel's (Kimi d_W13 1.887 ms against 2.204), forward+
+        backward medians 0.9-5.7% lower; it needs Hopper (wgmma), TMA with 2-byte operands, block_n 128 and
+        64-row steps (``gluon_wgrad_tiles_ok``), and every gradient's rows a multiple of 128 with 16-byte rows
+        (``gluon_wgrad_shape_ok``; the backward refuses others before launching); the interpreter refuses it
+        (NotImplementedError). ``default_config``: "persistent" with 2-byte operands, "gluon" on Hopper where
+        the shapes fit.
+    tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
+        column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%
+        slower at G = 4 and 8: fixed groups split an expert's row tiles, whose weight tiles are then read once
+        a group). -1: each expert's row tiles a group, so its x rows stay in L2 over its column tiles (at 0
+        DeepSeek's forward read 11.55 GB from DRAM for 6.5 GB of weights). ``default_config``: -1 with 2-byte
+        operands, forward+backward 2.7-4.0% faster.
+    bwd_num_stages: pipeline stages of the backward megakernel's GEMM loops; 0: min(num_stages, 3). 4 fits on sm_90
+        at the default tiles (229,408 B: the loops share their buffers) and feeds phase A's long K loop over H
+        (112 steps on Kimi, ~3.3 TFLOP/s a program against phase B's 5.6). ``default_config``: 4 at block_m 128
+        with 2-byte operands where it fits (``bwd_phase_a_smem_bytes``); with "persistent" weight gradients
+        forward+backward 2.3-4.6% faster than neither.
     """
 
     num_comm_programs_fwd: int = 16
@@ -305,29 +205,22 @@ class KernelConfig:
     block_k: int = 64
     num_stages: int = 4
     num_warps: int = 8
-    push_in_epilogue: bool = False
     combine_gather: bool = False
     tma: bool = True
     keep_activations: bool = True
-    fp8_dx_high: bool = False
-    fp8_down_high: bool = False
-    copy_prefetch: bool = False
-    wgrad_persistent: bool = False
-    wgrad_two_per_sm: bool = False
-    wgrad_gluon: bool = False
+    wgrad: WgradKernel = "triton"
     tile_group_m: int = 0
-    half_tail_tiles: bool = False
-    half_tail_wide: bool = False
     bwd_num_stages: int = 0
-    bwd_a_k_unroll: int = 1
-    bwd_a_num_stages: int = 0
-    swap_tail_rows: int = 0
-    fold_tail_rows: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
             if field.name == "macrobatch_size" and v is None:
+                continue
+            if field.name == "wgrad":
+                if not isinstance(v, str) or v not in WGRAD_KERNELS:
+                    raise ValueError(f"KernelConfig.wgrad must be one of {', '.join(map(repr, WGRAD_KERNELS))}, "
+                                     f"got {v!r}")
                 continue
             if field.name in _BOOL_KNOBS:
                 if not isinstance(v, bool):
@@ -338,25 +231,19 @@ class KernelConfig:
         if self.num_comm_programs_fwd < 0:
             raise ValueError(f"KernelConfig.num_comm_programs_fwd must be >= 0 (0: every program pulls, then "
                              f"computes), got {self.num_comm_programs_fwd}")
-        if self.push_in_epilogue and self.combine_gather:
-            raise ValueError("KernelConfig.push_in_epilogue and combine_gather are two ways to combine (the down "
-                             "epilogue pushes rows, or the final epilogue gathers them): choose one")
-        if self.num_comm_programs_fwd == 0 and not (self.push_in_epilogue or self.combine_gather):
+        if self.num_comm_programs_fwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_fwd=0 leaves no program to push finished rows: it "
-                             "needs push_in_epilogue=True (the down GEMM's epilogue writes them) or "
-                             "combine_gather=True (the final epilogue reads them)")
+                             "needs combine_gather=True (the final epilogue reads them where they were computed)")
         if self.num_comm_programs_bwd < 0:
             raise ValueError(f"KernelConfig.num_comm_programs_bwd must be >= 0 (0: every program pulls, then "
                              f"computes), got {self.num_comm_programs_bwd}")
         if self.num_comm_programs_bwd == 0 and not self.combine_gather:
             raise ValueError("KernelConfig.num_comm_programs_bwd=0 leaves no program to push the d_x rows: it "
                              "needs combine_gather=True (the backward's epilogue reads them)")
-        if self.wgrad_gluon and (self.wgrad_two_per_sm
-                                 or not gluon_wgrad_tiles_ok(self.block_n, self.block_k, self.block_m)):
-            raise ValueError(f"KernelConfig.wgrad_gluon builds 128 x 256 weight-gradient tiles of 64-row steps: it "
-                             f"needs block_n=128 and min(block_k, block_m)=64, without wgrad_two_per_sm; got "
-                             f"block_n={self.block_n}, block_k={self.block_k}, block_m={self.block_m}, "
-                             f"wgrad_two_per_sm={self.wgrad_two_per_sm}")
+        if self.wgrad == "gluon" and not gluon_wgrad_tiles_ok(self.block_n, self.block_k, self.block_m):
+            raise ValueError(f"KernelConfig.wgrad='gluon' builds 128 x 256 weight-gradient tiles of 64-row steps: "
+                             f"it needs block_n=128 and min(block_k, block_m)=64; got block_n={self.block_n}, "
+                             f"block_k={self.block_k}, block_m={self.block_m}")
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
             if not _is_pow2(v) or v < 16:
@@ -375,32 +262,9 @@ class KernelConfig:
         if self.bwd_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
                              f"{self.bwd_num_stages}")
-        if self.swap_tail_rows:
-            if self.swap_tail_rows not in (16, 32, 64) or self.swap_tail_rows >= self.block_m:
-                raise ValueError(f"KernelConfig.swap_tail_rows must be 0 (off) or one of 16, 32, 64 below "
-                                 f"block_m={self.block_m}, got {self.swap_tail_rows}")
-            if self.half_tails:
-                raise ValueError("KernelConfig.swap_tail_rows and half_tail_tiles / half_tail_wide both change "
-                                 "the tail tiles: choose one")
-        if self.fold_tail_rows:
-            if self.fold_tail_rows not in (16, 32, 64) or self.fold_tail_rows >= self.block_m:
-                raise ValueError(f"KernelConfig.fold_tail_rows must be 0 (off) or one of 16, 32, 64 below "
-                                 f"block_m={self.block_m}, got {self.fold_tail_rows}")
-            if self.half_tails or self.swap_tail_rows:
-                raise ValueError("KernelConfig.fold_tail_rows and swap_tail_rows / half_tail_tiles / half_tail_wide "
-                                 "all change the tail tiles: choose one")
-        if self.bwd_a_num_stages < 0:
-            raise ValueError(f"KernelConfig.bwd_a_num_stages must be >= 0 (0: bwd_stages), got "
-                             f"{self.bwd_a_num_stages}")
-        if self.bwd_a_k_unroll not in (1, 2):
-            raise ValueError(f"KernelConfig.bwd_a_k_unroll must be 1 or 2 (block_k steps a pipeline stage of "
-                             f"the backward's phase-A down dgrad), got {self.bwd_a_k_unroll}")
         if self.tile_group_m < -1:
             raise ValueError(f"KernelConfig.tile_group_m must be >= -1 (0: every row tile of a minibatch in one "
                              f"group; -1: each expert's row tiles a group), got {self.tile_group_m}")
-        if self.half_tails and self.block_m < 32:
-            raise ValueError(f"KernelConfig.half_tail_tiles / half_tail_wide need block_m >= 32 (a half tile of "
-                             f"block_m / 2 rows is a tl.dot operand of at least 16), got block_m={self.block_m}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 
@@ -413,23 +277,24 @@ class KernelConfig:
         derived from the ones that change follow them, so the result runs where ``with_`` would build a config
         a launch refuses; a knob ``changes`` names is never touched (and is then checked as given):
 
-        - ``wgrad_gluon`` off where its 128 x 256 tile no longer fits (``gluon_wgrad_tiles_ok``), or with
-          ``wgrad_two_per_sm`` or ``tma=False`` (the Triton weight gradients run instead);
+        - ``wgrad`` "gluon" becomes "persistent" where its 128 x 256 tile no longer fits
+          (``gluon_wgrad_tiles_ok``) or with ``tma=False``;
         - ``bwd_num_stages`` back to 0 (``bwd_stages``' default) where the backward's phase-A tile no longer
           fits shared memory at the set depth (``bwd_phase_a_smem_bytes``, 2-byte operands: the heuristic sets
           the depth only for those);
         - ``combine_gather`` off when ``changes`` ask for a ring (``macrobatch_size``; the caller passes None
-          where its ring would not wrap), for ``push_in_epilogue``, or turn it off; then communication
-          programs at 0 take ``KernelConfig()``'s counts, since something must push."""
+          where its ring would not wrap), or turn it off; then communication programs at 0 take
+          ``KernelConfig()``'s counts, since something must push.
+
+        ``default_config(..., overrides=...)`` applies the same rules while it builds the heuristic (and derives
+        the stages and ring from pinned tiles too)."""
         # the knobs as they would merge, unvalidated: the merged config may be one KernelConfig refuses
         v = {f.name: changes.get(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)}
         derived = {}
-        if v["wgrad_gluon"] and "wgrad_gluon" not in changes and (
-                not gluon_wgrad_tiles_ok(v["block_n"], v["block_k"], v["block_m"]) or v["wgrad_two_per_sm"]
-                or not v["tma"]):
-            derived["wgrad_gluon"] = False  # the Triton weight-gradient kernel
-        if self.combine_gather and "combine_gather" not in changes and (
-                changes.get("macrobatch_size") is not None or changes.get("push_in_epilogue")):
+        if v["wgrad"] == "gluon" and "wgrad" not in changes and (
+                not gluon_wgrad_tiles_ok(v["block_n"], v["block_k"], v["block_m"]) or not v["tma"]):
+            derived["wgrad"] = "persistent"  # the Triton kernel, one program an SM
+        if self.combine_gather and "combine_gather" not in changes and changes.get("macrobatch_size") is not None:
             derived["combine_gather"] = False
         if self.combine_gather and not derived.get("combine_gather", v["combine_gather"]):
             plain = KernelConfig()
@@ -443,23 +308,9 @@ class KernelConfig:
         return cfg
 
     @property
-    def half_tails(self) -> bool:
-        """Whether any GEMM runs half tail tiles (``half_tail_tiles`` or ``half_tail_wide``)."""
-        return self.half_tail_tiles or self.half_tail_wide
-
-    @property
     def bwd_stages(self) -> int:
         """The backward megakernel's pipeline stages: ``bwd_num_stages``, or min(num_stages, 3) when 0."""
         return self.bwd_num_stages or min(self.num_stages, 3)
-
-    @property
-    def bwd_a_stages(self) -> int:
-        """Pipeline stages of the backward's phase-A down-dgrad loop where it runs alone: ``bwd_a_num_stages``,
-        or when 0 ``bwd_stages``, one fewer (at least 1) with ``bwd_a_k_unroll`` 2 (a stage holds two K
-        steps)."""
-        if self.bwd_a_num_stages:
-            return self.bwd_a_num_stages
-        return self.bwd_stages if self.bwd_a_k_unroll == 1 else max(1, self.bwd_stages - 1)
 
 
 def routed_capacity(r: int, t: int, k: int, experts_per_rank: int, block_m: int) -> int:
@@ -474,6 +325,20 @@ def routed_capacity(r: int, t: int, k: int, experts_per_rank: int, block_m: int)
 SHARED_MEMORY_LIMIT = 227 * 1024
 
 
+def _gate_up_bytes(bm: int, bn: int, bk: int, stages: int, elem_bytes: int) -> int:
+    return stages * (bm * bk + 2 * bn * bk) * elem_bytes
+
+
+def _bwd_bytes(bm: int, bn: int, bk: int, num_stages: int, bwd_stages: int, elem_bytes: int) -> int:
+    bna = max(16, bn // 2)
+    phase_a = bwd_stages * (2 * bm * bk + 3 * bna * bk) * elem_bytes
+    # phase B: a block_m x block_k row tile and a block_k x 2 block_n weight tile per stage
+    phase_b = bwd_stages * (bm + 2 * bn) * bk * elem_bytes
+    # weight-gradient launch (all num_stages): block_k rows of a block_n- and a 2 block_n-wide operand
+    wgrad = num_stages * (bk * 3 * bn) * elem_bytes
+    return max(phase_a, phase_b, wgrad)
+
+
 def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
     """Shared-memory estimate of the gate|up GEMM tile, the largest in the forward megakernel.
 
@@ -483,28 +348,17 @@ def gate_up_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
     Triton's exact figure (epilogue layout conversions add some), used to
     skip tile choices that cannot fit before compiling them.
     """
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    return config.num_stages * (bm * bk + 2 * bn * bk) * elem_bytes
+    return _gate_up_bytes(config.block_m, config.block_n, config.block_k, config.num_stages, elem_bytes)
 
 
 def bwd_phase_a_smem_bytes(config: KernelConfig, elem_bytes: int = 2) -> int:
-    """Shared-memory estimate of the backward's largest tile at ``config.bwd_stages``: phase A holds per stage
+    """Shared-memory estimate of the backward's largest tile: at ``config.bwd_stages`` phase A holds per stage
     the d_out and x row tiles (``2 x block_m x block_k``) and three weight tiles of half width
-    (``3 x block_n/2 x block_k``), its kept down dgrad ``bwd_a_k_unroll x (block_m + block_n) x block_k`` at
-    ``bwd_a_stages``; phase B ``(block_m + 2 block_n) x block_k``; the weight-gradient launch
-    ``block_k x 3 block_n`` with all ``num_stages``."""
-    bn = max(16, config.block_n // 2)
-    stages = config.bwd_stages
-    phase_a = stages * (2 * config.block_m * config.block_k + 3 * bn * config.block_k) * elem_bytes
-    # phase B: a block_m x block_k row tile and a block_k x 2 block_n weight tile per stage
-    phase_b = stages * (config.block_m + 2 * config.block_n) * config.block_k * elem_bytes
-    # phase A's down dgrad alone (kept activations): bwd_a_k_unroll K steps of a block_m x block_k row tile and
-    # a block_k x 2 (block_n / 2) weight tile per stage, at bwd_a_stages
-    kept_a = (config.bwd_a_stages * config.bwd_a_k_unroll * (config.block_m + 2 * bn) * config.block_k
-              * elem_bytes)
-    # weight-gradient launch (all num_stages): block_k rows of a block_n- and a 2 block_n-wide operand
-    wgrad = config.num_stages * (config.block_k * 3 * config.block_n) * elem_bytes
-    return max(phase_a, phase_b, kept_a, wgrad)
+    (``3 x block_n/2 x block_k``), phase B ``(block_m + 2 block_n) x block_k`` (which also covers phase A's kept
+    down dgrad alone, ``(block_m + block_n) x block_k``); the weight-gradient launch ``block_k x 3 block_n`` with
+    all ``num_stages``."""
+    return _bwd_bytes(config.block_m, config.block_n, config.block_k, config.num_stages, config.bwd_stages,
+                      elem_bytes)
 
 
 def check_shared_memory(config: KernelConfig, elem_bytes: int, backward: bool = False) -> None:
@@ -523,67 +377,64 @@ def _pow2_floor(v: int) -> int:
     return 1 << (max(int(v), 1).bit_length() - 1)
 
 
+def _pinned_text(pinned: Mapping[str, object], names) -> str:
+    """``a=1, b=2`` for the pinned knobs among ``names`` (all pinned knobs when none of them is)."""
+    hit = [n for n in names if n in pinned] or list(pinned)
+    return ", ".join(f"{n}={pinned[n]!r}" for n in hit)
+
+
 def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, device=None,
-                   dtype=None, s: int | None = None) -> KernelConfig:
-    """The heuristic ``KernelConfig`` for a problem when no tuned config is cached.
+                   dtype=None, s: int | None = None, overrides: Mapping[str, object] | None = None) -> KernelConfig:
+    """The heuristic ``KernelConfig`` for a problem when no tuned config is cached, around the caller's pinned
+    knobs.
 
-    ``t`` tokens per rank, hidden ``h``, expert width ``i``, ``e`` routed
-    experts in total over ``ranks`` EP ranks (``e // ranks`` local experts),
-    top-``k``; ``device`` (default: CUDA if available) and ``dtype`` (default
-    bf16) of the operands; ``s`` the shared expert's width (0: none; None: not
-    known, only ``wgrad_gluon`` reads it). A balanced router sends about ``n = t * k`` rows to
-    each rank, ``n_e = t * k * ranks / e`` to each expert.
+    ``t`` tokens per rank, hidden ``h``, expert width ``i``, ``e`` routed experts in total over ``ranks`` EP ranks
+    (``e // ranks`` local experts), top-``k``; ``device`` (default: CUDA if available) and ``dtype`` (default
+    bf16) of the operands; ``s`` the shared expert's width (0: none; None: not known, only the Gluon weight
+    gradients read it). A balanced router sends about ``n = t * k`` rows to each rank, ``n_e = t * k * ranks / e``
+    to each expert.
 
-    On CUDA (measured on the H200 for the seed shapes sliced to one EP8 rank,
-    where these values won the sweeps in docs/perf-notes.md;
-    elsewhere a guess the tuner replaces):
+    ``overrides``: KernelConfig fields the caller pins. Each is honoured as given and the knobs the heuristic
+    derives from it follow (the most stages that fit pinned tiles, the minibatch and the ring from a pinned
+    ``block_m``, "persistent" weight gradients where pinned tiles or ``tma=False`` rule out the Gluon kernel's,
+    the gather off for a pinned wrapping ring and on for pinned zero comm programs on one rank, ...); a pin the
+    problem cannot run is refused with a ValueError naming it: an unknown field or bad value, tiles or stages
+    past 227 KB of shared memory, ``combine_gather`` on several ranks or with a wrapping ring, ``wgrad="gluon"``
+    off Hopper, off 2-byte operands, off TMA or off its widths, comm programs that leave no compute program.
 
-    - ``block_m`` 128, or 64 when experts average under 96 rows (the padding of
-      each expert's segment to ``block_m`` would dominate);
-    - ``minibatch_size`` 2048 (the seed slices' optimum at ``n`` = 12-40 K
-      rows); smaller problems use ``n / 4`` rounded down to a power of two
-      (at least ``block_m``) so the comm/compute pipeline still has ~4 steps;
-    - ``num_comm_programs_fwd`` by bytes per FLOP, which fall as ``I`` grows (a
-      routed row moves ``H`` elements for ``6*H*I`` FLOPs): 16 for ``I`` <= 1024,
-      12 up to 2048, 8 above (H200 sweep after the vectorised copies, 2026-11-29:
-      Qwen I=1024 best at 16, Kimi/GLM I=2048 at 12, DeepSeek I=3072 at 8);
-      ``num_comm_programs_bwd`` 16, or 12 with one rank and ``I`` > 1024 (the
-      backward moves x and d_out; H200 sweep of 8/12/16 on today's backward,
-      2026-12-02: Kimi/GLM best at 12 by ~3%, DeepSeek ~1%, Qwen at 16; with
-      several ranks the pull crosses NVLink and only 16 was timed). An eighth
-      of the SMs for both on GPUs with fewer than 100 SMs;
-    - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the
-      most ``num_stages`` (<= 4) whose gate|up tile fits 227 KB of shared
-      memory (``gate_up_smem_bytes``);
-    - with 2-byte operands ``wgrad_persistent`` on, and ``bwd_num_stages`` 4 at
-      ``block_m`` 128 when the backward's tiles fit (``bwd_phase_a_smem_bytes``):
-      forward+backward 2.3-4.6% faster on the four slices (H200, 2026-12-01);
-      and ``tile_group_m`` -1 (each expert's row tiles of a minibatch walked
-      together): forward+backward another 2.7-4.0% (H200, 2026-12-02);
-      on Hopper (sm_90) also ``wgrad_gluon`` (the weight gradients from the
-      warp-specialized Gluon kernel, the same bits) where the widths fit its
-      128-row tiles (``gluon_wgrad_shape_ok``: H and 2I, and 2S when ``s`` is
-      given, multiples of 128): forward+backward medians 3.6-5.7% lower on
-      Kimi, DeepSeek and GLM, past the run's A/A gap, 0.9% on Qwen (H200,
-      2026-12-03);
-    - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers
-      (x_routed, y_routed, hidden, and the fp32 gate|up ``keep_activations``
-      holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
+    On CUDA (the H200 sweeps of the seed shapes sliced to one EP8 rank; elsewhere a guess the tuner replaces):
+
+    - ``block_m`` 128, or 64 when experts average under 96 rows (the padding of each expert's segment to
+      ``block_m`` would dominate);
+    - ``minibatch_size`` 2048 (the seed slices' optimum at ``n`` = 12-40 K rows); smaller problems use ``n / 4``
+      rounded down to a power of two (at least ``block_m``) so the comm/compute pipeline still has ~4 steps;
+    - ``num_comm_programs_fwd`` by bytes per FLOP, which fall as ``I`` grows (a routed row moves ``H`` elements
+      for ``6*H*I`` FLOPs): 16 for ``I`` <= 1024, 12 up to 2048, 8 above (Qwen I=1024 best at 16, Kimi/GLM
+      I=2048 at 12, DeepSeek I=3072 at 8); ``num_comm_programs_bwd`` 16, or 12 with one rank and ``I`` > 1024
+      (the backward moves x and d_out; of 8/12/16, Kimi/GLM best at 12 by ~3%, DeepSeek ~1%, Qwen at 16; with
+      several ranks the pull crosses NVLink and only 16 was timed). An eighth of the SMs for both on GPUs with
+      fewer than 100 SMs;
+    - ``block_n`` 128, ``block_k`` 64 for 2-byte operands (32 for fp32), and the most ``num_stages`` (<= 4)
+      whose gate|up tile fits 227 KB of shared memory (``gate_up_smem_bytes``);
+    - with 2-byte operands ``wgrad`` "persistent" and ``bwd_num_stages`` 4 at ``block_m`` 128 where the
+      backward's tiles fit (``bwd_phase_a_smem_bytes``): forward+backward 2.3-4.6% faster on the four slices;
+      ``tile_group_m`` -1 (each expert's row tiles of a minibatch walked together): another 2.7-4.0%; and on
+      Hopper (sm_90) ``wgrad`` "gluon" (the warp-specialized Gluon kernel, the same bits) where the widths fit
+      its 128-row tiles (``gluon_wgrad_shape_ok``: H and 2I, and 2S when ``s`` is given, multiples of 128):
+      forward+backward medians 3.6-5.7% lower on Kimi, DeepSeek and GLM, past the run's A/A gap of 1.3-1.8%
+      (15 of 15 paired rounds lower), 0.9% on Qwen (within its 4.4%);
+    - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers (x_routed, y_routed, hidden, and
+      the fp32 gate|up ``keep_activations`` holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
       multiple of the minibatch that fits;
-    - on one rank with no ring and 2-byte operands, ``combine_gather`` (no
-      push; the epilogues read the rows where they were computed) and
-      ``num_comm_programs_fwd`` 0 (every program pulls first): forward+backward
-      0.4-4.5% faster on the four slices (H200, 2026-12-03); and
-      ``num_comm_programs_bwd`` 0 (the backward's pull the same way): medians
-      1.6-3.8% lower in one run, within what the same config read against
-      itself (0-3.8%; H200, 2026-12-03, session 14): one role fewer, the same
-      bits, not a resolved speed gain.
+    - on one rank with no ring and 2-byte operands, ``combine_gather`` (no push; the epilogues read the rows
+      where they were computed) and ``num_comm_programs_fwd`` 0 (every program pulls first): forward+backward
+      0.4-4.5% faster on the four slices (17 of 25 paired rounds lower); and ``num_comm_programs_bwd`` 0 (the
+      backward's pull the same way): medians 1.6-3.8% lower in one run, within what the same config read
+      against itself (0-3.8%): one role fewer, the same bits, not a resolved speed gain.
 
-    On CPU (the Triton interpreter, for tests) small tiles and few programs
-    keep the sequential interpreter fast: ``block_m`` 16, ``block_n`` and
-    ``block_k`` 32, one communication program, and a minibatch of the
-    worst-case capacity rounded up to a power of two (at most 1024), so few
-    launches run.
+    On CPU (the Triton interpreter, for tests) small tiles and few programs keep the sequential interpreter
+    fast: ``block_m`` 16, ``block_n`` and ``block_k`` 32, one communication program, and a minibatch of the
+    worst-case capacity rounded up to a power of two (at most 1024), so few launches run.
     """
     import torch
 
@@ -594,60 +445,126 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
         raise ValueError(f"default_config: E={e} experts cannot be split evenly over R={ranks} ranks")
     if k > e:
         raise ValueError(f"default_config: top-k K={k} exceeds the number of experts E={e}")
+    pinned = dict(overrides or {})
+    fields = [f.name for f in dataclasses.fields(KernelConfig)]
+    unknown = sorted(set(pinned) - set(fields))
+    if unknown:
+        raise ValueError(f"default_config: overrides name no KernelConfig field: {', '.join(unknown)} (fields: "
+                         f"{', '.join(fields)})")
+
+    def pick(name: str, value):
+        return pinned[name] if name in pinned else value
+
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dtype is None else dtype
     elem = torch.empty((), dtype=dtype).element_size()
     local = e // ranks
     n = t * k
+    if pinned.get("combine_gather") is True and ranks != 1:
+        raise ValueError(f"default_config: the pinned combine_gather=True runs one rank (the epilogues read this "
+                         f"rank's rows); this problem has {ranks} ranks")
     if dev.type != "cuda":
-        bm = 16
-        mb = min(1024, max(bm, 1 << (routed_capacity(ranks, t, k, local, bm) - 1).bit_length()))
-        return KernelConfig(num_comm_programs_fwd=1, num_comm_programs_bwd=1, minibatch_size=mb, block_m=bm,
-                            block_n=32, block_k=32, num_stages=1, num_warps=4)
+        bm = pick("block_m", 16)
+        mb = pick("minibatch_size",
+                  min(1024, max(bm, 1 << (routed_capacity(ranks, t, k, local, bm) - 1).bit_length())))
+        # no ring on CPU unless pinned: zero comm programs pinned on one rank take the gather they need
+        gather = pick("combine_gather", ranks == 1 and pinned.get("macrobatch_size") is None and 0 in (
+            pinned.get("num_comm_programs_fwd"), pinned.get("num_comm_programs_bwd")))
+        return _pinned_config(pinned, dict(
+            num_comm_programs_fwd=1, num_comm_programs_bwd=1, minibatch_size=mb, block_m=bm, block_n=32, block_k=32,
+            num_stages=1, num_warps=4, combine_gather=gather))
     props = torch.cuda.get_device_properties(dev)
     sms = props.multi_processor_count
+    wide = elem == 2  # the knobs below were timed with 2-byte operands only
     comm = 16 if sms >= 100 else max(1, sms // 8)
     comm_fwd = (16 if i <= 1024 else 12 if i <= 2048 else 8) if sms >= 100 else comm
     # 12 only where it was timed (one rank, I > 1024: the docstring's sweep); over NVLink only 16 was timed.
     comm_bwd = 12 if (sms >= 100 and ranks == 1 and i > 1024) else comm
-    bm = 128 if n * ranks / e >= 96 else 64
-    mb = 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4))
-    bn, bk = 128, (64 if elem <= 2 else 32)
-    cfg = KernelConfig(num_comm_programs_fwd=comm_fwd, num_comm_programs_bwd=comm_bwd, minibatch_size=mb, block_m=bm,
-                       block_n=bn, block_k=bk, num_stages=1)
-    stages = next((s for s in (4, 3, 2) if gate_up_smem_bytes(cfg.with_(num_stages=s), elem) <= SHARED_MEMORY_LIMIT), 1)
-    cfg = cfg.with_(num_stages=stages)
+    bm = pick("block_m", 128 if n * ranks / e >= 96 else 64)
+    mb = pick("minibatch_size", 2048 if n >= 8192 else max(bm, _pow2_floor(n // 4)))
+    bn, bk = pick("block_n", 128), pick("block_k", 64 if elem <= 2 else 32)
+    stages = pick("num_stages", next((st for st in (4, 3, 2) if _gate_up_bytes(bm, bn, bk, st, elem)
+                                      <= SHARED_MEMORY_LIMIT), 1))
+    tma = pick("tma", True)
     # The backward's weight gradients from persistent programs (the same bits), and its megakernel's loops at 4
-    # stages where they fit: together 2.3-4.6% off forward+backward on all four slices (H200, interleaved rounds,
-    # fwdbwd-20261201-211440.json: persistent alone 0.3-2.7%, the 4 stages 0.0-2.2% more). Both were timed with
-    # 2-byte operands (bf16 experts; FP8 experts' backward only checked for bits), the stages at block_m 128.
-    if elem == 2:
-        # Expert runs (tile_group_m = -1): forward+backward 2.7-4.0% faster on all four slices, lower in 18 of 20
-        # paired rounds (H200, 2026-12-02, fwdbwd-20261202-161055.json / -161232.json); the forward alone
-        # within +-1.7%. The order changes no bits.
-        cfg = cfg.with_(wgrad_persistent=True, tile_group_m=-1)
-        # The weight gradients from the warp-specialized Gluon kernel on Hopper (wgmma; the same bits): forward+
-        # backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past the same
-        # run's A/A gap (1.3-1.8%) and lower in 15 of 15 paired rounds (H200, 2026-12-03, session 15,
-        # fwdbwd-20261203-145107.json). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
-        if props.major == 9 and gluon_wgrad_shape_ok(h, i, s) and gluon_wgrad_tiles_ok(bn, bk, bm):
-            cfg = cfg.with_(wgrad_gluon=True)
-        if bm == 128 and bwd_phase_a_smem_bytes(cfg.with_(bwd_num_stages=4), elem) <= SHARED_MEMORY_LIMIT:
-            cfg = cfg.with_(bwd_num_stages=4)
+    # stages where they fit: together 2.3-4.6% off forward+backward on all four slices (persistent alone
+    # 0.3-2.7%, the 4 stages 0.0-2.2% more). Both were timed with 2-byte operands (bf16 experts; FP8 experts'
+    # backward only checked for bits), the stages at block_m 128. The Gluon kernel on Hopper (wgmma; the same
+    # bits): forward+backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past
+    # the run's A/A gap (1.3-1.8%). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
+    gluon = (wide and tma and props.major == 9 and gluon_wgrad_shape_ok(h, i, s)
+             and gluon_wgrad_tiles_ok(bn, bk, bm))
+    wgrad = pick("wgrad", ("gluon" if gluon else "persistent") if wide else "triton")
+    bwd_stages = pick("bwd_num_stages", 4 if wide and bm == 128 and _bwd_bytes(bm, bn, bk, stages, 4, elem)
+                      <= SHARED_MEMORY_LIMIT else 0)
+    # Expert runs (tile_group_m = -1): forward+backward 2.7-4.0% faster on all four slices, lower in 18 of 20
+    # paired rounds; the forward alone within +-1.7%. The order changes no bits.
+    tgm = pick("tile_group_m", -1 if wide else 0)
+    keep = pick("keep_activations", True)
     cap = routed_capacity(ranks, t, k, local, bm)
     full = -(-cap // mb) * mb
     budget = min(8 << 30, props.total_memory // 8)
-    row_bytes = (2 * h + i) * elem + 8 * i  # x, y, hidden rows, and the fp32 gate|up kept for the backward
-    if full * row_bytes > budget:
-        cfg = cfg.with_(macrobatch_size=max(mb, budget // row_bytes // mb * mb))
-    elif ranks == 1 and elem == 2 and sms >= 100:
+    row_bytes = (2 * h + i) * elem + (8 * i if keep else 0)  # x, y, hidden rows, and the fp32 gate|up kept
+    mac = pick("macrobatch_size", max(mb, budget // row_bytes // mb * mb) if full * row_bytes > budget else None)
+    resident = mac is None or mac >= cap
+    if "combine_gather" in pinned:
+        gather = pinned["combine_gather"]
+        if gather is True and not resident:
+            how = ("pin macrobatch_size=None" if "macrobatch_size" not in pinned
+                   else f"a macrobatch_size of at least {cap}")
+            raise ValueError(f"default_config: the pinned combine_gather=True reads every route's row after the "
+                             f"launch, so the ring must hold all {cap} worst-case rows; the ring here holds {mac} "
+                             f"(the heuristic's, sized for memory, unless pinned): {how}")
+    else:
         # One rank, resident ring: no push (the epilogues read the rows where they were computed) and no comm
         # programs (every SM pulls its share first). Forward+backward medians 0.4-4.5% lower on the four slices,
-        # 17 of 25 paired rounds (H200, 2026-12-03, fwdbwd-20261203-084744.json / -085055.json; the forward alone
-        # -8% to +4%, within its rounds' spread). The combine buffers (2 x T*K*H) are not allocated.
-        # The backward's pull by every program too (its comm programs only pulled d_out rows, idle after):
-        # medians 1.6-3.8% lower on all four slices (fwdbwd-20261203-114826.json, 12 of 20 paired rounds), but
-        # an accidental A/A run (fwdbwd-20261203-121535.json: this config against itself) differed by 0-3.8%,
-        # so it rests on "not slower in any median, one role fewer, the same bits", not on a measured gain.
-        cfg = cfg.with_(combine_gather=True, num_comm_programs_fwd=0, num_comm_programs_bwd=0)
+        # 17 of 25 paired rounds (the forward alone -8% to +4%, within its rounds' spread). The combine buffers
+        # (2 x T*K*H) are not allocated. The backward's pull by every program too (its comm programs only pulled
+        # d_out rows, idle after): medians 1.6-3.8% lower on all four slices, 12 of 20 paired rounds, but the
+        # same config read against itself differed by 0-3.8%, so it rests on "not slower in any median, one role
+        # fewer, the same bits", not on a measured gain. Pinned zero comm programs on one rank need the gather.
+        gather = ranks == 1 and resident and (
+            (wide and sms >= 100 and mac is None)
+            or 0 in (pinned.get("num_comm_programs_fwd"), pinned.get("num_comm_programs_bwd")))
+    values = dict(
+        num_comm_programs_fwd=0 if gather else comm_fwd, num_comm_programs_bwd=0 if gather else comm_bwd,
+        minibatch_size=mb, macrobatch_size=mac, block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
+        combine_gather=gather, tma=tma, keep_activations=keep, wgrad=wgrad, tile_group_m=tgm,
+        bwd_num_stages=bwd_stages)
+    cfg = _pinned_config(pinned, values)
+    # What the launches would refuse, checked here for the pins (the heuristic's own values were picked to pass)
+    for knob in ("num_comm_programs_fwd", "num_comm_programs_bwd"):
+        if knob in pinned and getattr(cfg, knob) >= sms:
+            raise ValueError(f"default_config: the pinned {knob}={getattr(cfg, knob)} leaves no compute program on "
+                             f"a GPU with {sms} SMs")
+    for backward, names in ((False, ("num_stages", "block_m", "block_n", "block_k")),
+                            (True, ("bwd_num_stages", "num_stages", "block_m", "block_n", "block_k"))):
+        if any(n in pinned for n in names):
+            try:
+                check_shared_memory(cfg, elem, backward=backward)
+            except ValueError as exc:
+                raise ValueError(f"default_config: the pinned {_pinned_text(pinned, names)} do not fit: "
+                                 f"{exc}") from None
+    if cfg.wgrad == "gluon" and "wgrad" in pinned:
+        why = ""
+        if props.major != 9:
+            why = f"it issues Hopper's wgmma (sm_90); this GPU is sm_{props.major}{getattr(props, 'minor', 0)}"
+        elif not wide:
+            why = f"it needs 2-byte operands; these are {dtype}"
+        elif not cfg.tma:
+            why = "it loads through TMA: it needs tma=True"
+        elif not gluon_wgrad_shape_ok(h, i, s):
+            why = (f"every weight gradient's rows must be a multiple of its 128-row tile, with 16-byte rows (H={h}, "
+                   f"I={i}, S={s})")
+        if why:
+            raise ValueError(f"default_config: the pinned wgrad='gluon' cannot run here: {why}")
     return cfg
+
+
+def _pinned_config(pinned: Mapping[str, object], values: dict) -> KernelConfig:
+    """``KernelConfig(**values)`` with the pinned knobs over it; a config KernelConfig refuses is refused naming
+    the pins (the heuristic's own values always make a valid one)."""
+    try:
+        return KernelConfig(**{**values, **pinned})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"default_config: the pinned {_pinned_text(pinned, pinned)} conflict: {exc}") from None

@@ -47,7 +47,7 @@ E4M3_MAX = 448.0
 MIN_SCALE = 2.0 ** -126  # smallest normal fp32; the scale of an all-zero block
 FP8_DTYPE = torch.float8_e4m3fn
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Launch parameters of the standalone quantisers by scale block (also what kittenmoe.sm90_build compiles).
+# Launch parameters of the standalone quantisers by scale block (also what tools/sm90_build.py compiles).
 # Activations: 16 rows of a 128-block or 64 rows of a 32-block a program (2,048 values). Weights: a block in
 # 32-row chunks (an amax pass, then a quantise pass), 4 warps for 128-blocks; one 32-block in one pass with one
 # warp. The one-pass form of a 128-block (RC = 128) needs 255 registers and a 280-byte stack (Triton 3.6, bf16)
@@ -59,21 +59,33 @@ WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=
 
 @dataclass(frozen=True)
 class FP8Config:
-    """Block scaling of the FP8 path.
+    """Block scaling of the FP8 path, and which of the megakernels' GEMMs stay in x's dtype.
 
     scale_block: block edge B along K (activations: 1 x B; weights: B x B). 128 (DeepSeek-V3) or 32 (MXFP8).
     pow2_scales: round every scale up to a power of two (E8M0-representable). Required for B = 32.
+    dx_high: the backward's routed d_x GEMM (d(gate|up) W13) runs in x's dtype, from the d(gate|up) rows as the
+        backward stores them and the master W13, instead of on e4m3; the rest of the FP8 path is unchanged. In
+        e4m3 that GEMM promotes every 64 of its K (d(gate|up) is quantised 1 x 64, phase A's tile width) and
+        was the FP8 backward's critical path on the H200: +4.5 ms against +2.0 ms for BF16's on the Kimi slice.
+        Needs the master weights (the layer, ``kittenmoe.moe`` and the transformers integration pass them).
+    down_high: the forward's down projection runs in x's dtype: hidden rows stored in x's dtype (not quantised)
+        and multiplied by the master W2; gate|up and the backward's data gradients stay e4m3. The e4m3 down GEMM
+        was slower than BF16's on the H200 (Kimi slice, forward phases: +1.47 ms against +1.17). Needs the
+        master weights.
     """
 
     scale_block: int = 128
     pow2_scales: bool = False
+    dx_high: bool = False
+    down_high: bool = False
 
     def __post_init__(self):
         if isinstance(self.scale_block, bool) or not isinstance(self.scale_block, int) \
                 or self.scale_block not in (32, 128):
             raise ValueError(f"FP8Config: scale_block must be 32 or 128, got {self.scale_block!r}")
-        if not isinstance(self.pow2_scales, bool):
-            raise ValueError(f"FP8Config: pow2_scales must be a bool, got {self.pow2_scales!r}")
+        for name in ("pow2_scales", "dx_high", "down_high"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"FP8Config: {name} must be a bool, got {getattr(self, name)!r}")
         if self.scale_block == 32 and not self.pow2_scales:
             raise ValueError("FP8Config: scale_block=32 (the MXFP8 family) needs pow2_scales=True "
                              "(E8M0-representable power-of-two scales)")
@@ -83,7 +95,8 @@ class FP8Config:
         """The gate|up tile width (``KernelConfig.block_n``) the FP8 path gets from ``MoELayer``, ``kittenmoe
         bench --fp8`` and the transformers integration: 128 for both scale blocks. A tile's hidden rows must hold
         whole scale blocks (a multiple of ``scale_block``), and the backward's d(gate|up) blocks, half a tile
-        wide, must stay >= 32 for e4m3 dots: a 32-wide tile would give 16 (``ops._check_fp8`` refuses it)."""
+        wide, must stay >= 32 for e4m3 dots: a 32-wide tile would give 16 (``ops._check_fp8`` refuses it, unless
+        ``dx_high`` keeps d(gate|up) unquantised)."""
         return max(128, self.scale_block)
 
 

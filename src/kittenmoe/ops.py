@@ -116,7 +116,7 @@ class ForwardState:
     ring: RingGeometry
     x_routed: torch.Tensor  # [MAC, H]
     hidden: torch.Tensor  # [MAC, I]
-    y_routed: torch.Tensor  # [MAC, H] ([1, H] placeholder when the down epilogue pushes)
+    y_routed: torch.Tensor  # [MAC, H]
     shared_hidden: torch.Tensor  # [T, S]
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
@@ -173,81 +173,42 @@ def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: 
 
 
 def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
-    """KernelConfig.wgrad_gluon's conditions, before any weight-gradient launch: a Hopper GPU (wgmma), no
+    """KernelConfig.wgrad="gluon"'s conditions, before any weight-gradient launch: a Hopper GPU (wgmma), no
     interpreter (Gluon does not run in it), the backward's TMA path, and per job (P, Q, out, N, M) 2-byte
     operands of out's dtype, N a multiple of the 128-row tile (a tile never crosses into the next expert's
     gradient), M a multiple of 8 (TMA's 16-byte rows) and a contiguous out. Each failure names itself: the knob
     is never silently replaced by the Triton kernel."""
     if interpreting():
-        raise NotImplementedError("KernelConfig.wgrad_gluon: Gluon kernels do not run under the Triton interpreter; "
-                                  "the interpreter runs the Triton weight-gradient kernel (wgrad_gluon=False), "
+        raise NotImplementedError("KernelConfig.wgrad='gluon': Gluon kernels do not run under the Triton interpreter; "
+                                  "the interpreter runs the Triton weight-gradient kernels (wgrad='persistent'), "
                                   "whose bits the Gluon kernel's GPU test holds it to")
     _check_gluon_device(dev)
     try:  # here, not at the launch after the megakernel: a Triton without Gluon's Hopper API is refused up front
         from kittenmoe.kernels import wgrad_gluon  # noqa: F401
     except ImportError as exc:
-        raise NotImplementedError(f"KernelConfig.wgrad_gluon needs Gluon's Hopper API (triton.experimental.gluon, "
+        raise NotImplementedError(f"KernelConfig.wgrad='gluon' needs Gluon's Hopper API (triton.experimental.gluon, "
                                   f"Triton 3.6 was timed); this Triton {triton.__version__} lacks it ({exc}): set "
-                                  f"wgrad_gluon=False") from exc
+                                  f"wgrad='persistent'") from exc
     if not use_tma:
-        raise NotImplementedError("KernelConfig.wgrad_gluon loads through TMA: it needs tma=True, 2-byte operands "
+        raise NotImplementedError("KernelConfig.wgrad='gluon' loads through TMA: it needs tma=True, 2-byte operands "
                                   "and 16-byte row strides (the backward's TMA path)")
     for p_op, q_op, dst, n, m in jobs:
         if not (p_op.dtype == q_op.dtype == dst.dtype and dst.element_size() == 2 and gluon_wgrad_gradient_ok(n, m)
                 and dst.is_contiguous()):
             raise NotImplementedError(
-                f"KernelConfig.wgrad_gluon: a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
+                f"KernelConfig.wgrad='gluon': a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
                 f"{q_op.dtype} operands is not built (it needs one 2-byte dtype for all three, N % 128 == 0, "
-                f"M % 8 == 0 and a contiguous gradient); set wgrad_gluon=False")
+                f"M % 8 == 0 and a contiguous gradient); set wgrad='persistent'")
 
 
 def _check_gluon_device(dev: torch.device) -> None:
     """The Gluon weight-gradient kernel issues wgmma, which only sm_90 (Hopper) has."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cap is None or cap[0] != 9:
-        raise NotImplementedError(f"KernelConfig.wgrad_gluon issues Hopper's wgmma (sm_90); this device is {dev}"
-                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad_gluon=False")
+        raise NotImplementedError(f"KernelConfig.wgrad='gluon' issues Hopper's wgmma (sm_90); this device is {dev}"
+                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad='persistent'")
 
 
-def _check_half_tail(config: KernelConfig, dev: torch.device, use_tma: bool, fp8: bool) -> None:
-    """KernelConfig.half_tail_tiles and half_tail_wide, for both launchers: no FP8 form (anywhere); on a GPU
-    only through TMA (the pointer path's half loops pipeline at the kernel's num_stages: 4 x 72 KB, past an
-    H200's 227 KB) and with block_m >= 128 (halves of 64 rows, one wgmma per warp group; 32-row halves compile to mma.sync, another
-    instruction whose sums were never compared). The interpreter takes any block_m >= 32 (the CPU tests)."""
-    if not config.half_tails:
-        return
-    knob = "half_tail_tiles" if config.half_tail_tiles else "half_tail_wide"
-    if fp8:
-        raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one "
-                                  "scale block at a time): run FP8 without it")
-    if dev.type != "cuda":
-        return
-    if config.block_m < 128 or not use_tma:
-        raise NotImplementedError(
-            f"KernelConfig.{knob} on a GPU needs block_m >= 128 and the TMA path (bf16/fp16, tile-divisible "
-            f"widths, tma=True); got block_m={config.block_m}, TMA {'on' if use_tma else 'off'}")
-    if config.half_tail_tiles and 2 * config.block_n > 256:
-        raise NotImplementedError(
-            f"KernelConfig.half_tail_tiles on a GPU loads gate|up weights in 2 x block_n-row TMA boxes, at most "
-            f"256 rows; got block_n={config.block_n}")
-
-
-def _check_swap_tail(config: KernelConfig, fp8: bool) -> None:
-    """KernelConfig.swap_tail_rows and fold_tail_rows, for both launchers: no FP8 form yet."""
-    for knob in ("swap_tail_rows", "fold_tail_rows"):
-        if fp8 and getattr(config, knob):
-            raise NotImplementedError(f"KernelConfig.{knob} has no FP8 form yet (the e4m3 GEMMs step one scale "
-                                      "block at a time with per-row scales): run FP8 without it")
-
-
-# KernelConfig.half_tail_tiles / half_tail_wide: pipeline stages of a half tail tile's K loop. A stage holds
-# block_m/2 x block_k of rows and two 2 block_n-wide weight tiles (gate|up: gate and up; down, phase B: two column
-# tiles of 2 block_n): 72 KB at
-# 128 x 128 x 64, so 3 stages (216 KB) fit beside nothing else; Triton reuses the buffers of loops not live
-# together (sm_90 builds: 221,304 B forward, 221,240 B backward). At 3 rather than 2 the builds also spill
-# less: backward with half_tail_wide 8 bytes of stack against 64 (the default build's 8), forward with both
-# knobs 48 against 56; gate|up alone stays at 220 registers and no stack.
-HALF_TAIL_STAGES = 3
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
 
 
@@ -271,9 +232,9 @@ def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.dev
         raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
                          f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
     dgb = fp8_dgu_block(config, b)
-    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with fp8_dx_high nothing is
+    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with FP8Config.dx_high nothing is
     # quantised in d(gate|up) blocks
-    if dgb < 32 and not config.fp8_dx_high:
+    if dgb < 32 and not fp8.cfg.dx_high:
         raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks {dgb} "
                          f"wide, its gate|up dgrad's K step, under the 32 an e4m3 dot needs: use block_n >= 64")
     if H % b or I % b:
@@ -349,7 +310,6 @@ def launch_rank_forward(
     dev = w13_L2IH.device
     dtype = w13_L2IH.dtype
     bm = config.block_m
-    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if dev.type == "cuda":
@@ -357,14 +317,13 @@ def launch_rank_forward(
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
     row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
-    fp8_down = fp8 is not None and not config.fp8_down_high  # else the down projection in x's dtype
+    fp8_down = fp8 is not None and not fp8.cfg.down_high  # else the down projection in x's dtype
     st = ForwardState(
         schedule=sched,
         ring=ring,
         x_routed=torch.empty(ring.macrobatch, H, dtype=row_dtype, device=dev),
         hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype if fp8_down else dtype, device=dev),
-        # With the push in the down epilogue nothing is staged in y_routed.
-        y_routed=torch.empty(1 if config.push_in_epilogue else ring.macrobatch, H, dtype=dtype, device=dev),
+        y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
         y_shared=torch.empty(T, H, dtype=dtype, device=dev),
         counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
@@ -392,8 +351,6 @@ def launch_rank_forward(
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     use_tma = _tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma, fp8 is not None)
-    sn = config.swap_tail_rows or config.fold_tail_rows  # the rows of a swapped or carried tail's TMA blocks
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -422,20 +379,10 @@ def launch_rank_forward(
             TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
             TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
         )
-        # KernelConfig.half_tail_tiles / half_tail_wide: the routed rows in half-height blocks (stand-ins without)
-        descs += ((TD.from_tensor(st.x_routed, [bm // 2, bk]), TD.from_tensor(st.hidden, [bm // 2, bk]))
-                  if config.half_tails else (routed[0], routed[1]))
-        # half_tail_tiles: gate|up weights in 2 block_n-row boxes (one wide accumulator each for gate and up)
-        descs += ((TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [2 * bn, bk]),) if config.half_tail_tiles
-                  else (routed[2],))
-        # swap_tail_rows / fold_tail_rows: the routed rows in blocks of that many (stand-ins without)
-        descs += ((TD.from_tensor(st.x_routed, [sn, bk]), TD.from_tensor(st.hidden, [sn, bk])) if sn
-                  else (routed[0], routed[1]))
     else:
-        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2,
-                 st.x_routed, st.hidden, w13_rows, st.x_routed, st.hidden)
+        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
     num_comm = config.num_comm_programs_fwd
-    self_pull = num_comm == 0  # KernelConfig checked that something pushes or gathers; this needs no wrap
+    self_pull = num_comm == 0  # KernelConfig checked combine_gather: nothing is pushed; this needs no wrap
     if self_pull and not ring.resident:
         raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
                          f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
@@ -470,10 +417,8 @@ def launch_rank_forward(
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, PUSH_IN_EPILOGUE=config.push_in_epilogue,
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        COPY_PREFETCH=config.copy_prefetch, HALF_GU=config.half_tail_tiles, HALF_DN=config.half_tail_wide,
-        HALF_STAGES=HALF_TAIL_STAGES, SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
         DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
     )
@@ -502,7 +447,7 @@ def launch_rank_forward(
         # pull_ahead minibatches ahead of their pushes; it must stay below the
         # slot count or a pull would wait on a push that comes after it.
         st.compiled = launch(phases, 0, ring.num_minibatches,
-                             0 if (config.push_in_epilogue or config.combine_gather) else min(ring.slots - 1, 2))
+                             0 if config.combine_gather else min(ring.slots - 1, 2))
     else:
         # Programs run one after another: one role over one minibatch per
         # launch keeps every producer ahead of its consumers. Reading
@@ -779,7 +724,6 @@ def launch_rank_backward(
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape} on {dev}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
-    _check_swap_tail(config, fp8 is not None)
     if fp8 is not None:
         _check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
@@ -793,12 +737,6 @@ def launch_rank_backward(
     shared_kept = gu_mode > 0 and saved[2] is not None
     bns = 2 * bn if shared_kept and S % (2 * bn) == 0 else bn
     NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
-    # The kept down dgrad's K loop at bwd_a_k_unroll block_k steps an iteration: the loop must end on H exactly
-    # (a second step past it would read the next expert's W2 rows against zero columns of d_out).
-    ku_a = config.bwd_a_k_unroll
-    if ku_a > 1 and H % (ku_a * config.block_k):
-        raise ValueError(f"KernelConfig.bwd_a_k_unroll={ku_a} needs H={H} to be a multiple of "
-                         f"{ku_a} x block_k={ku_a * config.block_k}")
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
@@ -810,8 +748,8 @@ def launch_rank_backward(
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     dgb = fp8_dgu_block(config, sb)  # (a placeholder constexpr without FP8)
-    # Phase B (d_x = d(gate|up) W13) on e4m3, unless KernelConfig.fp8_dx_high keeps it in x's dtype
-    fp8_b = fp8 is not None and not config.fp8_dx_high
+    # Phase B (d_x = d(gate|up) W13) on e4m3, unless FP8Config.dx_high keeps it in x's dtype
+    fp8_b = fp8 is not None and not fp8.cfg.dx_high
     if fp8 is not None:
         # d_out rows and scales, d(gate|up) rows and scales (phase B on e4m3 only), and for a replay (rows the
         # forward did not keep) the x rows quantised again, as the forward's pull did
@@ -846,11 +784,8 @@ def launch_rank_backward(
     # one fp32 accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for
     # v1's 64 x 128). Routed segments start and end on block_m rows and both are powers of two, so whole row
     # steps never cross into the next expert.
-    # KernelConfig.wgrad_two_per_sm: block_n x block_n from 4 warps, two programs an SM.
-    two = config.wgrad_two_per_sm
-    wn, wm, wk = config.block_n, (1 if two else 2) * config.block_n, min(config.block_k, bm)
+    wn, wm, wk = config.block_n, 2 * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
-    _check_half_tail(config, dev, use_tma, fp8 is not None)
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
@@ -867,13 +802,6 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [config.block_k, bn2]))
     else:
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
-    # KernelConfig.half_tail_wide: phase B's d(gate|up) rows in half-height blocks (a stand-in without it)
-    dguh_desc = (TD.from_tensor(bufs["dgu"], [bm // 2, config.block_k]) if use_tma and config.half_tail_wide
-                 else b_descs[0])
-    # KernelConfig.swap_tail_rows / fold_tail_rows: phase B's d(gate|up) rows in blocks of that many (a stand-in
-    # without either)
-    sn = config.swap_tail_rows or config.fold_tail_rows
-    dgusn_desc = TD.from_tensor(bufs["dgu"], [sn, config.block_k]) if use_tma and sn else b_descs[0]
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
     if use_tma_a:
@@ -918,22 +846,19 @@ def launch_rank_backward(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
         ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
-        GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb, COPY_PREFETCH=config.copy_prefetch,
-        HALF_TAIL=config.half_tail_wide, HALF_STAGES=HALF_TAIL_STAGES, SHARED_KEPT=shared_kept, BNS=bns,
-        KU_A=ku_a, NS_A=None if interp or config.bwd_a_stages == config.bwd_stages else config.bwd_a_stages,
-        SWAP_N=config.swap_tail_rows, FOLD_N=config.fold_tail_rows,
+        GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb,
+        SHARED_KEPT=shared_kept, BNS=bns,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull, **dot, **trace_meta,
     )
     # The weight-gradient launch has the whole shared memory: num_stages stages of block_k x 3 block_n
-    # operands (4 x 48 KB on the defaults); with wgrad_two_per_sm half an SM's: at most 3 of block_k x 2 block_n.
+    # operands (4 x 48 KB on the defaults).
     # (A warp-specialized K loop, tl.range(warp_specialize=True) from a 4-warp launch, computed wrong weight
     # gradients on the H200 with Triton 3.6: rel L1 9.5e-2 on the Kimi slice, NaN losses in the HF step;
     # removed 2026-12-01, docs/perf-notes.md.)
     wmeta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=use_tma, **dot)
     if not interp:
         meta.update(num_warps=config.num_warps, num_stages=config.bwd_stages)
-        wmeta.update(num_warps=4 if two else config.num_warps,
-                     num_stages=min(config.num_stages, 3) if two else config.num_stages)
+        wmeta.update(num_warps=config.num_warps, num_stages=config.num_stages)
     limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
 
     def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
@@ -947,11 +872,11 @@ def launch_rank_backward(
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
             saved[2] if shared_kept else bufs["dwp"], *fp8_bufs,
-            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, dguh_desc, dgusn_desc, cnt, out["err"],
+            w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)
 
-    # The weight-gradient jobs, launched after the megakernel (below); listed first so that wgrad_gluon's
+    # The weight-gradient jobs, launched after the megakernel (below); listed first so that the Gluon kernel's
     # conditions are checked before the megakernel launches (the schedule's kernels have run, as for every
     # check here that needs the routed buffers).
     jobs = []  # (row offsets, ends of the rows summed, groups, P, Q, out, N, M)
@@ -965,7 +890,7 @@ def launch_rank_backward(
     if phases & mb.PB_SHARED_WGRAD and has_shared:
         whole = torch.arange(2, dtype=torch.int32, device=dev) * T  # [0, T], built on the device (capturable)
         jobs += [(whole, whole[1:], 1, "sdgu", "xl", dsw13, 2 * S, H), (whole, whole[1:], 1, "dol", "sh", dsw2, H, S)]
-    if config.wgrad_gluon and jobs:
+    if config.wgrad == "gluon" and jobs:
         _check_wgrad_gluon(dev, use_tma, [(operands[p], operands[q], dst, n, m) for *_, p, q, dst, n, m in jobs])
     mk_phases = phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD)
     out["route_row"] = None
@@ -996,18 +921,18 @@ def launch_rank_backward(
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
-        if config.wgrad_gluon:  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
+        if config.wgrad == "gluon":  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
             from kittenmoe.kernels import wgrad_gluon
 
             out["compiled_wgrad"] = wgrad_gluon.launch(offsets, ends, p_op, q_op, dst, n, m, wk, wm,
                                                          _num_programs(dev, 0))
-        elif config.wgrad_persistent:  # one program per SM (3 under the interpreter; two as many with `two`)
-            progs = _num_programs(dev, 0) * (2 if two else 1)
+        elif config.wgrad == "persistent":  # one program per SM (3 under the interpreter)
+            progs = _num_programs(dev, 0)
             # The store through shared memory and TMA, drained under the next tile's K loop: the output viewed
-            # as [G * N, M] must not let a tile cross into the next group's rows (N % wn), a 2-byte dtype (an
-            # fp32 tile's 128 KB buffer does not fit beside the operands), and one program an SM (with `two`,
-            # two 96 KB programs would not fit either); at 3 stages (3 x 48 KB + 64 KB = 213,016 B on sm_90).
-            tma_store = (use_tma and not two and n % wn == 0 and m % 8 == 0 and dst.element_size() == 2
+            # as [G * N, M] must not let a tile cross into the next group's rows (N % wn) and a 2-byte dtype (an
+            # fp32 tile's 128 KB buffer does not fit beside the operands); at 3 stages (3 x 48 KB + 64 KB =
+            # 213,016 B on sm_90).
+            tma_store = (use_tma and n % wn == 0 and m % 8 == 0 and dst.element_size() == 2
                          and dst.is_contiguous())
             out_desc = TD.from_tensor(dst.view(-1, m), [wn, wm]) if tma_store else dst
             pmeta = dict(wmeta)

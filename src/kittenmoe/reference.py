@@ -139,11 +139,13 @@ def moe_reference_fp8(
     ``kittenmoe.fp8.FP8ExpertWeights``), and its hidden row quantised (1 x B along I) before the down
     projection; the shared expert unquantised. What the kernel computes, up to fp32 summation order.
 
-    ``down_w2_EHI`` (``KernelConfig.fp8_down_high``): the down projection from these (master) weights on the
-    hidden row rounded to their dtype, as the kernel stores it, instead of the e4m3 product."""
+    ``fp8_weights.cfg.down_high`` (``FP8Config.down_high``): the down projection from ``down_w2_EHI``, the master
+    weights (required then, refused otherwise), on the hidden row rounded to their dtype, as the kernel stores
+    it, instead of the e4m3 product."""
     from kittenmoe.fp8 import dequantize_activations, quantize_activations
 
     cfg = fp8_weights.cfg
+    _check_master(cfg.down_high, down_w2_EHI, "down_high", "down_w2_EHI")
     w13, w2 = (w.to(compute_dtype) for w in fp8_weights.dequantized())
     xq = dequantize_activations(*quantize_activations(x_TH.float(), cfg), cfg).to(compute_dtype)
     t, k = topk_ids_TK.shape
@@ -171,6 +173,14 @@ def moe_reference_fp8(
     return out
 
 
+def _check_master(high: bool, master: torch.Tensor | None, flag: str, arg: str) -> None:
+    """An FP8 reference's master weights: given exactly when ``FP8Config.<flag>`` reads them."""
+    if high and master is None:
+        raise ValueError(f"FP8Config.{flag} runs that GEMM on the master weights: pass them as {arg}")
+    if not high and master is not None:
+        raise ValueError(f"{arg} is read only with FP8Config.{flag}=True (the fp8 weights' cfg has it False)")
+
+
 def _qdq_blocks(x: torch.Tensor, block: int, cfg) -> torch.Tensor:
     """x (fp32/fp64 [N, C], C a multiple of ``block``) quantised to e4m3 in 1 x ``block`` blocks along C by
     ``cfg``'s scale rule, then dequantised (fp32)."""
@@ -196,8 +206,9 @@ def moe_backward_reference_fp8(
 ) -> dict[str, torch.Tensor]:
     """Gradients of ``sum <out, d_out>`` as the FP8 megakernels compute them, in ``compute_dtype``.
 
-    ``dx_w13_E2IH`` (``KernelConfig.fp8_dx_high``): the route's d_x row is ``d_gu W13[e]`` from these (master)
-    weights with d(gate|up) unquantised, instead of the e4m3 product below.
+    ``fp8_weights.cfg.dx_high`` (``FP8Config.dx_high``): the route's d_x row is ``d_gu W13[e]`` from
+    ``dx_w13_E2IH``, the master weights (required then, refused otherwise), with d(gate|up) unquantised, instead
+    of the e4m3 product below.
 
     The forward as ``moe_reference_fp8`` (g, u from e4m3 x and weights, kept unquantised). Data gradients on
     e4m3 operands: ``dh_u = q(d_out) W2[e]`` with d_out quantised 1 x B along H, and the route's d_x row
@@ -208,6 +219,7 @@ def moe_backward_reference_fp8(
     from kittenmoe.fp8 import dequantize_activations, quantize_activations
 
     cfg = fp8_weights.cfg
+    _check_master(cfg.dx_high, dx_w13_E2IH, "dx_high", "dx_w13_E2IH")
     w13, w2 = (w.to(compute_dtype) for w in fp8_weights.dequantized())
     cd = compute_dtype
     xq = dequantize_activations(*quantize_activations(x_TH.float(), cfg), cfg).to(cd)

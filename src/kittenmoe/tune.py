@@ -62,7 +62,7 @@ import torch
 
 from kittenmoe.bench.environment import command_line, environment, now_iso, resolve_device
 from kittenmoe.bench.main import add_problem_args, resolve_reps
-from kittenmoe.bench.problems import apply_overrides, make_problems, parse_config_overrides
+from kittenmoe.bench.problems import apply_overrides, make_problems, parse_config_overrides, parse_knob_value
 from kittenmoe.bench.report import write_json
 from kittenmoe.bench.runner import Runner
 from kittenmoe.bench.timing import measure, measure_rounds
@@ -127,18 +127,7 @@ def parse_grid(spec: str | None, base_grid: dict[str, tuple]) -> dict[str, tuple
         if key not in fields:
             raise ValueError(f"bad --grid key {key!r}: expected tiles or a KernelConfig field "
                              f"({', '.join(sorted(fields))})")
-        out = []
-        for p in parts:
-            low = p.lower()
-            if low in ("none", "true", "false"):
-                out.append({"none": None, "true": True, "false": False}[low])
-            else:
-                try:
-                    out.append(int(p))
-                except ValueError:
-                    raise ValueError(f"bad --grid value {key}={p!r}: expected an integer, None, True or False") \
-                        from None
-        grid[key] = tuple(out)
+        grid[key] = tuple(parse_knob_value(key, p, "--grid") for p in parts)
     return grid
 
 

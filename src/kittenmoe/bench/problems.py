@@ -86,11 +86,28 @@ def parse_shape(spec: str) -> tuple[int, int, int, int, int]:
 _CONFIG_LITERALS = {"none": None, "true": True, "false": False}
 
 
+def parse_knob_value(key: str, val: str, flag: str = "--config"):
+    """One KernelConfig knob's value from the command line: an int, ``None``, ``True`` or ``False``, or for a
+    knob that picks an implementation by name (``wgrad``) the name. Shared by ``--config`` and ``tune --grid``."""
+    if isinstance(_KNOB_DEFAULTS[key], str):
+        return val
+    low = val.lower()
+    if low in _CONFIG_LITERALS:
+        return _CONFIG_LITERALS[low]
+    try:
+        return int(val)
+    except ValueError:
+        raise ValueError(f"bad {flag} value {key}={val!r}: expected an integer, None, True or False") from None
+
+
+_KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
+
+
 def parse_config_overrides(spec: str | None) -> dict:
-    """``k=v,k=v`` with KernelConfig field names; values are ints, ``None``, ``True`` or ``False``."""
+    """``k=v,k=v`` with KernelConfig field names (values as ``parse_knob_value`` reads them)."""
     if not spec:
         return {}
-    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    fields = set(_KNOB_DEFAULTS)
     out = {}
     for item in spec.split(","):
         item = item.strip()
@@ -102,15 +119,7 @@ def parse_config_overrides(spec: str | None) -> dict:
         if key not in fields:
             raise ValueError(f"bad --config key {key!r}: KernelConfig has no such field; "
                              f"known: {', '.join(sorted(fields))}")
-        low = val.lower()
-        if low in _CONFIG_LITERALS:
-            out[key] = _CONFIG_LITERALS[low]
-        else:
-            try:
-                out[key] = int(val)
-            except ValueError:
-                raise ValueError(f"bad --config value {key}={val!r}: expected an integer, None, True or False") \
-                    from None
+        out[key] = parse_knob_value(key, val)
     return out
 
 

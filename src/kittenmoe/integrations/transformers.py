@@ -37,8 +37,10 @@ class Options:
     """How the registered implementation runs: ``kittenmoe.moe``'s ``backend``, ``config`` (None: the
     ``kittenmoe tune`` cache entry for each call's shape, else the heuristic, as ``MoELayer`` does) and
     ``fp8`` (a ``kittenmoe.fp8.FP8Config``: the experts in e4m3, weights quantised every call; megakernel
-    only, H and I multiples of 128). ``knobs``: ``KernelConfig`` fields set on top of the per-call config
-    (tuned or heuristic), e.g. ``(("fp8_dx_high", True),)``; pairs, so that the options stay hashable."""
+    only, H and I multiples of 128; which GEMMs stay in the weights' dtype is the FP8 config's too, e.g.
+    ``Options(fp8=FP8Config(dx_high=True, down_high=True))``). ``knobs``: ``KernelConfig`` fields set on top of the
+    per-call config (tuned or heuristic), e.g. ``(("tile_group_m", -1),)``; pairs, so that the options stay
+    hashable."""
 
     backend: Backend = "auto"
     config: KernelConfig | None = None

@@ -58,9 +58,8 @@ TR_A_EPILOGUE = tl.constexpr(6)  # backward only: the SwiGLU-backward epilogue i
 
 from kittenmoe.kernels.megakernel_fwd import (TR_DOWN, TR_GATEUP, TR_PULL, TR_PUSH, TR_SHARED_DOWN, TR_SHARED_GU,
                                               _copy_rows, _fp8_operand, _gateup_acc_fp8, _gateup_acc_fp8_tma,
-                                              _fold_roles, _is_half_tail, _now, _peer_rows, _route_src,
-                                              _rows_padding_from, _signal, _store_rows,
-                                              _tile_rc, _trace_event, _wait_geq, store_chunk_fp8)
+                                              _now, _peer_rows, _route_src, _signal, _tile_rc, _trace_event,
+                                              _wait_geq, store_chunk_fp8)
 from kittenmoe.kernels.quant import quantize_rows_1xb
 
 # phase bits
@@ -193,19 +192,15 @@ def _row_sum_in_order(p, BN: tl.constexpr):
 @triton.jit
 def _mm_acc(a_ptr, a_stride, a_row0, a_rows, b_ptr, b_stride, n0, N, K,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-            DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KU: tl.constexpr = 1):
-    """fp32 A[a_row0 : a_row0 + BM, :K] @ B[:K, n0 : n0 + BN]; A and B row-major with the given row strides.
-    KU (1 or 2): BK steps an iteration, the same dots in the same order (``_mm_acc_tma``'s)."""
+            DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 A[a_row0 : a_row0 + BM, :K] @ B[:K, n0 : n0 + BN]; A and B row-major with the given row strides."""
     rm = tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
     row_ok = rm < a_rows
     rows = (a_row0 + rm).to(tl.int64)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, KU * BK):
+    for k0 in range(0, K, BK):
         acc = _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0, K, BK, DOT_FP32, PRECISION)
-        if KU == 2:
-            acc = _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0 + BK, K, BK, DOT_FP32,
-                           PRECISION)
     return acc
 
 
@@ -225,24 +220,15 @@ def _mm_step(acc, a_ptr, a_stride, rows, row_ok, b_ptr, b_stride, rn, N, k0, K, 
 
 
 @triton.jit
-def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                KU: tl.constexpr = 1, NS: tl.constexpr = None):
+def _mm_acc_tma(a_desc, a_row0, b_desc, b_row0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """As ``_mm_acc`` through TMA descriptors: a_desc blocks [BM, BK] (rows a_row0..), b_desc blocks [BK, BN]
     (rows b_row0 + k, columns n0..). Columns of A past its width load as zeros, so a K loop that runs past
-    one expert's 2I rows of B adds nothing. KU (1 or 2): BK steps an iteration, the same dots in the same order
-    (so the same bits) in half the iterations; K % (KU BK) == 0 then (the launcher checks). NS: the loop's
-    pipeline stages (None: the kernel's)."""
+    one expert's 2I rows of B adds nothing."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, K, KU * BK, num_stages=NS):
+    for k0 in tl.range(0, K, BK):
         a = a_desc.load([a_row0, k0])
         b = b_desc.load([b_row0 + k0, n0])
-        if KU == 2:
-            a2 = a_desc.load([a_row0, k0 + BK])
-            b2 = b_desc.load([b_row0 + k0 + BK, n0])
-            acc = tl.dot(a, b, acc)
-            acc = tl.dot(a2, b2, acc)
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc)
     return acc
 
 
@@ -323,31 +309,29 @@ def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_row
 @triton.jit
 def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
-                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, KU: tl.constexpr = 1, NS: tl.constexpr = None):
-    """Phase A of one tile when the forward kept gate|up: the down dgrad alone (KU, NS as ``_mm_acc_tma``'s),
-    then g and u as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase A of one tile when the forward kept gate|up: the down dgrad alone, then g and u as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed
     rows)."""
     if USE_TMA_A:
-        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK, KU, NS)
+        acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
     else:
         acc_dh = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nt * BN, I, H, BM, BN, BK,
-                         DOT_FP32, PRECISION, KU)
+                         DOT_FP32, PRECISION)
     acc_g, acc_u = _kept_gate_up(gu_ptr, row0, nt, I, BM, BN)
     return acc_dh, acc_g, acc_u
 
 
 @triton.jit
 def _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nta, H, I, BM: tl.constexpr, BNA: tl.constexpr,
-                    BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-                    KU: tl.constexpr = 1, NS: tl.constexpr = None):
+                    BK: tl.constexpr, USE_TMA_A: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Routed phase A's down dgrad over a BM x BNA tile (BNA = 2 BN) when every row is kept (bf16; FP8 calls
     ``_down_dgrad_fp8_any`` at BNA): one accumulator at 2 BN columns reads each d_out row tile from L2 half as
-    often as two BN tiles do (KU, NS as ``_mm_acc_tma``'s). ``_kept_wide_epilogue`` finishes the tile."""
+    often as two BN tiles do. ``_kept_wide_epilogue`` finishes the tile."""
     if USE_TMA_A:
-        acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK, KU, NS)
+        acc = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nta * BNA, H, BM, BNA, BK)
     else:
         acc = _mm_acc(dor_ptr, H, row0, BM, w2_ptr + e.to(tl.int64) * (H * I), I, nta * BNA, I, H, BM, BNA, BK,
-                      DOT_FP32, PRECISION, KU)
+                      DOT_FP32, PRECISION)
     return acc
 
 
@@ -479,101 +463,6 @@ def _down_dgrad_fp8_any(dq_desc, dq_ptr, ds_ptr, row0, w2t_desc, w2t_ptr, w2s_pt
                                    BM, BN, SB)
     return _down_dgrad_fp8(dq_ptr, ds_ptr, row0, w2t_ptr + e.to(tl.int64) * (H * I), w2s_ptr + e * (HB * IB), nt, H,
                            I, HB, IB, BM, BN, SB, EMULATE)
-
-
-@triton.jit
-def _phase_b_swap(dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BN2: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a row tile with at most SN real rows (KernelConfig.swap_tail_rows)
-    over column tile nt of H, operands swapped as the forward's swapped tiles: d_x^T = W13[e]^T d(gate|up)^T, the
-    weight tile on the MMA's M side. dgusn_desc blocks [SN, BK], w13_desc blocks [BK, BN2]."""
-    acc_t = tl.zeros((BN2, SN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, 2 * I, BK):
-            a = dgusn_desc.load([row0, k0])
-            acc_t = tl.dot(w13_desc.load([e * (2 * I) + k0, nt * BN2]).T, a.T, acc_t)
-    else:
-        rs = (row0 + tl.arange(0, SN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_ptr = w13_ptr + e.to(tl.int64) * (2 * I * H)
-        for k0 in range(0, 2 * I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < 2 * I
-            a = tl.load(dgu_ptr + rs[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=k_ok[:, None] & (rn < H)[None, :],
-                        other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc_t = tl.dot(tl.trans(w), tl.trans(a), acc_t, input_precision=PRECISION)
-    rows = row0 + tl.arange(0, SN)
-    _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, tl.trans(acc_t), nt * BN2, H, BN2)
-
-
-@triton.jit
-def _phase_b_fold(dgu_desc, dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, DOT_FP32: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a full row tile (rows row0..) and of the tail it carries
-    (KernelConfig.fold_tail_rows: the next FN rows, swapped, d_x^T = W13[e]^T d(gate|up)^T) over column tile nt
-    of H, from the same weight tiles a K step. dgu_desc blocks [BM, BK], dgusn_desc [FN, BK], w13_desc
-    [BK, BN2]."""
-    acc = tl.zeros((BM, BN2), dtype=tl.float32)
-    acc_t = tl.zeros((BN2, FN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, 2 * I, BK):
-            a = dgu_desc.load([row0, k0])
-            t = dgusn_desc.load([row0 + BM, k0])
-            w = w13_desc.load([e * (2 * I) + k0, nt * BN2])
-            acc = tl.dot(a, w, acc)
-            acc_t = tl.dot(w.T, t.T, acc_t)
-    else:
-        rs = (row0 + tl.arange(0, BM)).to(tl.int64)
-        ts = (row0 + BM + tl.arange(0, FN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_ptr = w13_ptr + e.to(tl.int64) * (2 * I * H)
-        for k0 in range(0, 2 * I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < 2 * I
-            a = tl.load(dgu_ptr + rs[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            t = tl.load(dgu_ptr + ts[:, None] * (2 * I) + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + kk[:, None].to(tl.int64) * H + rn[None, :], mask=k_ok[:, None] & (rn < H)[None, :],
-                        other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                t = t.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            acc_t = tl.dot(tl.trans(w), tl.trans(t), acc_t, input_precision=PRECISION)
-    rows = row0 + tl.arange(0, BM)
-    _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, BN2)
-    trows = row0 + BM + tl.arange(0, FN)
-    _store_rows(dxr_ptr + trows.to(tl.int64) * H, trows >= 0, tl.trans(acc_t), nt * BN2, H, BN2)
-
-
-@triton.jit
-def _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H, I, USE_TMA: tl.constexpr,
-                  BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
-                  DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase B (d_x rows = d(gate|up) W13[e]) of a half tail tile (KernelConfig.half_tail_wide): its BM/2 real
-    rows over column tiles nt and nt + 1 of H, at NS stages (a stage: BM/2 x BK of d(gate|up), two BK x BN2
-    weight tiles, 72 KB at 128 x 256 x 64). dguh_desc blocks [BM/2, BK], w13_desc blocks [BK, BN2]."""
-    BMH: tl.constexpr = BM // 2
-    rows = row0 + tl.arange(0, BMH)
-    if USE_TMA:
-        acc0 = tl.zeros((BMH, BN2), dtype=tl.float32)
-        acc1 = tl.zeros((BMH, BN2), dtype=tl.float32)
-        for k0 in tl.range(0, 2 * I, BK, num_stages=NS):
-            a = dguh_desc.load([row0, k0])
-            acc0 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, nt * BN2]), acc0)
-            acc1 = tl.dot(a, w13_desc.load([e * (2 * I) + k0, (nt + 1) * BN2]), acc1)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc0, nt * BN2, H, BN2)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc1, (nt + 1) * BN2, H, BN2)
-    else:
-        acc = _mm_acc(dgu_ptr, 2 * I, row0, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I, BMH,
-                      2 * BN2, BK, DOT_FP32, PRECISION)
-        _store_rows(dxr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, 2 * BN2)
 
 
 @triton.jit
@@ -740,8 +629,6 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     xl_desc,  # x_local [T, H], blocks [BM, BK]
     sw2_desc,  # sw2 [H, S], blocks [BK, BNS]
     sw13a_desc,  # sw13 [2S, H], blocks [BN, BK]
-    dguh_desc,  # dgu [NR, 2I], blocks [BM // 2, BK] (HALF_TAIL with TMA; else a placeholder)
-    dgusn_desc,  # dgu [NR, 2I], blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
     cnt_ptr,  # [3 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32
     trace_ptr,  # [MAXE, 5] int64 events (TRACE; kinds as the forward's: shared A, A, B, shared B, pull, push)
@@ -754,10 +641,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr, USE_TMA_A: tl.constexpr,
     GU_MODE: tl.constexpr, FP8: tl.constexpr, FP8_B: tl.constexpr, SB: tl.constexpr, DGB: tl.constexpr,
     POW2: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    MAXE: tl.constexpr = 1, COPY_PREFETCH: tl.constexpr = False, HALF_TAIL: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3, SHARED_KEPT: tl.constexpr = False, BNS: tl.constexpr = 16,
-    KU_A: tl.constexpr = 1, NS_A: tl.constexpr = None, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
-    SELF_PULL: tl.constexpr = False,
+    MAXE: tl.constexpr = 1, SHARED_KEPT: tl.constexpr = False,
+    BNS: tl.constexpr = 16, SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -814,7 +699,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                         src = r.to(tl.int64) * H
                         db = _peer_rows(dxc_ptrs_ptr, pr, ok, DT) + \
                             pt.to(tl.int64) * H
-                        _copy_rows(dxr_ptr + src, db, ok, H, BLOCK_H, False, COPY_PREFETCH)
+                        _copy_rows(dxr_ptr + src, db, ok, H, BLOCK_H, False)
                         # d_w: the I-tile partial sums, reduced in tile order
                         dw = tl.zeros((ROWS,), dtype=tl.float32)
                         for q in range(0, NI):
@@ -865,11 +750,10 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                     rt = tile % n_srt
                     if SHARED_KEPT:  # the down dgrad alone, BNS wide; g and u as the forward kept them
                         if USE_TMA_A:
-                            acc = _mm_acc_tma(dol_desc, rt * BM, sw2_desc, 0, nt * BNS, H, BM, BNS, BK, KU_A,
-                                              NS_A)
+                            acc = _mm_acc_tma(dol_desc, rt * BM, sw2_desc, 0, nt * BNS, H, BM, BNS, BK)
                         else:
                             acc = _mm_acc(dout_local_ptr, H, rt * BM, T - rt * BM, sw2_ptr, S, nt * BNS, S, H, BM,
-                                          BNS, BK, DOT_FP32, PRECISION, KU_A)
+                                          BNS, BK, DOT_FP32, PRECISION)
                         _shared_kept_epilogue(acc, rt * BM, T - rt * BM, nt, sgu_ptr, sdgu_ptr, sh_ptr, wr_ptr, S,
                                               swiglu_limit, HAS_LIMIT, BM, BN, BNS)
                     else:
@@ -911,8 +795,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                             I, HB, IB, BM, BNA, SB, USE_TMA_A, DOT_FP32)
                                     else:
                                         acc = _kept_wide_gemm(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, e, nt, H, I,
-                                                              BM, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION, KU_A,
-                                                              NS_A)
+                                                              BM, BNA, BK, USE_TMA_A, DOT_FP32, PRECISION)
                                     if TRACE:
                                         t_gemm = _now()
                                     _kept_wide_epilogue(acc, row0, nt, gu_ptr, wr_ptr, dgu_ptr, hw_ptr, dwp_ptr,
@@ -948,12 +831,12 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 elif GU_MODE == 1:
                                     acc_dh, acc_g, acc_u = _phase_a_saved(
                                         dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN, BK,
-                                        USE_TMA_A, DOT_FP32, PRECISION, KU_A, NS_A)
+                                        USE_TMA_A, DOT_FP32, PRECISION)
                                 elif GU_MODE == 2:
                                     if row0 < gu_rows:  # macrobatch 0, left in the forward's ring
                                         acc_dh, acc_g, acc_u = _phase_a_saved(
                                             dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I, BM, BN,
-                                            BK, USE_TMA_A, DOT_FP32, PRECISION, KU_A, NS_A)
+                                            BK, USE_TMA_A, DOT_FP32, PRECISION)
                                     else:
                                         acc_dh, acc_g, acc_u = _phase_a_replay(
                                             dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr,
@@ -966,7 +849,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,
                                                            True, BM, BN, FP8)
-                                if FP8_B:  # phase B on e4m3 (FP8 without KernelConfig.fp8_dx_high)
+                                if FP8_B:  # phase B on e4m3 (FP8 without FP8Config.dx_high)
                                     _quantize_dgu(dgc, duc, dguq_ptr, dgus_ptr, row0, nt, I, GB, POW2, BM, BN, DGB)
                             _signal(a_ready + p)
                             if TRACE:
@@ -985,49 +868,26 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                 t_ready = _now()
                             e = tl.load(tile_expert_ptr + row0 // BM, mask=row0 < num_rows, other=-1)
                             if e >= 0:
-                                full = True
-                                if HALF_TAIL:  # KernelConfig.half_tail_wide: this column tile and the next at BM/2
-                                    half = _is_half_tail(peer_rank_ptr, row0, num_rows, BM)
-                                    pair = half & (nt % 2 == 0) & (nt + 1 < n_b_h)
-                                    full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_b_h))
-                                    if pair:
-                                        _phase_b_half(dguh_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H,
-                                                      I, USE_TMA, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
-                                if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
-                                    carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, p * MB, rt, e,
-                                                                   num_rows, BM, MB, FOLD_N)
-                                    if carried:
-                                        full = False
-                                    elif carries:
-                                        full = False
-                                        _phase_b_fold(dgu_desc, dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr,
-                                                      e, nt, H, I, USE_TMA, BM, BN2, BK, FOLD_N, DOT_FP32, PRECISION)
-                                if SWAP_N > 0:  # at most SWAP_N rows: W13^T d(gate|up)^T
-                                    if _rows_padding_from(peer_rank_ptr, row0, num_rows, SWAP_N):
-                                        full = False
-                                        _phase_b_swap(dgusn_desc, dgu_ptr, row0, w13_desc, w13_ptr, dxr_ptr, e, nt, H,
-                                                      I, USE_TMA, BN2, BK, SWAP_N, DOT_FP32, PRECISION)
-                                if full:
-                                    if FP8_B and USE_TMA:
-                                        acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
-                                                               w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
-                                                               BM, BN2, DGB, SB)
-                                    elif FP8_B:
-                                        acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0,
-                                                           w13t_ptr + e.to(tl.int64) * (2 * I * H),
-                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM,
-                                                           BN2, DGB, SB, DOT_FP32)
-                                    elif USE_TMA:
-                                        acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
-                                                          BM, BN2, BK)
-                                    else:
-                                        acc = _mm_acc(dgu_ptr, 2 * I, row0, BM,
-                                                      w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I,
-                                                      BM, BN2, BK, DOT_FP32, PRECISION)
-                                    rows = row0 + tl.arange(0, BM)
-                                    rn = nt * BN2 + tl.arange(0, BN2)
-                                    tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
-                                             mask=(rn < H)[None, :])
+                                if FP8_B and USE_TMA:
+                                    acc = _phase_b_fp8_tma(dgu_desc, dgus_ptr, row0, w13_desc, e * H,
+                                                           w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB,
+                                                           BM, BN2, DGB, SB)
+                                elif FP8_B:
+                                    acc = _phase_b_fp8(dguq_ptr, dgus_ptr, row0,
+                                                       w13t_ptr + e.to(tl.int64) * (2 * I * H),
+                                                       w13s_ptr + e * (2 * IB * HB), nt * BN2, H, I, HB, GB, BM,
+                                                       BN2, DGB, SB, DOT_FP32)
+                                elif USE_TMA:
+                                    acc = _mm_acc_tma(dgu_desc, row0, w13_desc, e * (2 * I), nt * BN2, 2 * I,
+                                                      BM, BN2, BK)
+                                else:
+                                    acc = _mm_acc(dgu_ptr, 2 * I, row0, BM,
+                                                  w13_ptr + e.to(tl.int64) * (2 * I * H), H, nt * BN2, H, 2 * I,
+                                                  BM, BN2, BK, DOT_FP32, PRECISION)
+                                rows = row0 + tl.arange(0, BM)
+                                rn = nt * BN2 + tl.arange(0, BN2)
+                                tl.store(dxr_ptr + rows[:, None].to(tl.int64) * H + rn[None, :], acc.to(DT),
+                                         mask=(rn < H)[None, :])
                             _signal(b_ready + p)
                             if TRACE:
                                 _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())

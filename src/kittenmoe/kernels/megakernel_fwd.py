@@ -183,25 +183,12 @@ def _mb_rows(p, num_rows, NSLOT, MAC: tl.constexpr, MB: tl.constexpr):
 
 
 @triton.jit
-def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr,
-               PREFETCH: tl.constexpr = False):
+def _copy_rows(src_base, dst_base, valid, H, BLOCK_H: tl.constexpr, ZERO_INVALID: tl.constexpr):
     """dst_base[r, :H] = src_base[r, :H] for valid rows; bases are [ROWS] pointer vectors. ZERO_INVALID:
-    invalid rows are written as zeros (every dst row must then be writable). PREFETCH
-    (``KernelConfig.copy_prefetch``): the next chunk's loads are issued before this chunk's stores, so two
-    chunks are in flight instead of one (a remote read's latency is several local ones'; p2p_probe.py)."""
-    if PREFETCH:
-        cols = tl.arange(0, BLOCK_H)
-        v = _load_chunk(src_base, cols, valid, H)
-        for h0 in range(BLOCK_H, H + BLOCK_H, BLOCK_H):  # the last round loads nothing (every column masked)
-            nxt_cols = h0 + tl.arange(0, BLOCK_H)
-            nxt = _load_chunk(src_base, nxt_cols, valid, H)
-            _store_chunk(dst_base, cols, v, valid, H, ZERO_INVALID)
-            cols = nxt_cols
-            v = nxt
-    else:
-        for h0 in range(0, H, BLOCK_H):
-            cols = h0 + tl.arange(0, BLOCK_H)
-            _store_chunk(dst_base, cols, _load_chunk(src_base, cols, valid, H), valid, H, ZERO_INVALID)
+    invalid rows are written as zeros (every dst row must then be writable)."""
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        _store_chunk(dst_base, cols, _load_chunk(src_base, cols, valid, H), valid, H, ZERO_INVALID)
 
 
 @triton.jit
@@ -254,13 +241,12 @@ def _gateup_acc(a_ptr, a_row0, a_rows, w_ptr, n0, H, I,
 
 @triton.jit
 def _gateup_acc_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H,
-                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr = None):
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """As ``_gateup_acc`` through TMA descriptors: a_desc blocks [BM, BK], w_desc blocks [BN, BK]
-    of the [L*2I, H] weight view; out-of-bounds rows of A arrive as 0. NS: the K loop's pipeline stages
-    (None: the kernel's num_stages)."""
+    of the [L*2I, H] weight view; out-of-bounds rows of A arrive as 0."""
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=NS):
+    for k0 in tl.range(0, H, BK):
         a = a_desc.load([a_row0, k0])
         wg = w_desc.load([wg_row0, k0])
         wu = w_desc.load([wu_row0, k0])
@@ -341,370 +327,6 @@ def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.c
         row_ok = tl.arange(0, BM) < n_rows
     _store_rows(rows, row_ok, acc_g, n0, I, BN)
     _store_rows(rows + I, row_ok, acc_u, n0, I, BN)
-
-
-# ----------------------------------------------------------------------------- half tail tiles
-# KernelConfig.half_tail_tiles (gate|up, HALF_GU) and half_tail_wide (down, HALF_DN): a routed row tile whose
-# second half is schedule padding (an expert's last tile with at most BM/2 rows) runs as a BM/2 x 2 BN tile
-# covering its column tile and the next; the next column tile of that row tile only signals. Same accumulator
-# registers (BM/2 x 2 BN against BM x BN, twice for gate and up), half the MMA rows. Through TMA gate|up loads
-# one [2 BN, BK] weight box each for gate and up into two BM/2 x 2 BN accumulators; the down GEMM loads its two
-# column tiles separately (a [2 BN2, BK] box passes TMA's 256 limit) into two accumulators. At HALF_STAGES
-# stages: a stage holds BM/2 x BK of rows and 2 BN-wide (gate|up) or 2 BN2-wide (down) weight tiles twice,
-# 72 KB at 128 x 128 x 64.
-
-
-@triton.jit
-def _is_half_tail(peer_rank_ptr, tile_row0, num_rows, BM: tl.constexpr):
-    """Whether rows BM/2.. of the routed row tile at tile_row0 are all padding. Each tile lies inside one
-    expert's segment, whose padding (peer rank -1) follows its rows, so row BM/2 alone tells."""
-    return _rows_padding_from(peer_rank_ptr, tile_row0, num_rows, BM // 2)
-
-
-@triton.jit
-def _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
-                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Gate|up of a half tail tile (rows brow.. of the ring, BM/2 of them real) over column tiles nt and nt + 1:
-    hidden for the BM/2 rows; with SAVE_GU the kept gate|up of all BM rows, the padding half as zeros (what a
-    full tile computes from the pull's zero rows: the backward's weight gradients sum those rows)."""
-    BMH: tl.constexpr = BM // 2
-    if USE_TMA:
-        # One BMH x 2 BN accumulator each for gate and up, not one per column tile: at BMH = 64 rows and 8 warps
-        # the two warp groups split N, so BN-wide accumulators gave each a 64 x 64 wgmma (m64n64k16 in the sm_90
-        # build), 2 BN-wide ones 64 x 128, the instruction the full tiles issue. w13w_desc blocks [2 BN, BK]
-        # (2 BN <= 256, TMA's box limit).
-        acc_g, acc_u = _gateup_acc_tma(xrh_desc, brow, w13w_desc, e * (2 * I) + nt * BN,
-                                       e * (2 * I) + I + nt * BN, H, BMH, 2 * BN, BK, NS)
-    else:
-        acc_g, acc_u = _gateup_acc(xr_ptr, brow, BMH, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, BMH,
-                                   2 * BN, BK, DOT_FP32, PRECISION)
-    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BMH, nt * BN, I, swiglu_limit, HAS_LIMIT, BMH, 2 * BN)
-    if SAVE_GU:
-        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BMH, 2 * BN)
-        zero = tl.zeros((BMH, 2 * BN), dtype=tl.float32)
-        _store_gate_up(gu_ptr, brow + BMH, zero, zero, nt * BN, I, BMH, 2 * BN)
-
-
-@triton.jit
-def _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
-               PUSH_IN_EPILOGUE: tl.constexpr, DT: tl.constexpr, R: tl.constexpr):
-    """Where a down tile's R rows go (schedule rows srow.., ring rows arow..): with PUSH_IN_EPILOGUE straight to
-    each row's origin combine buffer at t*K + j (padding rows masked off), else to y_routed. Returns the
-    [R] row pointers and the row mask for ``_store_rows``."""
-    if PUSH_IN_EPILOGUE:
-        r = srow + tl.arange(0, R)
-        pr = tl.load(peer_rank_ptr + r, mask=r < num_rows, other=-1)
-        pt = tl.load(peer_tok_ptr + r, mask=r < num_rows, other=0)
-        ok = pr >= 0
-        dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
-    else:
-        rows = arow + tl.arange(0, R)
-        ok = rows >= 0
-        dst = yr_ptr + rows.to(tl.int64) * H
-    return dst, ok
-
-
-@triton.jit
-def _down_half(hidh_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
-               srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr, DT: tl.constexpr,
-               BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """The down GEMM of a half tail tile (ring rows arow.., schedule rows srow.., BM/2 of them real) over column
-    tiles nt and nt + 1 of H, its rows stored to y_routed or pushed to their origins' combine buffers."""
-    BMH: tl.constexpr = BM // 2
-    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
-                         PUSH_IN_EPILOGUE, DT, BMH)
-    if USE_TMA:
-        acc0, acc1 = _down_half_tma(hidh_desc, arow, w2_desc, e * H + nt * BN2, I, BMH, BN2, BK, NS)
-        _store_rows(dst, ok, acc0, nt * BN2, H, BN2)
-        _store_rows(dst, ok, acc1, (nt + 1) * BN2, H, BN2)
-    else:
-        acc = _down_acc(hid_ptr, arow, BMH, w2_ptr + e.to(tl.int64) * (H * I), nt * BN2, H, I, BMH, 2 * BN2, BK,
-                        DOT_FP32, PRECISION)
-        _store_rows(dst, ok, acc, nt * BN2, H, 2 * BN2)
-
-
-@triton.jit
-def _down_half_tma(a_desc, a_row0, w_desc, w_row0, I, BMH: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
-                   NS: tl.constexpr):
-    """The down GEMM of a BMH-row tile over two BN2-wide column tiles of H (w rows w_row0.. and
-    w_row0 + BN2..): two BMH x BN2 accumulators. a_desc blocks [BMH, BK], w_desc blocks [BN2, BK]."""
-    acc0 = tl.zeros((BMH, BN2), dtype=tl.float32)
-    acc1 = tl.zeros((BMH, BN2), dtype=tl.float32)
-    for k0 in tl.range(0, I, BK, num_stages=NS):
-        a = a_desc.load([a_row0, k0])
-        acc0 = tl.dot(a, w_desc.load([w_row0, k0]).T, acc0)
-        acc1 = tl.dot(a, w_desc.load([w_row0 + BN2, k0]).T, acc1)
-    return acc0, acc1
-
-
-# ----------------------------------------------------------------------------- swapped tail tiles
-# KernelConfig.swap_tail_rows = SN (16, 32 or 64): a routed row tile with at most SN rows (an expert's last tile;
-# its rows SN.. are all schedule padding) computes its gate|up and down products with the operands swapped,
-# out^T = W x^T: the weight tile is the MMA's M side (BN or BN2 rows, wgmma's 64-row granule) and the tile's SN
-# rows its N side (wgmma N runs down to 8), so the padding rows cost nothing instead of BM - SN rows of MMA work.
-# Each output element is the same K-long dot product. Same tiles, column tile by column tile, as the full
-# tiles: the schedule, the signals and the wait counts do not change. A K step stages the same weight tiles
-# as a full tile and SN instead of BM rows of x, so its loop fits where the full tile's does.
-
-
-@triton.jit
-def _rows_padding_from(peer_rank_ptr, tile_row0, num_rows, R: tl.constexpr):
-    """Whether rows R.. of the routed row tile at tile_row0 are all padding. Each tile lies inside one expert's
-    segment, whose padding (peer rank -1) follows its rows, so row R alone tells."""
-    return tl.load(peer_rank_ptr + tile_row0 + R, mask=tile_row0 + R < num_rows, other=-1) < 0
-
-
-@triton.jit
-def _gateup_swap_acc_tma(a_desc, a_row0, w_desc, wg_row0, wu_row0, H, SN: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):
-    """fp32 (W_gate A^T, W_up A^T), [BN, SN] each, of SN rows: a_desc blocks [SN, BK] of x_routed, w_desc the
-    full tiles' [BN, BK] blocks of the [L*2I, H] weight view."""
-    acc_g = tl.zeros((BN, SN), dtype=tl.float32)
-    acc_u = tl.zeros((BN, SN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        a = a_desc.load([a_row0, k0])
-        acc_g = tl.dot(w_desc.load([wg_row0, k0]), a.T, acc_g)
-        acc_u = tl.dot(w_desc.load([wu_row0, k0]), a.T, acc_u)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _gateup_swap_acc(a_ptr, a_row0, w_ptr, n0, H, I, SN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """As ``_gateup_swap_acc_tma`` through pointer loads: a_ptr [*, H] rows, w_ptr one expert's [2I, H]."""
-    rs = (a_row0 + tl.arange(0, SN)).to(tl.int64)
-    rn = n0 + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc_g = tl.zeros((BN, SN), dtype=tl.float32)
-    acc_u = tl.zeros((BN, SN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + rk
-        k_ok = kk < H
-        a = tl.load(a_ptr + rs[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
-        wm = (rn < I)[:, None] & k_ok[None, :]
-        wg = tl.load(w_ptr + rn[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
-        wu = tl.load(w_ptr + (rn + I)[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc_g = tl.dot(wg, tl.trans(a), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(wu, tl.trans(a), acc_u, input_precision=PRECISION)
-    return acc_g, acc_u
-
-
-@triton.jit
-def _gateup_swap(xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
-                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Gate|up of a row tile with at most SN rows (ring rows brow..), column tile nt, operands swapped: hidden
-    for the SN rows; with SAVE_GU the kept gate|up of all BM rows, rows SN.. as zeros (what a full tile computes
-    from the pull's zero padding rows: the backward's weight gradients sum those rows)."""
-    if USE_TMA:
-        gt, ut = _gateup_swap_acc_tma(xrs_desc, brow, w13_desc, e * (2 * I) + nt * BN, e * (2 * I) + I + nt * BN,
-                                      H, SN, BN, BK)
-    else:
-        gt, ut = _gateup_swap_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H, I, SN, BN, BK,
-                                  DOT_FP32, PRECISION)
-    _swapped_tail_epilogue(gt, ut, hid_ptr, gu_ptr, brow, nt * BN, I, swiglu_limit, HAS_LIMIT, SAVE_GU, BM, BN, SN)
-
-
-@triton.jit
-def _swapped_tail_epilogue(gt, ut, hid_ptr, gu_ptr, brow, n0, I, swiglu_limit, HAS_LIMIT: tl.constexpr,
-                           SAVE_GU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SN: tl.constexpr):
-    """The epilogue of a tail row tile computed swapped (gt, ut: [BN, SN] gate and up, W x^T; swap_tail_rows and
-    fold_tail_rows): hidden for its SN rows (ring rows brow..); with SAVE_GU their kept gate|up and the tile's
-    rows SN..BM as zeros (what a full tile computes from the pull's zero padding rows: the backward's weight
-    gradients sum those rows)."""
-    acc_g = tl.trans(gt)
-    acc_u = tl.trans(ut)
-    _swiglu_store(acc_g, acc_u, hid_ptr, brow, SN, n0, I, swiglu_limit, HAS_LIMIT, SN, BN)
-    if SAVE_GU:
-        _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, SN, BN)
-        zero = tl.zeros((SN, BN), dtype=tl.float32)
-        for r0 in tl.static_range(SN, BM, SN):
-            _store_gate_up(gu_ptr, brow + r0, zero, zero, n0, I, SN, BN)
-
-
-@triton.jit
-def _down_swap(hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
-               srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr, DT: tl.constexpr,
-               BN2: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr, DOT_FP32: tl.constexpr,
-               PRECISION: tl.constexpr):
-    """The down GEMM of a row tile with at most SN rows (ring rows arow.., schedule rows srow..), column tile nt
-    of H, operands swapped (W2 tile x hidden^T); its rows stored to y_routed or pushed to their origins."""
-    acc_t = tl.zeros((BN2, SN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in range(0, I, BK):
-            a = hids_desc.load([arow, k0])
-            acc_t = tl.dot(w2_desc.load([e * H + nt * BN2, k0]), a.T, acc_t)
-    else:
-        rs = (arow + tl.arange(0, SN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_rows = w2_ptr + e.to(tl.int64) * (H * I) + rn[:, None].to(tl.int64) * I
-        for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < I
-            a = tl.load(hid_ptr + rs[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=(rn < H)[:, None] & k_ok[None, :], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            acc_t = tl.dot(w, tl.trans(a), acc_t, input_precision=PRECISION)
-    acc = tl.trans(acc_t)
-    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
-                         PUSH_IN_EPILOGUE, DT, SN)
-    _store_rows(dst, ok, acc, nt * BN2, H, BN2)
-
-
-# ----------------------------------------------------------------------------- folded tail tiles
-# KernelConfig.fold_tail_rows = FN (16, 32 or 64): a routed row tile with at most FN rows (an expert's last, the rest
-# of it schedule padding) whose previous row tile, in the same minibatch, is the same expert's (so a full one) is
-# carried by that previous tile: each K step's weight tiles, staged for the full tile's BM rows anyway, also
-# multiply the tail's FN rows with the operands swapped (W x^T, the rows on the MMA's N side, as swap_tail_rows
-# computes them), and the tail's own tile only signals, so the wait counts do not change. Why: a tile's time is
-# set by the weight tiles it streams, not by its MMA work (session 10's DeepSeek traces: ~0.84 us a K step with
-# 128 rows or 64), so a separate tail tile cost about a full one, swapped or not. Carried, its FN rows add FN / BM
-# of the carrier's MMA work and FN x BK of x to each stage (52 KB against 48 at 128 x 128 x 64 and FN 32). Its
-# loops run at HALF_STAGES (3): at 4 the build took 213 KB of shared memory and every tile slowed, carried or
-# not (Kimi, 0.1% of its tiles carried: 3.44 ms against 3.17, H200 2026-12-02), as the half tiles' 221 KB
-# builds did.
-
-
-@triton.jit
-def _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt, e, num_rows, BM: tl.constexpr, MB: tl.constexpr,
-                FN: tl.constexpr):
-    """(carries, carried) for routed row tile rt of the minibatch at schedule row row0 (expert e): whether it
-    computes the next row tile's rows too, and whether the previous row tile computes its rows. A row tile with
-    at most FN rows is carried when the previous row tile of its minibatch is the same expert's."""
-    t0 = row0 + rt * BM
-    nxt = (rt + 1 < MB // BM) & (t0 + BM < num_rows)
-    e_next = tl.load(tile_expert_ptr + (t0 + BM) // BM, mask=nxt, other=-1)
-    carries = (e_next == e) & _rows_padding_from(peer_rank_ptr, t0 + BM, num_rows, FN)
-    e_prev = tl.load(tile_expert_ptr + (t0 - BM) // BM, mask=rt > 0, other=-1)
-    carried = (e_prev == e) & _rows_padding_from(peer_rank_ptr, t0, num_rows, FN)
-    return carries, carried
-
-
-@triton.jit
-def _gateup_fold_acc_tma(a_desc, a_row0, t_desc, w_desc, wg_row0, wu_row0, H, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, NS: tl.constexpr):
-    """A full tile's fp32 (A W_gate^T, A W_up^T), [BM, BN] each, and the next FN rows' (W_gate T^T, W_up T^T),
-    [BN, FN] each, from the same weight tiles a K step. a_desc blocks [BM, BK] of x_routed (rows a_row0..),
-    t_desc blocks [FN, BK] of it (rows a_row0 + BM..), w_desc [BN, BK] blocks of the [L*2I, H] weight view."""
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    tail_g = tl.zeros((BN, FN), dtype=tl.float32)
-    tail_u = tl.zeros((BN, FN), dtype=tl.float32)
-    for k0 in tl.range(0, H, BK, num_stages=NS):
-        a = a_desc.load([a_row0, k0])
-        t = t_desc.load([a_row0 + BM, k0])
-        wg = w_desc.load([wg_row0, k0])
-        wu = w_desc.load([wu_row0, k0])
-        acc_g = tl.dot(a, wg.T, acc_g)
-        acc_u = tl.dot(a, wu.T, acc_u)
-        tail_g = tl.dot(wg, t.T, tail_g)
-        tail_u = tl.dot(wu, t.T, tail_u)
-    return acc_g, acc_u, tail_g, tail_u
-
-
-@triton.jit
-def _gateup_fold_acc(a_ptr, a_row0, w_ptr, n0, H, I, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     FN: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """As ``_gateup_fold_acc_tma`` through pointer loads: a_ptr [*, H] rows, w_ptr one expert's [2I, H]."""
-    rows = (a_row0 + tl.arange(0, BM)).to(tl.int64)
-    trows = (a_row0 + BM + tl.arange(0, FN)).to(tl.int64)
-    rn = n0 + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    tail_g = tl.zeros((BN, FN), dtype=tl.float32)
-    tail_u = tl.zeros((BN, FN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        kk = k0 + rk
-        k_ok = kk < H
-        a = tl.load(a_ptr + rows[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
-        t = tl.load(a_ptr + trows[:, None] * H + kk[None, :], mask=k_ok[None, :], other=0.0)
-        wm = (rn < I)[:, None] & k_ok[None, :]
-        wg = tl.load(w_ptr + rn[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
-        wu = tl.load(w_ptr + (rn + I)[:, None].to(tl.int64) * H + kk[None, :], mask=wm, other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            t = t.to(tl.float32)
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
-        tail_g = tl.dot(wg, tl.trans(t), tail_g, input_precision=PRECISION)
-        tail_u = tl.dot(wu, tl.trans(t), tail_u, input_precision=PRECISION)
-    return acc_g, acc_u, tail_g, tail_u
-
-
-@triton.jit
-def _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit,
-                 HAS_LIMIT: tl.constexpr, SAVE_GU: tl.constexpr, USE_TMA: tl.constexpr, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr, NS: tl.constexpr, DOT_FP32: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    """Gate|up of a full row tile (ring rows brow..) and of the tail it carries (rows brow + BM.., at most FN
-    real), column tile nt: hidden for the BM + FN rows; with SAVE_GU the kept gate|up of both tiles, the tail's
-    rows FN.. as zeros (what a full tile computes from the pull's zero padding rows)."""
-    if USE_TMA:
-        acc_g, acc_u, tg, tu = _gateup_fold_acc_tma(xr_desc, brow, xrs_desc, w13_desc, e * (2 * I) + nt * BN,
-                                                    e * (2 * I) + I + nt * BN, H, BM, BN, BK, FN, NS)
-    else:
-        acc_g, acc_u, tg, tu = _gateup_fold_acc(xr_ptr, brow, w13_ptr + e.to(tl.int64) * (2 * I * H), nt * BN, H,
-                                                I, BM, BN, BK, FN, DOT_FP32, PRECISION)
-    _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit, HAS_LIMIT, BM, BN)
-    if SAVE_GU:
-        _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
-    _swapped_tail_epilogue(tg, tu, hid_ptr, gu_ptr, brow + BM, nt * BN, I, swiglu_limit, HAS_LIMIT, SAVE_GU, BM,
-                           BN, FN)
-
-
-@triton.jit
-def _down_fold(hid_desc, hids_desc, hid_ptr, arow, w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
-               combine_ptrs_ptr, srow, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
-               DT: tl.constexpr, BM: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr, FN: tl.constexpr,
-               NS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """The down GEMM of a full row tile (ring rows arow.., schedule rows srow..) and of the tail it carries (the
-    next FN rows, swapped: W2 tile x hidden^T), column tile nt of H, from the same W2 tiles a K step; the rows
-    stored to y_routed or pushed to their origins."""
-    acc = tl.zeros((BM, BN2), dtype=tl.float32)
-    acc_t = tl.zeros((BN2, FN), dtype=tl.float32)
-    if USE_TMA:
-        for k0 in tl.range(0, I, BK, num_stages=NS):
-            a = hid_desc.load([arow, k0])
-            t = hids_desc.load([arow + BM, k0])
-            w = w2_desc.load([e * H + nt * BN2, k0])
-            acc = tl.dot(a, w.T, acc)
-            acc_t = tl.dot(w, t.T, acc_t)
-    else:
-        rows = (arow + tl.arange(0, BM)).to(tl.int64)
-        trows = (arow + BM + tl.arange(0, FN)).to(tl.int64)
-        rn = nt * BN2 + tl.arange(0, BN2)
-        w_rows = w2_ptr + e.to(tl.int64) * (H * I) + rn[:, None].to(tl.int64) * I
-        for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            k_ok = kk < I
-            a = tl.load(hid_ptr + rows[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
-            t = tl.load(hid_ptr + trows[:, None] * I + kk[None, :], mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + kk[None, :], mask=(rn < H)[:, None] & k_ok[None, :], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                t = t.to(tl.float32)
-                w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-            acc_t = tl.dot(w, tl.trans(t), acc_t, input_precision=PRECISION)
-    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow, arow, num_rows, H,
-                         PUSH_IN_EPILOGUE, DT, BM)
-    _store_rows(dst, ok, acc, nt * BN2, H, BN2)
-    dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr, srow + BM, arow + BM, num_rows, H,
-                         PUSH_IN_EPILOGUE, DT, FN)
-    _store_rows(dst, ok, tl.trans(acc_t), nt * BN2, H, BN2)
 
 
 # ----------------------------------------------------------------------------- FP8 (e4m3, 1 x SB / SB x SB scales)
@@ -872,8 +494,7 @@ def _down_acc_fp8_tma(a_desc, as_ptr, a_row0, w_desc, ws_ptr, w_row0, n0, I, IB,
 @triton.jit
 def _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0, brow0, num_rows, puller,
                  n_pullers, K, H, HB, DT: tl.constexpr, MB: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-                 SB: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SAVE_GU: tl.constexpr,
-                 COPY_PREFETCH: tl.constexpr):
+                 SB: tl.constexpr, POW2: tl.constexpr, FP8: tl.constexpr, SAVE_GU: tl.constexpr):
     """Program ``puller`` of ``n_pullers`` pulls its ROWS-row chunks of the minibatch at schedule row ``row0``
     (chunks puller, puller + n_pullers, ...) from the source ranks' x into ring rows ``brow0``.. (FP8: quantised
     on the way in, e4m3 bits into xr_ptr, scales into xs_ptr, the rows unquantised into xk_ptr with SAVE_GU)."""
@@ -889,7 +510,7 @@ def _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr
                            ROWS, BLOCK_H, SB, POW2, SAVE_GU)
         else:
             # Saved for the backward, padding rows must be zeros (its weight gradients sum them).
-            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU, COPY_PREFETCH)
+            _copy_rows(src, xr_ptr + drow * H, ok, H, BLOCK_H, SAVE_GU)
 
 
 @triton.jit
@@ -919,7 +540,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     y_shared_ptr,  # [T, H] shared-expert output
     # weights of this rank
     w13_ptr,  # [L, 2I, H] (FP8: uint8 e4m3 bits)
-    w2_ptr,  # [L, H, I] (FP8_DOWN: uint8 e4m3 bits; FP8 with fp8_down_high: the master weights)
+    w2_ptr,  # [L, H, I] (FP8_DOWN: uint8 e4m3 bits; FP8 with FP8Config.down_high: the master weights)
     w13s_ptr,  # [L, 2I // SB, H // SB] fp32 block scales of w13 (FP8; else a placeholder)
     w2s_ptr,  # [L, H // SB, I // SB] fp32 block scales of w2 (FP8; else a placeholder)
     sw13_ptr,  # [2S, H]
@@ -933,11 +554,6 @@ def dispatch_mlp_swiglu_combine_kernel(
     w2_desc,  # w2 viewed [L*H, I], blocks [BN2, BK] (FP8_DOWN: e4m3, blocks [BN2, SB])
     sw13_desc,  # shared w13 [2S, H], blocks [BN, BK]
     sw2_desc,  # shared w2 [H, S], blocks [BN2, BK]
-    xrh_desc,  # x_routed, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
-    hidh_desc,  # hidden, blocks [BM // 2, BK] (HALF_GU or HALF_DN with TMA; else a placeholder)
-    w13w_desc,  # w13 viewed [L*2I, H], blocks [2 BN, BK] (HALF_GU with TMA; else a placeholder)
-    xrs_desc,  # x_routed, blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
-    hids_desc,  # hidden, blocks [SWAP_N or FOLD_N, BK] (either > 0 with TMA; else a placeholder)
     # sync
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
@@ -949,11 +565,9 @@ def dispatch_mlp_swiglu_combine_kernel(
     LAG: tl.constexpr, MAC: tl.constexpr, MB: tl.constexpr, TGM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BN2: tl.constexpr, BK: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, PUSH_IN_EPILOGUE: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, HAS_SHARED: tl.constexpr, USE_TMA: tl.constexpr,
     SAVE_GU: tl.constexpr, FP8: tl.constexpr, SB: tl.constexpr, POW2: tl.constexpr, FP8_DOWN: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, TRACE: tl.constexpr = False, MAXE: tl.constexpr = 1,
-    COPY_PREFETCH: tl.constexpr = False, HALF_GU: tl.constexpr = False, HALF_DN: tl.constexpr = False,
-    HALF_STAGES: tl.constexpr = 3, SWAP_N: tl.constexpr = 0, FOLD_N: tl.constexpr = 0,
     SELF_PULL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -991,21 +605,18 @@ def dispatch_mlp_swiglu_combine_kernel(
                     if p >= NSLOT:
                         _, prev_live = _mb_rows(p - NSLOT, num_rows, NSLOT, MAC, MB)
                         if prev_live:
-                            if PUSH_IN_EPILOGUE:
-                                _wait_geq(y_ready + p - NSLOT, per_mb_dn, err_ptr, max_spin)
-                            else:
-                                _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
+                            _wait_geq(done + p - NSLOT, num_comm, err_ptr, max_spin)
                     if TRACE:
                         t_ready = _now()
                     _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
                                  (p % NSLOT) * MB, num_rows, pid, num_comm, K, H, HB, DT, MB, ROWS, BLOCK_H, SB, POW2,
-                                 FP8, SAVE_GU, COPY_PREFETCH)
+                                 FP8, SAVE_GU)
                     _signal(x_ready + p)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it) * num_comm + pid, MAXE, TR_PULL, t_start,
                                      t_ready, _now())
             pp = it - pull_ahead
-            if ((phase & 16) != 0) & (pp >= p_lo) & (not PUSH_IN_EPILOGUE):  # PH_PUSH
+            if ((phase & 16) != 0) & (pp >= p_lo):  # PH_PUSH
                 row0, live = _mb_rows(pp, num_rows, NSLOT, MAC, MB)
                 if live:
                     if TRACE:
@@ -1021,7 +632,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                         ok = pr >= 0
                         dst = _peer_rows(combine_ptrs_ptr, pr, ok, DT) + pt.to(tl.int64) * H
                         src = yr_ptr + (brow0 + ch * ROWS + tl.arange(0, ROWS)).to(tl.int64) * H
-                        _copy_rows(src, dst, ok, H, BLOCK_H, False, COPY_PREFETCH)
+                        _copy_rows(src, dst, ok, H, BLOCK_H, False)
                     _signal(done + pp)
                     if TRACE:
                         _trace_event(trace_ptr, trace_comm0 + (2 * it + 1) * num_comm + pid, MAXE, TR_PUSH,
@@ -1033,8 +644,8 @@ def dispatch_mlp_swiglu_combine_kernel(
         n_pull = num_comm
         if SELF_PULL:
             # KernelConfig.num_comm_programs_fwd = 0: every program pulls its share of every minibatch first (the
-            # launcher refuses a wrapping ring, so no slot is waited on), then runs tiles; the down epilogue
-            # pushes. A pull spread over all SMs runs at HBM speed (~0.1 ms for Kimi's 235 MB of rows) where
+            # launcher refuses a wrapping ring, so no slot is waited on), then runs tiles; nothing is pushed
+            # (KernelConfig.combine_gather: the epilogue reads y_routed). A pull spread over all SMs runs at HBM speed (~0.1 ms for Kimi's 235 MB of rows) where
             # dedicated programs would sit idle most of the launch.
             n_pull = ncomp
             if (phase & 2) != 0:  # PH_PULL
@@ -1045,7 +656,7 @@ def dispatch_mlp_swiglu_combine_kernel(
                             t_start = _now()
                         _pull_chunks(peer_rank_ptr, peer_tok_ptr, x_ptrs_ptr, xr_ptr, xs_ptr, xk_ptr, row0,
                                      (p % NSLOT) * MB, num_rows, cid, ncomp, K, H, HB, DT, MB, ROWS, BLOCK_H, SB,
-                                     POW2, FP8, SAVE_GU, COPY_PREFETCH)
+                                     POW2, FP8, SAVE_GU)
                         _signal(x_ready + p)
                         if TRACE:
                             _trace_event(trace_ptr, trace_comm0 + p * nprog + pid, MAXE, TR_PULL, t_start, t_start,
@@ -1116,53 +727,26 @@ def dispatch_mlp_swiglu_combine_kernel(
                                         if FP8_DOWN:  # hidden quantised for the e4m3 down GEMM
                                             _swiglu_store_fp8(acc_g, acc_u, hid_ptr, hs_ptr, brow, nt, I, IB,
                                                               swiglu_limit, HAS_LIMIT, POW2, BM, BN, SB)
-                                        else:  # KernelConfig.fp8_down_high: hidden in x's dtype
+                                        else:  # FP8Config.down_high: hidden in x's dtype
                                             _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
                                                           HAS_LIMIT, BM, BN)
                                         if SAVE_GU:  # the backward reads these instead of replaying the GEMM
                                             _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
                                     else:
-                                        full = True
-                                        if HALF_GU:  # this column tile and the next at BM/2 x 2 BN, or nothing
-                                            half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
-                                            pair = half & (nt % 2 == 0) & (nt + 1 < n_gu_tiles_i)
-                                            full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_gu_tiles_i))
-                                            if pair:
-                                                _gateup_half(xrh_desc, xr_ptr, brow, w13w_desc, w13_ptr, hid_ptr,
-                                                             gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
-                                                             USE_TMA, BM, BN, BK, HALF_STAGES, DOT_FP32, PRECISION)
-                                        if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
-                                            carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt,
-                                                                           e, num_rows, BM, MB, FOLD_N)
-                                            if carried:
-                                                full = False
-                                            elif carries:
-                                                full = False
-                                                _gateup_fold(xr_desc, xrs_desc, xr_ptr, brow, w13_desc, w13_ptr,
-                                                             hid_ptr, gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT,
-                                                             SAVE_GU, USE_TMA, BM, BN, BK, FOLD_N, HALF_STAGES,
-                                                             DOT_FP32, PRECISION)
-                                        if SWAP_N > 0:  # at most SWAP_N rows: W x^T, the rows on the MMA's N side
-                                            if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
-                                                full = False
-                                                _gateup_swap(xrs_desc, xr_ptr, brow, w13_desc, w13_ptr, hid_ptr,
-                                                             gu_ptr, e, nt, H, I, swiglu_limit, HAS_LIMIT, SAVE_GU,
-                                                             USE_TMA, BM, BN, BK, SWAP_N, DOT_FP32, PRECISION)
-                                        if full:
-                                            if USE_TMA:
-                                                acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
-                                                                               e * (2 * I) + nt * BN,
-                                                                               e * (2 * I) + I + nt * BN, H, BM, BN,
-                                                                               BK)
-                                            else:
-                                                acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
-                                                                           w13_ptr + e.to(tl.int64) * (2 * I * H),
-                                                                           nt * BN, H, I, BM, BN, BK, DOT_FP32,
-                                                                           PRECISION)
-                                            _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
-                                                          HAS_LIMIT, BM, BN)
-                                            if SAVE_GU:
-                                                _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
+                                        if USE_TMA:
+                                            acc_g, acc_u = _gateup_acc_tma(xr_desc, brow, w13_desc,
+                                                                           e * (2 * I) + nt * BN,
+                                                                           e * (2 * I) + I + nt * BN, H, BM, BN,
+                                                                           BK)
+                                        else:
+                                            acc_g, acc_u = _gateup_acc(xr_ptr, brow, BM,
+                                                                       w13_ptr + e.to(tl.int64) * (2 * I * H),
+                                                                       nt * BN, H, I, BM, BN, BK, DOT_FP32,
+                                                                       PRECISION)
+                                        _swiglu_store(acc_g, acc_u, hid_ptr, brow, BM, nt * BN, I, swiglu_limit,
+                                                      HAS_LIMIT, BM, BN)
+                                        if SAVE_GU:
+                                            _store_gate_up(gu_ptr, brow, acc_g, acc_u, nt * BN, I, BM, BN)
                                 _signal(hid_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_GATEUP, t_start, t_ready, _now())
@@ -1182,57 +766,25 @@ def dispatch_mlp_swiglu_combine_kernel(
                                 e = tl.load(tile_expert_ptr + (row0 + rt * BM) // BM,
                                             mask=row0 + rt * BM < num_rows, other=-1)
                                 if e >= 0:
-                                    full = True
-                                    if HALF_DN:  # this column tile and the next at BM/2 x 2 BN2, or nothing
-                                        half = _is_half_tail(peer_rank_ptr, row0 + rt * BM, num_rows, BM)
-                                        pair = half & (nt % 2 == 0) & (nt + 1 < n_dn_tiles_h)
-                                        full = (half == 0) | ((nt % 2 == 0) & (nt + 1 >= n_dn_tiles_h))
-                                        if pair:
-                                            _down_half(hidh_desc, hid_ptr, (p % NSLOT) * MB + rt * BM, w2_desc,
-                                                       w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
-                                                       row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
-                                                       USE_TMA, DT, BM, BN2, BK, HALF_STAGES, DOT_FP32, PRECISION)
-                                    if FOLD_N > 0:  # a tail carried by the tile before it, or carrying one
-                                        carries, carried = _fold_roles(peer_rank_ptr, tile_expert_ptr, row0, rt, e,
-                                                                       num_rows, BM, MB, FOLD_N)
-                                        if carried:
-                                            full = False
-                                        elif carries:
-                                            full = False
-                                            _down_fold(hid_desc, hids_desc, hid_ptr, (p % NSLOT) * MB + rt * BM,
-                                                       w2_desc, w2_ptr, yr_ptr, peer_rank_ptr, peer_tok_ptr,
-                                                       combine_ptrs_ptr, row0 + rt * BM, num_rows, e, nt, H, I,
-                                                       PUSH_IN_EPILOGUE, USE_TMA, DT, BM, BN2, BK, FOLD_N, HALF_STAGES,
-                                                       DOT_FP32, PRECISION)
-                                    if SWAP_N > 0:  # at most SWAP_N rows: W2 hidden^T
-                                        if _rows_padding_from(peer_rank_ptr, row0 + rt * BM, num_rows, SWAP_N):
-                                            full = False
-                                            _down_swap(hids_desc, hid_ptr, (p % NSLOT) * MB + rt * BM, w2_desc, w2_ptr,
-                                                       yr_ptr, peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr,
-                                                       row0 + rt * BM, num_rows, e, nt, H, I, PUSH_IN_EPILOGUE,
-                                                       USE_TMA, DT, BN2, BK, SWAP_N, DOT_FP32, PRECISION)
-                                    if full:
-                                        arow = (p % NSLOT) * MB + rt * BM
-                                        if FP8_DOWN:
-                                            if USE_TMA:
-                                                acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
-                                                                        w2s_ptr + e * (HB * IB), e * H + nt * BN2,
-                                                                        nt * BN2, I, IB, BM, BN2, SB)
-                                            else:
-                                                acc = _down_acc_fp8(hid_ptr, hs_ptr, arow,
-                                                                    w2_ptr + e.to(tl.int64) * (H * I),
-                                                                    w2s_ptr + e * (HB * IB), nt * BN2, H, I, IB, BM,
-                                                                    BN2, SB, DOT_FP32)
-                                        elif USE_TMA:
-                                            acc = _down_acc_tma(hid_desc, arow, w2_desc, e * H + nt * BN2, I, BM, BN2,
-                                                                BK)
+                                    arow = (p % NSLOT) * MB + rt * BM
+                                    if FP8_DOWN:
+                                        if USE_TMA:
+                                            acc = _down_acc_fp8_tma(hid_desc, hs_ptr, arow, w2_desc,
+                                                                    w2s_ptr + e * (HB * IB), e * H + nt * BN2,
+                                                                    nt * BN2, I, IB, BM, BN2, SB)
                                         else:
-                                            acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I),
-                                                            nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
-                                        dst, ok = _down_rows(peer_rank_ptr, peer_tok_ptr, combine_ptrs_ptr, yr_ptr,
-                                                             row0 + rt * BM, arow, num_rows, H, PUSH_IN_EPILOGUE,
-                                                             DT, BM)
-                                        _store_rows(dst, ok, acc, nt * BN2, H, BN2)
+                                            acc = _down_acc_fp8(hid_ptr, hs_ptr, arow,
+                                                                w2_ptr + e.to(tl.int64) * (H * I),
+                                                                w2s_ptr + e * (HB * IB), nt * BN2, H, I, IB, BM,
+                                                                BN2, SB, DOT_FP32)
+                                    elif USE_TMA:
+                                        acc = _down_acc_tma(hid_desc, arow, w2_desc, e * H + nt * BN2, I, BM, BN2,
+                                                            BK)
+                                    else:
+                                        acc = _down_acc(hid_ptr, arow, BM, w2_ptr + e.to(tl.int64) * (H * I),
+                                                        nt * BN2, H, I, BM, BN2, BK, DOT_FP32, PRECISION)
+                                    rows = arow + tl.arange(0, BM)
+                                    _store_rows(yr_ptr + rows.to(tl.int64) * H, rows >= 0, acc, nt * BN2, H, BN2)
                                 _signal(y_ready + p)
                                 if TRACE:
                                     _trace_event(trace_ptr, tile, MAXE, TR_DOWN, t_start, t_ready, _now())

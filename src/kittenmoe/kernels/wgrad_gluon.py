@@ -1,4 +1,4 @@
-"""The backward's weight gradients as a warp-specialized Gluon kernel (``KernelConfig.wgrad_gluon``; Hopper only).
+"""The backward's weight gradients as a warp-specialized Gluon kernel (``KernelConfig.wgrad="gluon"``; Hopper only).
 
 The same tiles, order and sums as ``megakernel_bwd.weight_grad_persistent_kernel``: out[g] = P[seg_g]^T Q[seg_g]
 in 128 x WM output tiles (block_n x 2 block_n), one program an SM walking tiles pid, pid + nprog, ..., each
@@ -7,7 +7,8 @@ element one fp32 sum over the group's rows in order, WK rows a step and 16 a wgm
 - a producer warp keeps a STAGES-deep TMA ring full *across tile boundaries*, so the next tile's first row steps
   load while this tile's last wgmmas, its drain and its epilogue run. A routed tile has few steps (Kimi slice:
   six 64-row steps over an expert's ~341 rows), and Triton 3.6 pipelines loads only within one K loop: the
-  Triton form paid each tile's fill (docs/perf-notes.md, "why wgrad_persistent cannot take the tutorial's form");
+  Triton form paid each tile's fill (docs/perf-notes.md, "why wgrad_persistent cannot take the tutorial's form";
+  that knob is now ``wgrad="persistent"``);
 - two 4-warp math groups each own 64 of the tile's 128 rows (A = P^T straight from shared memory, B = Q; one
   wgmma group in flight) and store their half through their own shared-memory buffer and a TMA bulk store that
   drains under the next tile.

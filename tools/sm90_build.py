@@ -1,6 +1,7 @@
 """Compile the kernels for sm_90 (Hopper) on a machine without a GPU, and read what the builds use.
 
-Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
+Build tooling, not library: it lives in the repository's ``tools/`` (not in the installed package) and imports
+``kittenmoe`` from ``src/``. Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
 minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
 the H200 with the Triton the device runs). The second exists because the interpreter checks neither types
 across branches nor shared memory: on 2026-12-01 the FP8 backward's replay variant, green in CI, did not
@@ -239,10 +240,11 @@ def compile_only_sm90():
 
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
                       fp8_block: int | None = None, replay: bool = False, resident: bool = False,
-                      trace: bool = False) -> list[Build]:
+                      trace: bool = False, fp8_dx_high: bool = False, fp8_down_high: bool = False) -> list[Build]:
     """Compile the forward (``which="fwd"``) or backward (``"bwd"``) launch's kernels for sm_90.
 
-    ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales); ``replay``: the FP8
+    ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales), with
+    ``FP8Config.dx_high`` / ``down_high`` as ``fp8_dx_high`` / ``fp8_down_high`` say; ``replay``: the FP8
     backward without the forward's kept activations; ``resident``: the variants that keep the forward's
     activations for the backward (SAVE_GU / RESIDENT); ``trace``: the profiling build (TRACE)."""
     if which not in ("fwd", "bwd"):
@@ -260,7 +262,8 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
     if fp8_block is not None:
         from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 
-        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(fp8_block, fp8_block == 32))
+        fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(fp8_block, fp8_block == 32, fp8_dx_high,
+                                                                        fp8_down_high))
     with compile_only_sm90() as built:
         try:
             if which == "fwd":
@@ -311,7 +314,7 @@ def build_quantisers() -> list[Build]:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m kittenmoe.sm90_build '{"which": "bwd", "fp8_block": 128, ...}'`` (or ``'{"which":
+    """``PYTHONPATH=src python tools/sm90_build.py '{"which": "bwd", "fp8_block": 128, ...}'`` (or ``'{"which":
     "quant"}'``): one JSON list of the builds on stdout, for tests/test_sm90_build.py's subprocess."""
     import json
 
