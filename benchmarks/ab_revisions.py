@@ -81,6 +81,18 @@ def run(args) -> int:
             setattr(pkg, sub, importlib.import_module(f"{mod}.{sub}"))
         pkgs[name] = pkg
     rows = []
+    rev = (AB_DIR / "REV").read_text().strip() if (AB_DIR / "REV").exists() else "unknown"
+    out_dir = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"ab-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
+
+    def write():  # after every slice: a run cut short by a time limit keeps what it measured
+        doc = dict(kind="ab-revisions", before_rev=rev, gpu=torch.cuda.get_device_name(),
+                   torch=torch.__version__, triton=triton.__version__, rounds=args.rounds,
+                   command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
+        path.write_text(json.dumps(doc, indent=1))
+
     for model, tokens in args.slices:
         shape, local, x, ids, wts, w = _problem(pkgs["after"], model, tokens)
         d_out = torch.randn_like(x)
@@ -121,15 +133,7 @@ def run(args) -> int:
                              config_after=results["after"][2], config_before=results["before"][2]))
             print(f"{model} {mode}: after {med['after']:.3f} ms, before {med['before']:.3f} ms, "
                   f"speed {med['before'] / med['after']:.3f}x, equal bits {bits[mode]}", flush=True)
-    rev = (AB_DIR / "REV").read_text().strip() if (AB_DIR / "REV").exists() else "unknown"
-    doc = dict(kind="ab-revisions", before_rev=rev, gpu=torch.cuda.get_device_name(),
-               torch=torch.__version__, triton=triton.__version__, rounds=args.rounds,
-               command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
-    out_dir = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"ab-{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(doc, indent=1))
+        write()
     print(f"\nwrote {path}\n")
     print("| slice | T | pass | this tree ms | before ms | speed | equal bits |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
