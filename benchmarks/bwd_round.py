@@ -24,7 +24,8 @@ import triton
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import measure_interleaved, parse_config_overrides
 from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
-from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank
 from kittenmoe.testing import cosine, make_weights, rel_l1, routing_uniform

@@ -28,7 +28,9 @@ from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import measure_interleaved
 from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
-from kittenmoe.ops import fp8_dgu_block, megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_common import fp8_dgu_block
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference, moe_reference_fp8
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform

@@ -27,7 +27,7 @@ import triton
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import measure_interleaved, parse_config_overrides
 from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, default_config
-from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform

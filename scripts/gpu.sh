@@ -156,9 +156,9 @@ ncu)
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \
-    python3 benchmarks/ncu_probe.py --shape "$m" --config "${NCU_CONFIG:-}"
+    python3 benchmarks/probes/ncu_probe.py --shape "$m" --config "${NCU_CONFIG:-}"
   step ncu-csv 60 bash -c "'$ncu_bin' --import '$rep.ncu-rep' --csv --print-units base --page raw > '$rep-raw.csv'"
-  step ncu-summary 30 python3 benchmarks/ncu_summary.py "$rep-raw.csv"
+  step ncu-summary 30 python3 benchmarks/probes/ncu_summary.py "$rep-raw.csv"
   ;;
 esac
 

@@ -203,13 +203,13 @@ def test_tune_cache_and_bench_import_no_tuner_or_kernels():
     code = (
         "import sys\n"
         "import kittenmoe.tune_cache\n"
-        "heavy = [m for m in sys.modules if m.split('.')[0] == 'triton' or m in ('kittenmoe.tune', 'kittenmoe.ops',"
+        "heavy = [m for m in sys.modules if m.split('.')[0] == 'triton' or m in ('kittenmoe.tune', 'kittenmoe.launch_common',"
         " 'kittenmoe.autograd') or m.startswith(('kittenmoe.bench', 'kittenmoe.kernels'))]\n"
         "assert not heavy, heavy\n"
         "import kittenmoe.bench, kittenmoe.bench.main, kittenmoe.bench.runner, kittenmoe.bench.ep_runner\n"
         "assert 'kittenmoe.tune' not in sys.modules\n"
         "import kittenmoe.tune\n"
-        "assert 'kittenmoe.ops' not in sys.modules, 'importing the tuner loaded the launchers'\n")
+        "assert 'kittenmoe.launch_common' not in sys.modules, 'importing the tuner loaded the launchers'\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
                                                       if p))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -235,7 +235,7 @@ def _perf_table():
 
 
 def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys, monkeypatch):
-    """benchmarks/ncu_summary.py on ncu's raw page (ncu's own lines before the header, a units row, base and
+    """benchmarks/probes/ncu_summary.py on ncu's raw page (ncu's own lines before the header, a units row, base and
     scaled units, an n/a cell): one line a kernel, ns -> ms and bytes -> GB, the tensor pipe's busy share
     (not the instruction-count metric beside it), '-' for what a kernel lacks."""
     csv_path = tmp_path / "raw.csv"
@@ -247,7 +247,7 @@ def test_ncu_summary_reads_a_raw_csv(tmp_path, capsys, monkeypatch):
         '"","","nsecond","Mbyte","%","%","%"\n'
         '"0","dispatch_mlp_swiglu_combine_kernel","3,849,000","11,550","39.1","3.77","70.33"\n'
         '"1","void cutlass::device_kernel<T>(P)","2131000","n/a","39.1","2.9","88.3"\n')
-    spec = importlib.util.spec_from_file_location("ncu_summary", ROOT / "benchmarks" / "ncu_summary.py")
+    spec = importlib.util.spec_from_file_location("ncu_summary", ROOT / "benchmarks" / "probes" / "ncu_summary.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     monkeypatch.setattr(sys, "argv", ["ncu_summary.py", str(csv_path)])
@@ -281,7 +281,7 @@ def _bench_rows(argv, out, capsys):
     # the default: the public autograd entry point users call, kittenmoe.moe(backend="megakernel")
     ([], "public", "kittenmoe.moe(backend='megakernel')"),
     # the launchers without the autograd layer
-    (["--path", "launcher"], "launcher", "ops.megakernel_forward_multirank"),
+    (["--path", "launcher"], "launcher", "launch_forward.megakernel_forward_multirank"),
 ])
 def test_bench_end_to_end(tmp_path, capsys, path_args, path, timed):
     # A tiny forward and forward+backward run, checked against the fp32 reference (output and every gradient),

@@ -273,7 +273,7 @@ _DEVICE_CHECKED = ("id=E", "id>>E", "id=-1", "id-int32-min")
 def test_bad_input_raises_in_the_megakernel_launcher(mutate, exc, match):
     """The megakernel launcher refuses the same malformed inputs with the same errors (one checker,
     kittenmoe.checks, behind both backends)."""
-    from kittenmoe.ops import megakernel_forward_multirank
+    from kittenmoe.launch_forward import megakernel_forward_multirank
 
     kw = make_inputs()
     mutate(kw)

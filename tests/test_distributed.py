@@ -773,7 +773,8 @@ def _ep_run_vs_local_peers(gpu_worlds, name, shape, r, t, keep, routing="uniform
     once in this process over LocalPeers; assert every output and gradient equal bit for bit (shared-expert
     gradients summed over ranks in rank order, as the single-process run does). ``fp8_block``: the routed
     experts in e4m3 with that scale block (128, or 32 for MXFP8). Returns (inputs, got)."""
-    from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+    from kittenmoe.launch_backward import megakernel_backward_multirank
+    from kittenmoe.launch_forward import megakernel_forward_multirank
     from kittenmoe.testing import routing_uniform, routing_zipf
 
     route = {"uniform": routing_uniform, "zipf": routing_zipf}[routing]

@@ -22,7 +22,7 @@ An audit (2026-12) mapped each invariant to the CPU tests that can fail when it 
   launch"); bad expert ids flagged on device in test_megakernel_fwd / _bwd / test_layer. Added: every malformed
   input of test_checks.BAD_INPUTS refused by both launchers with no Triton launch at all, the launchers' own
   knob refusals and functional.moe(backend="megakernel") likewise; and a malformed ``saved`` entry of a later
-  rank (this audit found it refused only after the earlier ranks' kernels ran; ops._check_saved now checks
+  rank (this audit found it refused only after the earlier ranks' kernels ran; launch_backward._check_saved now checks
   every rank's entry first).
 """
 
@@ -41,14 +41,16 @@ import test_megakernel_bwd as tb
 import test_megakernel_fwd as tf
 from test_layer import _error_check
 from kittenmoe import autograd as kag
-from kittenmoe import ops
+from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe import schedule as ksched
 from kittenmoe.config import TEST_SHAPES, ModelShape
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 from kittenmoe.functional import moe
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.layer import MoELayer
-from kittenmoe.ops import MegakernelError, megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_common import MegakernelError
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import (assert_bitwise_equal, assert_close, make_weights, nan_scratch, routing_one_hot,
@@ -103,8 +105,8 @@ def meta_launches(monkeypatch):
         return launch
 
     monkeypatch.setattr(KernelInterface, "__getitem__", getitem)
-    monkeypatch.setattr(ops, "interpreting", lambda: False)
-    monkeypatch.setattr(ops, "_check_device", lambda device: None)
+    monkeypatch.setattr(launch_common, "interpreting", lambda: False)
+    monkeypatch.setattr(launch_common, "check_device", lambda device: None)
     return calls
 
 
@@ -146,7 +148,8 @@ def test_launchers_have_no_host_sync(name, sched_impl, meta_launches, monkeypatc
     per rank, and nothing between the kernels accumulates floats through a scatter (atomics on CUDA)."""
     c = META_CASES[name]
     if sched_impl == "triton":
-        monkeypatch.setattr(ops, "build_schedule", functools.partial(ksched.build_schedule, impl="triton"))
+        for launcher in (launch_forward, launch_backward):
+            monkeypatch.setattr(launcher, "build_schedule", functools.partial(ksched.build_schedule, impl="triton"))
         monkeypatch.setattr(ksched, "check_triton_device", lambda device, who: None)
     xs, ids, ws, w, fp8 = _meta_problem(c)
     r, limit = c["r"], c.get("limit")
@@ -174,7 +177,7 @@ def test_meta_harness_catches_host_reads(meta_launches, monkeypatch):
     CPU, by design), and on meta that raises; so do the usual spellings of a host read or a size from data;
     and the spy sees a float index_add_."""
     xs, ids, ws, w, _ = _meta_problem(META_CASES["R2-ring-kept"])
-    monkeypatch.setattr(ops, "interpreting", lambda: True)
+    monkeypatch.setattr(launch_common, "interpreting", lambda: True)
     with pytest.raises(RuntimeError, match="meta"):
         megakernel_forward_multirank(xs, ids, ws, *w, None, config=CFG)
     m = torch.empty(4, 3, device="meta")
@@ -471,13 +474,15 @@ def test_timeout_surfaces_through_the_op(which, mode, monkeypatch):
     clean call on the same workspace gives the reference's result."""
     x, ids, w, weights, d_out = _op_problem(seed=23)
     if which == "forward":
-        fn = functools.partial(ops.megakernel_forward_multirank, phases=mk.PH_ALL & ~mk.PH_PULL, max_spin=50)
-        monkeypatch.setattr(ops, "megakernel_forward_multirank", fn)
+        fn = functools.partial(launch_forward.megakernel_forward_multirank, phases=mk.PH_ALL & ~mk.PH_PULL,
+                               max_spin=50)
+        monkeypatch.setattr(launch_forward, "megakernel_forward_multirank", fn)
     else:
         from kittenmoe.kernels import megakernel_bwd as mb
 
-        fn = functools.partial(ops.megakernel_backward_multirank, phases=mb.PB_ALL & ~mb.PB_PULL, max_spin=50)
-        monkeypatch.setattr(ops, "megakernel_backward_multirank", fn)
+        fn = functools.partial(launch_backward.megakernel_backward_multirank, phases=mb.PB_ALL & ~mb.PB_PULL,
+                               max_spin=50)
+        monkeypatch.setattr(launch_backward, "megakernel_backward_multirank", fn)
     leaves = [a.clone().requires_grad_() for a in (x, w, *weights)]
     with _error_check(mode), pytest.raises(MegakernelError, match="timed out"):
         out = moe(leaves[0], ids, leaves[1], *leaves[2:], backend="megakernel", config=CFG)
@@ -557,8 +562,9 @@ def test_knob_refusals_before_any_launch(name, no_launch):
 
 
 FUNCTIONAL_BAD = [
-    # x non-contiguous
-    pytest.param(lambda a: a.update(x=a["x"].t().contiguous().t()), ValueError, "contiguous", id="x-noncontig"),
+    # w13 non-contiguous (activations are copied once; a per-step copy of the weights is refused)
+    pytest.param(lambda a: a.update(w13=a["w13"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+                 "w13 must be contiguous", id="w13-noncontig"),
     # K = E + 1 routes a token
     pytest.param(lambda a: a.update(ids=torch.zeros(a["x"].shape[0], TINY.e + 1, dtype=torch.int64, device=DEV),
                                     w=torch.ones(a["x"].shape[0], TINY.e + 1, device=DEV)),

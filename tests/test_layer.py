@@ -21,7 +21,7 @@ from kittenmoe import autograd as kag
 from kittenmoe.config import TEST_SHAPES, KernelConfig, ModelShape
 from kittenmoe.functional import moe
 from kittenmoe.layer import MoELayer
-from kittenmoe.ops import MegakernelError
+from kittenmoe.launch_common import MegakernelError
 from kittenmoe.reference import moe_layer_reference, moe_reference
 from kittenmoe.testing import ROUTINGS, assert_bitwise_equal, assert_close, make_weights
 

@@ -1,4 +1,4 @@
-"""The backward megakernel (``ops.megakernel_backward_multirank``) against autograd through the reference and the
+"""The backward megakernel (``launch_backward.megakernel_backward_multirank``) against autograd through the reference and the
 torch backend.
 
 Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1) at tiny shapes and
@@ -25,11 +25,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kittenmoe import ops
+from kittenmoe import launch_common
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, ModelShape, default_config
 from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.kernels import megakernel_fwd as mk
-from kittenmoe.ops import MegakernelError, megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_common import MegakernelError
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
@@ -782,7 +784,7 @@ def test_out_of_range_expert_ids_flagged(bad_id_run):
         assert not code & mk.ERR_TIMEOUT, f"rank {r}: a bad id must not cause a timeout (err={code})"
         assert code & mk.ERR_BAD_EXPERT_ID, f"rank {r}: err={code}"
         with pytest.raises(MegakernelError, match="outside"):
-            ops.check_errors(err)
+            launch_common.check_errors(err)
     with pytest.raises(MegakernelError, match="expert ids"):
         res.check_errors()
 
@@ -836,7 +838,7 @@ def test_spin_wait_timeout_flagged_without_hang(name):
         assert code & mk.ERR_TIMEOUT, f"rank {r}: err={code}"
         assert not code & mk.ERR_BAD_EXPERT_ID, f"rank {r}: a timeout reported as a bad id (err={code})"
         with pytest.raises(MegakernelError, match="timed out"):
-            ops.check_errors(res.errs[r])
+            launch_common.check_errors(res.errs[r])
     with pytest.raises(MegakernelError, match="spin-wait timed out"):
         res.check_errors()
 
@@ -1249,13 +1251,13 @@ def test_gpu_wgrad_gluon_kernel_same_bits(counts, total_rows, cuda_cleanup):
 @pytest.mark.gpu
 def test_gpu_dw_partial_sum_layout_independent():
     """The d_w partial (``_row_sum_in_order``) of a BN-wide half split from a 2 BN-wide accumulator equals that of
-    a BN-wide accumulator of the same bits, in bf16 and e4m3 (benchmarks/split_sum_probe.py). tl.sum did not on
+    a BN-wide accumulator of the same bits, in bf16 and e4m3 (benchmarks/probes/split_sum_probe.py). tl.sum did not on
     the H200 (Triton 3.6: 155 and 134 of 256 rows), which broke the FP8 backward's kept == replayed bits; this
     catches a Triton whose fp32 FMA dot stops summing in k order."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "split_sum_probe.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probes" / "split_sum_probe.py"
     spec = importlib.util.spec_from_file_location("split_sum_probe", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -18,13 +18,14 @@ import time
 import pytest
 import torch
 
-from kittenmoe import ops
+from kittenmoe import launch_common
 from kittenmoe.config import SEED_SHAPES, KernelConfig, ModelShape
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
 from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.kernels import megakernel_fwd as mk
-from kittenmoe.ops import (MegakernelError, fp8_dgu_block, megakernel_backward_multirank,
-                           megakernel_forward_multirank)
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_common import MegakernelError, fp8_dgu_block
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference_fp8, moe_reference_multirank
 from kittenmoe.testing import (assert_bitwise_equal, assert_close, make_weights, nan_scratch, routing_uniform,
@@ -512,7 +513,7 @@ def test_fp8_out_of_range_expert_ids_flagged(fp8_bad_id_run):
             assert code & mk.ERR_BAD_EXPERT_ID, f"{what} rank {r}: err={code}"
             assert not code & mk.ERR_TIMEOUT, f"{what} rank {r}: a bad id must not cause a timeout (err={code})"
             with pytest.raises(MegakernelError, match="outside"):
-                ops.check_errors(err)
+                launch_common.check_errors(err)
     with pytest.raises(MegakernelError, match="expert ids"):
         fwd.check_errors()
     with pytest.raises(MegakernelError, match="expert ids"):
@@ -578,7 +579,7 @@ def test_fp8_spin_wait_timeout_flagged_without_hang(name):
         assert code & mk.ERR_TIMEOUT, f"rank {r}: err={code}"
         assert not code & mk.ERR_BAD_EXPERT_ID, f"rank {r}: a timeout reported as a bad id (err={code})"
         with pytest.raises(MegakernelError, match="timed out"):
-            ops.check_errors(errs[r])
+            launch_common.check_errors(errs[r])
     with pytest.raises(MegakernelError, match="spin-wait timed out"):
         res.check_errors()
 

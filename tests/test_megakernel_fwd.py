@@ -1,4 +1,4 @@
-"""The forward megakernel (``ops.megakernel_forward_multirank``) against the torch backend and the reference.
+"""The forward megakernel (``launch_forward.megakernel_forward_multirank``) against the torch backend and the reference.
 
 Without CUDA the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1) at tiny shapes
 and 16-wide tiles; the launcher then runs one role over one minibatch per launch. With CUDA the same tests run
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kittenmoe import ops
+from kittenmoe import launch_forward
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig, ModelShape, default_config, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
-from kittenmoe.ops import (MegakernelError, RingGeometry, check_errors, megakernel_backward_multirank,
-                           megakernel_forward_multirank)
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_common import MegakernelError, RingGeometry, check_errors
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference, moe_reference_multirank, swiglu_ffn
 from kittenmoe.testing import (
@@ -527,7 +528,7 @@ def test_spin_wait_timeout_flagged_without_hang(missing, macrobatch):
     peers.alloc("combine", (T * K, H), case.dtype, fill=float("nan"))
     ids_all = torch.stack([i.to(torch.int32) for i in inp.ids])
     t0 = time.monotonic()
-    st = ops.launch_rank_forward(0, peers, ids_all, *inp.weights(), None, case.config(), max_spin=50,
+    st = launch_forward.launch_rank_forward(0, peers, ids_all, *inp.weights(), None, case.config(), max_spin=50,
                                  phases=mk.PH_ALL & ~missing)
     code = int(st.err.max())  # syncs on CUDA: the launch has returned
     assert time.monotonic() - t0 < 120, "the bounded wait took far too long"
@@ -862,7 +863,7 @@ def test_gpu_spin_wait_timeout_flagged(cuda_cleanup):
     peers.alloc("x", (T, H), case.dtype)[0].copy_(inp.xs[0])
     peers.alloc("combine", (T * K, H), case.dtype, fill=float("nan"))
     ids_all = torch.stack([i.to(torch.int32) for i in inp.ids])
-    st = ops.launch_rank_forward(0, peers, ids_all, *inp.weights(), None, GPU_RING, max_spin=1000,
+    st = launch_forward.launch_rank_forward(0, peers, ids_all, *inp.weights(), None, GPU_RING, max_spin=1000,
                                  phases=mk.PH_ALL & ~mk.PH_PULL)
     torch.cuda.synchronize()
     with pytest.raises(MegakernelError, match="timed out"):

@@ -224,14 +224,14 @@ def test_quantisers_build_for_sm90():
 
 
 def test_gluon_fp8_probe_builds_overlapped_for_sm90():
-    """benchmarks/gluon_fp8_probe.py's e4m3 GEMM loops at the Kimi/DeepSeek K (7168), as the H200 ran them on
+    """benchmarks/probes/gluon_fp8_probe.py's e4m3 GEMM loops at the Kimi/DeepSeek K (7168), as the H200 ran them on
     2026-12-02 (chunk8 1049 TFLOP/s against the Triton promote loop's 782): the pair and chunk loops build with
     wgmma waits that leave one group in flight (the promotion under the next wgmma) and no stack; the
     loop-carried lag form is serialized by ptxas (every wait leaves none), which is why chunks drain."""
     d = _triton_dir()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([d, os.path.join(ROOT, "src"), TOOLS])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gluon_fp8_probe.py"), "--build", "--json",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "gluon_fp8_probe.py"), "--build", "--json",
                         "--k", "7168", "--stages", "4", "--modes", "pair,chunk4,chunk8,lag"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -12,9 +12,9 @@ import pytest
 import torch
 import triton
 
-from kittenmoe import ops
+from kittenmoe import launch_common
 from kittenmoe.config import TEST_SHAPES, KernelConfig
-from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.testing import assert_bitwise_equal, make_weights, routing_uniform
 from kittenmoe.trace import KINDS, events, summarize
 
@@ -57,7 +57,7 @@ def test_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, macrobatch, co
         ncomm = cfg.num_comm_programs_fwd
         live = len(st.ring.live_minibatches(int(st.schedule.num_rows.item())))
         mb_tiles = st.ring.minibatch // bm
-        pullers = ncomm or ops._num_programs(DEV, 0)
+        pullers = ncomm or launch_common.num_programs(DEV, 0)
         want = {
             "pull": pullers * live, "push": ncomm * live,
             "gate|up": live * mb_tiles * triton.cdiv(TINY.i, bn),
@@ -92,7 +92,7 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
     """The backward megakernel: one pull and one push per comm program and live minibatch, one event per
     phase A / phase B / shared tile, and an "A epilogue" event per wide kept phase-A tile of an expert; the
     gradients equal an untraced run's bit for bit."""
-    from kittenmoe.ops import megakernel_backward_multirank
+    from kittenmoe.launch_backward import megakernel_backward_multirank
     from kittenmoe.trace import BWD_KINDS
 
     shape = TINY.with_(i=i)
@@ -114,7 +114,7 @@ def test_backward_trace_counts_every_unit_of_work_and_changes_no_bit(r, t, keep,
     s_w = shape.shared_width
     bn_sa = 2 * bn_a if keep and s_w % (2 * bn_a) == 0 else bn_a  # the kept shared gate|up's 2 x wide tiles
     ncomm = cfg.num_comm_programs_bwd
-    pullers = ncomm or ops._num_programs(DEV, 0)
+    pullers = ncomm or launch_common.num_programs(DEV, 0)
     rows = [int(st.schedule.num_rows.item()) for st in fwd.states]
     for k, tr in enumerate(traced.traces):
         ev = events(tr)

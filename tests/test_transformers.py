@@ -177,7 +177,7 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     from kittenmoe.autograd import config_to_args
     from kittenmoe.config import KernelConfig
     from kittenmoe.fp8 import FP8Config
-    from kittenmoe.ops import fp8_dgu_block
+    from kittenmoe.launch_common import fp8_dgu_block
 
     seen = {}
     monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
@@ -190,7 +190,7 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     fwd(_Experts(h=128, i=128), torch.randn(6, 128), torch.zeros(6, 2, dtype=torch.long), torch.rand(6, 2))
     cfg = seen["config"]
     assert cfg.block_n == 128 and cfg.wgrad == "gluon"
-    # what ops._check_fp8 asks of the tiles: whole scale blocks a tile, d(gate|up) blocks >= 32 for e4m3 dots
+    # what launch_common.check_fp8 asks of the tiles: whole scale blocks a tile, d(gate|up) blocks >= 32 for e4m3 dots
     assert cfg.block_n % scale_block == 0 and fp8_dgu_block(cfg, scale_block) >= 32
 
 

@@ -1,8 +1,8 @@
 """Compile the kernels for sm_90 (Hopper) on a machine without a GPU, and read what the builds use.
 
 Build tooling, not library: it lives in the repository's ``tools/`` (not in the installed package) and imports
-``kittenmoe`` from ``src/``. Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile or stage change, in a
-minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
+``kittenmoe`` from ``src/``. Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile
+or stage change, in a minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
 the H200 with the Triton the device runs). The second exists because the interpreter checks neither types
 across branches nor shared memory: on 2026-12-01 the FP8 backward's replay variant, green in CI, did not
 compile on the H200 (Triton 3.6: "Mismatched type for acc_g between then block ... and else block").
@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 
-from kittenmoe import ops
+from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.config import SEED_SHAPES, TEST_SHAPES, KernelConfig
 from kittenmoe.testing import make_weights, routing_uniform
 
@@ -219,23 +219,28 @@ def compile_only_sm90():
         return k
 
     prev_driver = driver._active
-    saved = {n: getattr(ops, n) for n in ("interpreting", "_tma_ok", "_bwd_tma_ok", "_num_programs",
-                                          "_check_device", "_check_gluon_device")}
+    # The GPU code path on CPU tensors: the launchers read these through their modules (launch_common's device
+    # checks and program count serve both directions), so each is patched in one place.
+    patches = [
+        (launch_common, "interpreting", lambda: False),
+        (launch_common, "check_device", lambda device: None),
+        (launch_common, "check_gluon_device", lambda device: None),
+        (launch_common, "num_programs", lambda dev, num_comm: 132),
+        (launch_forward, "_tma_ok", lambda config, *a_, **k_: config.tma),
+        (launch_backward, "_bwd_tma_ok", lambda config, *a_, **k_: config.tma),
+    ]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     driver.set_active(_FakeSm90Driver())
     JITFunction.run = run
-    ops.interpreting = lambda: False
-    ops._check_device = lambda device: None
-    ops._check_gluon_device = lambda device: None
-    ops._tma_ok = lambda config, *a_, **k_: config.tma
-    ops._bwd_tma_ok = lambda config, *a_, **k_: config.tma
-    ops._num_programs = lambda dev, num_comm: 132
+    for mod, name, fn in patches:
+        setattr(mod, name, fn)
     try:
         yield built
     finally:
         JITFunction.run = orig_run
         driver._active = prev_driver
-        for n, v in saved.items():
-            setattr(ops, n, v)
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
@@ -267,14 +272,17 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
     with compile_only_sm90() as built:
         try:
             if which == "fwd":
-                ops.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8, trace=trace)
+                launch_forward.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8,
+                                                            trace=trace)
             else:
                 fwd = None
                 if resident or (fp8 is not None and not replay):
                     # the forward's states carry the buffers the backward reads; its kernels are not reported
-                    fwd = ops.megakernel_forward_multirank(*a, config=config, save_for_backward=True, fp8=fp8)
+                    fwd = launch_forward.megakernel_forward_multirank(*a, config=config, save_for_backward=True,
+                                                                      fp8=fp8)
                     built.clear()
-                ops.megakernel_backward_multirank(d_out, *a, config=config, saved=fwd.saved() if fwd else None,
+                launch_backward.megakernel_backward_multirank(d_out, *a, config=config,
+                                                              saved=fwd.saved() if fwd else None,
                                                   fp8=fp8, trace=trace)
         except Exception as exc:
             # The launchers read results after the (fake) launches and may fail there, once the kernels have

@@ -3,7 +3,7 @@
     PYTHONPATH=src python3 benchmarks/probes/copy_probe.py [--shape kimi-k2.7] [--copy 32x512,32x1024,16x2048]
                                                     [--comm 8,12,16]
 
-For each copy chunk (rows x columns per load; ``ops.COPY_ROWS`` x ``ops.COPY_BLOCK_H``) and each number of
+For each copy chunk (rows x columns per load; ``launch_common.COPY_ROWS`` x ``launch_common.COPY_BLOCK_H``) and each number of
 communication programs: the forward's pull phase alone, the whole forward, the backward's pull phase alone
 and the whole backward (R=1, the seed shape sliced to one EP8 rank). The pull alone gives the bytes per
 second a communication SM sustains; if larger chunks raise it, fewer communication programs keep up and
@@ -17,11 +17,12 @@ import argparse
 import torch
 import triton
 
-from kittenmoe import ops
+from kittenmoe import launch_common
 from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS
 from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.kernels import megakernel_fwd as mk
-from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.testing import make_weights, routing_uniform
 
@@ -59,7 +60,7 @@ def main() -> int:
     rows = []
     for chunk in args.copy.split(","):
         r_, c_ = (int(v) for v in chunk.split("x"))
-        ops.COPY_ROWS, ops.COPY_BLOCK_H = r_, c_
+        launch_common.COPY_ROWS, launch_common.COPY_BLOCK_H = r_, c_
         for comm in (int(v) for v in args.comm.split(",")):
             cfg = KernelConfig(num_comm_programs_fwd=comm, num_comm_programs_bwd=comm)
             fp = bench(lambda: megakernel_forward_multirank(*a, config=cfg, peers=peers, phases=mk.PH_PULL))

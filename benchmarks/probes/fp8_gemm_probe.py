@@ -132,7 +132,8 @@ def _launch(mode, a, b, a_s, b_s, c, bm, bn, stages, warps, programs, sb=128):
 def ttgir_report(tiles) -> int:
     """Compile every variant for sm_90 without a GPU; print registers, spills and the wgmma waits' pendings."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from kittenmoe.sm90_build import compile_only_sm90
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+    from sm90_build import compile_only_sm90
 
     M, N, K = 256, 256, 512
     for bm, bn in tiles:

@@ -12,7 +12,7 @@ import torch
 
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, quantize_activations
-from kittenmoe.ops import megakernel_forward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.testing import make_weights, routing_uniform
 
 dev = torch.device("cuda")

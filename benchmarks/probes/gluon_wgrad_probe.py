@@ -47,7 +47,7 @@ def launch_gluon(offsets, ends, p_op, q_op, out, progs: int):
 
 def launch_library(offsets, ends, p_op, q_op, out, progs: int):
     """The backward's d_W launch with the default CUDA config: ``weight_grad_persistent_kernel``, 128 x 256 tiles
-    of 64-row steps, 8 warps, the TMA store (3 stages), one program an SM (kittenmoe.ops)."""
+    of 64-row steps, 8 warps, the TMA store (3 stages), one program an SM (kittenmoe.launch_backward)."""
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
     from kittenmoe.kernels import megakernel_bwd as mb
@@ -65,7 +65,8 @@ def launch_library(offsets, ends, p_op, q_op, out, progs: int):
 def build_report() -> int:
     """Build the Gluon kernel for sm_90 without a GPU and print registers, stack, shared memory, TMA copies."""
     os.environ.pop("TRITON_INTERPRET", None)
-    from kittenmoe.sm90_build import compile_only_sm90
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+    from sm90_build import compile_only_sm90
 
     G, rows, N, M = 2, 256, 256, 512
     offsets = torch.arange(G + 1, dtype=torch.int32) * rows

@@ -143,7 +143,7 @@ def main() -> int:
         out_desc = TD.from_tensor(out.view(L * N, M), [WN, WM])
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-        def lib():  # as ops.launch_rank_backward launches it with the TMA store (3 stages beside its 64 KB buffer)
+        def lib():  # as launch_backward.launch_rank_backward launches it with the TMA store (3 stages beside its 64 KB buffer)
             mb.weight_grad_persistent_kernel[(min(tiles, sms),)](
                 offsets, offsets[1:], pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK, USE_TMA=True,
                 TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)

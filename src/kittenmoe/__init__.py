@@ -29,7 +29,7 @@ _LAZY = {
     "FP8Config": "kittenmoe.fp8",
     "set_error_check": "kittenmoe.autograd",
     "check_errors": "kittenmoe.autograd",
-    "MegakernelError": "kittenmoe.ops",
+    "MegakernelError": "kittenmoe.launch_common",
 }
 
 

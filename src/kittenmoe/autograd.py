@@ -1,6 +1,6 @@
 """``torch.library`` custom ops over the launchers, with fake (meta) impls and autograd. One rank (R=1).
 
-Layering (DESIGN.md "Where code lives"): launcher (``kittenmoe.ops``) -> the custom ops here -> autograd
+Layering (DESIGN.md "Where code lives"): launchers (``kittenmoe.launch_forward`` / ``launch_backward``) -> the custom ops here -> autograd
 (``torch.library.register_autograd``) -> ``kittenmoe.functional.moe`` -> ``kittenmoe.layer.MoELayer``.
 
 Ops (namespace ``kittenmoe``):
@@ -31,7 +31,7 @@ Device errors (spin-wait timeouts, expert ids out of range) land in the launches
 are read is set by :func:`set_error_check`:
 
 - ``"sync"``: every megakernel op reads its flags right after launching and raises
-  ``kittenmoe.ops.MegakernelError`` at once. On CUDA that is one device sync per op; during CUDA-graph
+  ``kittenmoe.launch_common.MegakernelError`` at once. On CUDA that is one device sync per op; during CUDA-graph
   capture it is impossible, so capture under ``"sync"`` raises a clear error.
 - ``"deferred"`` (default, DESIGN.md's "no host sync" invariant): on CUDA the flags are OR-ed, on device, into a per-device accumulator; nothing syncs, so
   CUDA-graph capture works. :func:`check_errors` reads (and clears) it: call it at a point of your choosing
@@ -54,7 +54,7 @@ from typing import Literal
 
 import torch
 
-from kittenmoe import ops
+from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.checks import canonical_device
 from kittenmoe.config import KernelConfig, routed_capacity
 from kittenmoe.peers import LocalPeers
@@ -170,7 +170,7 @@ def get_error_check() -> ErrorCheck:
 
 
 def check_errors(device: torch.device | str | None = None) -> None:
-    """Raise ``kittenmoe.ops.MegakernelError`` if a megakernel op flagged a deferred error on ``device``
+    """Raise ``kittenmoe.launch_common.MegakernelError`` if a megakernel op flagged a deferred error on ``device``
     (all devices when None) since the last check, and clear the flags. Reads a device value (a sync)."""
     devs = list(_states) if device is None else [canonical_device(device)]
     for d in devs:
@@ -179,7 +179,7 @@ def check_errors(device: torch.device | str | None = None) -> None:
             continue
         flags = st.err_acc.clone()
         st.err_acc.zero_()
-        ops.check_errors(flags)
+        launch_common.check_errors(flags)
 
 
 def _capturing(dev: torch.device) -> bool:
@@ -231,7 +231,7 @@ def _report(st: _DeviceState, flags: list[Tensor]) -> None:
     dev = st.err_acc.device
     if dev.type != "cuda" or _error_check == "sync":
         for f in flags:
-            ops.check_errors(f)
+            launch_common.check_errors(f)
         return
     for f in flags:
         st.err_acc.bitwise_or_(f)
@@ -245,9 +245,9 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
                       swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high,
                       fp8_down_high, *config_args):
     config = config_from_args(config_args)
-    ops._check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
+    launch_common.check_device(x_TH.device)  # the launcher's RuntimeError, before touching any workspace
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
-    res = ops.megakernel_forward_multirank(
+    res = launch_forward.megakernel_forward_multirank(
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations,
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high))
@@ -269,9 +269,9 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
                        fp8_dx_high, fp8_down_high, x_routed, gate_up, shared_gate_up,
                        *config_args):
     config = config_from_args(config_args)
-    ops._check_device(x_TH.device)
+    launch_common.check_device(x_TH.device)
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
-    res = ops.megakernel_backward_multirank(
+    res = launch_backward.megakernel_backward_multirank(
         d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
@@ -298,7 +298,7 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
     """Rows of the activations the forward keeps (from shapes and config only, as the fake impl needs)."""
     if not config.keep_activations:
         return 0
-    ring = ops.RingGeometry.make(
+    ring = launch_common.RingGeometry.make(
         routed_capacity(1, x_TH.shape[0], topk_ids_TK.shape[1], w13_E2IH.shape[0], config.block_m), config)
     return ring.macrobatch
 

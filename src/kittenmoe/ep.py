@@ -1,7 +1,7 @@
 """Expert parallelism across processes: the megakernels driven through ``SymmetricPeers``.
 
 One process per rank; each holds its own tokens and its ``L = E / R`` experts. The kernels are the ones the
-single-process model runs with ``LocalPeers`` (``ops.launch_rank_forward`` / ``launch_rank_backward``); only
+single-process model runs with ``LocalPeers`` (``launch_forward.launch_rank_forward`` / ``launch_rank_backward``); only
 the peer-pointer tables differ, so the outputs and gradients equal a ``LocalPeers`` run bit for bit.
 
 Per forward, on the current stream, with no host synchronisation:
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kittenmoe import ops
+from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.autoconfig import auto_config
 from kittenmoe.checks import check_moe_inputs
 from kittenmoe.config import KernelConfig
@@ -76,7 +76,7 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
     if not isinstance(peers, SymmetricPeers):
         raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
                         f"{type(peers).__name__}; for R virtual ranks in one process use "
-                        f"ops.megakernel_forward_multirank with LocalPeers")
+                        f"launch_forward.megakernel_forward_multirank with LocalPeers")
     if config is not None and not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
     # Shapes and dtypes as one rank holding its L experts (ids are global; out-of-range ones are counted on
@@ -112,12 +112,12 @@ def _put_tokens(buf: torch.Tensor, rows: torch.Tensor, t: int, pad) -> None:
 @dataclass
 class EPForward:
     output: torch.Tensor  # [T, H]
-    state: ops.ForwardState
+    state: launch_forward.ForwardState
 
     def check_errors(self) -> None:
-        ops.check_errors(self.state.err)
+        launch_common.check_errors(self.state.err)
 
-    def saved(self) -> ops.Saved | None:
+    def saved(self) -> launch_common.Saved | None:
         """(x_routed, gate_up, shared_gate_up) when the forward kept them (``save_for_backward``), else None."""
         return self.state.saved()
 
@@ -133,7 +133,7 @@ def megakernel_forward_ep(
     swiglu_limit: float | None,
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
-    max_spin: int = ops.DEFAULT_MAX_SPIN,
+    max_spin: int = launch_common.DEFAULT_MAX_SPIN,
     save_for_backward: bool = False,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
@@ -143,7 +143,7 @@ def megakernel_forward_ep(
     ``topk_ids_TK`` holds global expert ids in ``[0, R * L)``; rank r owns experts ``[r * L, (r + 1) * L)``,
     whose weights are ``w13_L2IH`` / ``w2_LHI`` here. ``save_for_backward``: keep the routed x rows and the routed and
     shared gate|up pre-activations (``result.saved()``) for ``megakernel_backward_ep(saved=...)``, as
-    ``ops.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``). ``trace``:
+    ``launch_forward.launch_rank_forward`` does. ``fp8``: this rank's experts in e4m3 (``FP8ExpertWeights``). ``trace``:
     ``result.state.trace`` records what this rank's programs did and when (``kittenmoe.trace``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
@@ -157,12 +157,12 @@ def megakernel_forward_ep(
     combine = peers.alloc("combine", (N * K, H), dtype)[rank]
     peers.barrier()
     ids_all = all_gather_routing(peers)
-    st = ops.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+    st = launch_forward.launch_rank_forward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                                  swiglu_limit, config, max_spin, save_for_backward=save_for_backward, fp8=fp8,
                                  trace=trace)
     peers.barrier()
     out = torch.empty(T, H, dtype=dtype, device=peers.device)
-    ops.rank_forward_epilogue(st, combine, topk_weights_TK.float().contiguous(), ids_all[rank][:T], out, R * L,
+    launch_forward.rank_forward_epilogue(st, combine, topk_weights_TK.float().contiguous(), ids_all[rank][:T], out, R * L,
                               shared_w13_2SH is not None)
     return EPForward(out, st)
 
@@ -179,7 +179,7 @@ class EPBackward:
     trace: torch.Tensor | None = None  # [MAXE, 5] with trace=True (kittenmoe.trace, BWD_KINDS)
 
     def check_errors(self) -> None:
-        ops.check_errors(self.err)
+        launch_common.check_errors(self.err)
 
 
 def megakernel_backward_ep(
@@ -194,15 +194,15 @@ def megakernel_backward_ep(
     swiglu_limit: float | None,
     peers: SymmetricPeers,
     config: KernelConfig | None = None,
-    max_spin: int = ops.DEFAULT_MAX_SPIN,
-    saved: ops.Saved | None = None,
+    max_spin: int = launch_common.DEFAULT_MAX_SPIN,
+    saved: launch_common.Saved | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
 ) -> EPBackward:
     """This rank's gradients under expert parallelism (collective). Replays the dispatch and gate|up GEMM as
     the single-process backward does, unless ``saved`` (this call's ``EPForward.saved()``) holds the forward's
     routed x rows and gate|up pre-activations (and the shared expert's). ``fp8``: the forward's
-    ``FP8ExpertWeights`` (data gradients in e4m3, as ``ops.launch_rank_backward``)."""
+    ``FP8ExpertWeights`` (data gradients in e4m3, as ``launch_backward.launch_rank_backward``)."""
     config = config or KernelConfig()
     dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, config)
@@ -221,11 +221,11 @@ def megakernel_backward_ep(
     dw_comb = peers.alloc("dw_comb", (N * K,), torch.float32)[rank]
     peers.barrier()
     ids_all = all_gather_routing(peers)
-    out = ops.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+    out = launch_backward.launch_rank_backward(rank, peers, ids_all, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
                                    swiglu_limit, config, max_spin, saved=saved, fp8=fp8, trace=trace)
     peers.barrier()
     has_shared = shared_w13_2SH is not None
-    dx, dw = ops.rank_backward_epilogue(out, dx_comb, dw_comb, ids_all[rank][:T], R * L, has_shared)
+    dx, dw = launch_backward.rank_backward_epilogue(out, dx_comb, dw_comb, ids_all[rank][:T], R * L, has_shared)
     return EPBackward(dx, dw, out["dw13"], out["dw2"], out["dsw13"], out["dsw2"], out["err"], out["trace"])
 
 

@@ -52,7 +52,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 32-row chunks (an amax pass, then a quantise pass), 4 warps for 128-blocks; one 32-block in one pass with one
 # warp. The one-pass form of a 128-block (RC = 128) needs 255 registers and a 280-byte stack (Triton 3.6, bf16)
 # against the chunked form's 55: on the H200 the chunked form quantises the Kimi slice's weights in 3.13 ms
-# against 10.82 (bf16; fp32 5.16 against 17.48), the same bits (benchmarks/wquant_time.py, 2026-12-01).
+# against 10.82 (bf16; fp32 5.16 against 17.48), the same bits (benchmarks/wquant_time.py).
 ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
 WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
@@ -95,8 +95,8 @@ class FP8Config:
         """The gate|up tile width (``KernelConfig.block_n``) the FP8 path gets from ``MoELayer``, ``kittenmoe
         bench --fp8`` and the transformers integration: 128 for both scale blocks. A tile's hidden rows must hold
         whole scale blocks (a multiple of ``scale_block``), and the backward's d(gate|up) blocks, half a tile
-        wide, must stay >= 32 for e4m3 dots: a 32-wide tile would give 16 (``ops._check_fp8`` refuses it, unless
-        ``dx_high`` keeps d(gate|up) unquantised)."""
+        wide, must stay >= 32 for e4m3 dots: a 32-wide tile would give 16 (``launch_common.check_fp8`` refuses it,
+        unless ``dx_high`` keeps d(gate|up) unquantised)."""
         return max(128, self.scale_block)
 
 

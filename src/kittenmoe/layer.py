@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kittenmoe import ops
+from kittenmoe import launch_common
 from kittenmoe.autoconfig import auto_config
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, moe, resolve_backend
@@ -44,7 +44,7 @@ def check_backend_runs(backend: str, device: torch.device | str) -> str:
     which = resolve_backend(backend, device)
     if which == "megakernel":
         try:
-            ops._check_device(torch.device(device))
+            launch_common.check_device(torch.device(device))
         except RuntimeError as e:
             raise RuntimeError(f"MoE backend 'megakernel' cannot run on {device}: {e} With the layer API, "
                                f"backend='torch' (or 'auto') runs there.") from e

@@ -21,7 +21,7 @@ What kittenmoe's time covers (``--path``, recorded in each row's ``"path"``): ``
 autograd entry point users call, ``kittenmoe.moe(..., backend="megakernel", config=cfg, fp8=...)`` for one rank,
 its forward+backward that call on leaf tensors that require grad (x, router weights, every expert weight)
 followed by ``torch.autograd.grad(out, leaves, d_out)``; under torchrun ``kittenmoe.ep.moe_ep``. ``launcher``:
-the megakernel launchers without the autograd layer (``ops.megakernel_forward_multirank`` /
+the megakernel launchers without the autograd layer (``launch_forward.megakernel_forward_multirank`` /
 ``megakernel_backward_multirank``; under torchrun ``ep.megakernel_forward_ep`` / ``megakernel_backward_ep``).
 R > 1 virtual ranks in one process run only the launchers (the public API is one rank per call): the default
 there is ``launcher`` and ``--path public`` is an error.

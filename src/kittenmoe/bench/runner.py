@@ -7,7 +7,7 @@ kittenmoe is timed along one of two paths (``path``):
 - ``"public"`` (one rank only): ``kittenmoe.moe(..., backend="megakernel")``, the autograd entry point users
   call (input checks, the custom op, the deferred device-error flags included); forward+backward is that call
   on leaf tensors that require grad, then ``torch.autograd.grad``.
-- ``"launcher"``: ``ops.megakernel_forward_multirank`` (and ``megakernel_backward_multirank``) over R virtual
+- ``"launcher"``: ``launch_forward.megakernel_forward_multirank`` (and ``megakernel_backward_multirank``) over R virtual
   ranks in ``LocalPeers``: the megakernels without the autograd layer. The only path for R > 1 in one process
   (the public API runs one rank per call; several ranks need ``kittenmoe.ep`` and torchrun), and what
   ``kittenmoe tune`` sweeps.
@@ -104,7 +104,8 @@ class Runner:
 
     def launcher(self, mode: str, config: KernelConfig) -> Callable[[], object]:
         """The forward (and backward) launchers over ``self.peers``' R virtual ranks."""
-        from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+        from kittenmoe.launch_backward import megakernel_backward_multirank
+        from kittenmoe.launch_forward import megakernel_forward_multirank
 
         a, fp8 = self._margs(), self.fp8
         if mode == "forward":
@@ -290,8 +291,8 @@ class Runner:
 TIMED_CALLS = {
     ("public", "forward"): "kittenmoe.moe(backend='megakernel')",
     ("public", "backward"): "kittenmoe.moe(backend='megakernel') + torch.autograd.grad",
-    ("launcher", "forward"): "ops.megakernel_forward_multirank",
-    ("launcher", "backward"): "ops.megakernel_forward_multirank + ops.megakernel_backward_multirank",
+    ("launcher", "forward"): "launch_forward.megakernel_forward_multirank",
+    ("launcher", "backward"): "launch_forward.megakernel_forward_multirank + launch_backward.megakernel_backward_multirank",
 }
 
 

@@ -182,7 +182,7 @@ def _row_sum_in_order(p, BN: tl.constexpr):
     """sum(p, axis=1) of a [BM, BN] fp32 tile added left to right, whatever p's register layout: an fp32 "ieee"
     dot against ones, which Triton lowers to FMAs in k order (no tensor cores take fp32 unrounded). tl.sum's
     order follows the layout: on the H200 a BN-wide half split from a 2 BN-wide accumulator and a BN-wide
-    accumulator of the same bits gave different d_w partials in 134 of 256 rows (benchmarks/split_sum_probe.py),
+    accumulator of the same bits gave different d_w partials in 134 of 256 rows (benchmarks/probes/split_sum_probe.py),
     which broke the FP8 backward's kept == replayed promise once kept tiles went 2 BN wide. The 16 columns are
     tl.dot's least N; column 0 is kept."""
     s = tl.dot(p, tl.full((BN, 16), 1.0, tl.float32), input_precision="ieee")
@@ -488,7 +488,7 @@ def _phase_b_fp8_tma(gq_desc, gs_ptr, row0, w13t_desc, w13t_row0, w13s_ptr, n0, 
 def _phase_b_fp8(gq_ptr, gs_ptr, row0, w13t_ptr, w13s_ptr, n0, H, I, HB, GB,
                  BM: tl.constexpr, BN2: tl.constexpr, KS: tl.constexpr, SB: tl.constexpr, EMULATE: tl.constexpr):
     """FP8 phase B of one tile: d_x rows = d(gate|up) W13[e] on e4m3 operands, K steps of KS (the 1 x KS scale
-    block of d(gate|up): min(phase A's tile width, SB), ``ops.fp8_dgu_block``) along 2I. gq_ptr: uint8
+    block of d(gate|up): min(phase A's tile width, SB), ``launch_common.fp8_dgu_block``) along 2I. gq_ptr: uint8
     [*, 2I], gs_ptr: fp32 [*, GB]; w13t_ptr: one expert's W13 transposed, uint8 [H, 2I] = [N, K] (K-major),
     w13s_ptr: W13's fp32 [2I / SB, HB]."""
     rm = tl.arange(0, BM)

@@ -136,7 +136,7 @@ def gluon_wgrad_kernel(
 
 
 def launch(offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
-    """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group (kittenmoe.ops checks the
+    """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group (kittenmoe.launch_backward checks the
     conditions and says which failed; this asserts them). P [rows, N], Q [rows, M] and out share a 2-byte dtype;
     N % 128 == 0; out contiguous."""
     import torch

@@ -1,6 +1,6 @@
 """A short table of an Nsight Compute raw CSV (``ncu --import R.ncu-rep --csv --page raw``), one row a kernel.
 
-    python3 benchmarks/ncu_summary.py ncu-kimi-k2.7-raw.csv
+    python3 benchmarks/probes/ncu_summary.py ncu-kimi-k2.7-raw.csv
 
 Columns: the kernel, its time, DRAM bytes read and written and their rate, the L2 hit rate and bytes, and
 the speed-of-light and tensor-pipe percentages ncu reports (whichever of them the report holds). Works on

@@ -8,7 +8,7 @@ the wide accumulator equal the narrow tiles bit for bit, and whether their d_w p
 On the H200 (Triton 3.6): accumulators equal in both dtypes; tl.sum's partials differ in 155 (bf16) and 134
 (e4m3) of 256 rows; the in-order sum's in none.
 
-    PYTHONPATH=src python3 benchmarks/split_sum_probe.py
+    PYTHONPATH=src python3 benchmarks/probes/split_sum_probe.py
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Can Gluon, the lower-level language inside the device's Triton 3.6, hide the FP8 GEMM's per-block promotion?
 A probe, not a benchmark of record.
 
-    PYTHONPATH=src python3 benchmarks/gluon_fp8_probe.py [--m 4096 --n 4096 --k 7168] [--reps 10]
-    PYTHONPATH=.triton-device:src python benchmarks/gluon_fp8_probe.py --build   # no GPU: sm_90 build, SASS waits
+    PYTHONPATH=src python3 benchmarks/probes/gluon_fp8_probe.py [--m 4096 --n 4096 --k 7168] [--reps 10]
+    PYTHONPATH=.triton-device:src python benchmarks/probes/gluon_fp8_probe.py --build   # no GPU: sm_90 build, SASS waits
 
 Why: the FP8 megakernels multiply 1 x 128-scaled e4m3 rows by 128 x 128-scaled e4m3 weights one 128-deep K step
 at a time and add each step's fp32 product, times its two scales, into an fp32 accumulator. In Triton's
@@ -441,7 +441,8 @@ def build_report(names: list[str], stages: int, k: int, as_json: bool = False) -
     import json
 
     os.environ.pop("TRITON_INTERPRET", None)
-    from kittenmoe.sm90_build import compile_only_sm90, sass
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+    from sm90_build import compile_only_sm90, sass
 
     M, N = 256, 256
     rows = []
@@ -494,7 +495,7 @@ def main() -> int:
     stage_list = [int(v) for v in args.stages.split(",")]
     if args.build:
         return build_report(args.modes.split(","), max(stage_list), args.k, args.json)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "probes"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import fp8_gemm_probe as tp  # the Triton loops and the quantiser, timed beside
 
     dev = torch.device("cuda")

@@ -1,7 +1,7 @@
 """Hardware counters of one forward+backward on a seed slice, for Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight -o $OUT/ncu-kimi \
-        python3 benchmarks/ncu_probe.py --shape kimi-k2.7
+        python3 benchmarks/probes/ncu_probe.py --shape kimi-k2.7
 
 (`bash scripts/gpu.sh ncu` runs it with the sections and metrics docs/performance.md quotes.) The slice is
 built as in ``bwd_round.py`` (R=1, the heuristic config, the forward keeping its activations as autograd
@@ -21,7 +21,8 @@ import torch
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
 from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, default_config
-from kittenmoe.ops import megakernel_backward_multirank, megakernel_forward_multirank
+from kittenmoe.launch_backward import megakernel_backward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.testing import make_weights, routing_uniform
 

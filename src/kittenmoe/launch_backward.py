@@ -1,11 +1,10 @@
-"""Launchers: check, allocate, launch. The megakernel forward over ``LocalPeers``.
+"""The backward launcher: the backward megakernel, the weight-gradient launch and the epilogue over
+``LocalPeers``.
 
-``megakernel_forward_multirank`` runs the whole multi-rank forward the way
-DESIGN.md lays it out for R virtual ranks on one device: copy every rank's x
-into its peer buffer, all-gather the routing, then every rank's megakernel,
-then every rank's epilogue. No host sync on a GPU: sizes come from shapes and
-the config, never from data; errors found on device (timeouts, expert ids out
-of range) land in an error flag read by ``check_errors``.
+``megakernel_backward_multirank`` runs the multi-rank backward for R virtual ranks on one device: copy every
+rank's x, d_out and router weights into the peer buffers, then every rank's backward megakernel and its weight
+gradients (``launch_rank_backward``), then every rank's epilogue (``rank_backward_epilogue``). What the forward and
+backward launchers share is in ``kittenmoe.launch_common``.
 """
 
 from __future__ import annotations
@@ -18,156 +17,23 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kittenmoe.checks import check_moe_inputs, interpreting
+from kittenmoe import launch_common as lc
 from kittenmoe.config import KernelConfig, check_shared_memory, gluon_wgrad_gradient_ok, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
+from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, Saved, check_errors,
+                                     check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
+                                     tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import Schedule, build_schedule
+from kittenmoe.schedule import build_schedule
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
-
-# Polls before a wait gives up and flags a timeout. One poll is an atomic
-# load (~0.5-1 us on an H200), so 2^22 polls is a few seconds: far beyond any
-# legitimate wait (a whole seed-shape forward is a few ms).
-DEFAULT_MAX_SPIN = 1 << 22
-
-# Rows each communication step moves, and columns per load: 32 x 512 bf16 is
-# a 32 KiB chunk in flight per program per step (more bytes in flight per SM
-# is what raises a copy program's bandwidth).
-COPY_ROWS = 32
-COPY_BLOCK_H = 512
-
-
-class MegakernelError(RuntimeError):
-    """A device-side failure reported through the megakernel's error flag."""
-
-
-def check_errors(err: torch.Tensor) -> None:
-    """Raise ``MegakernelError`` if a megakernel flagged an error (reads the flag: a sync on CUDA)."""
-    code = int(err.max().item())
-    if code == 0:
-        return
-    what = []
-    if code & mk.ERR_TIMEOUT:
-        what.append("a spin-wait timed out (a producer never signalled: programs not co-resident, or a bug)")
-    if code & mk.ERR_BAD_EXPERT_ID:
-        what.append("topk_ids held expert ids outside [0, E); those routes were not computed")
-    raise MegakernelError("megakernel error: " + "; ".join(what))
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        return
-    if device.type == "cpu" and interpreting():
-        return
-    raise RuntimeError(
-        f"the megakernel runs on CUDA devices, or on CPU tensors under the Triton interpreter "
-        f"(TRITON_INTERPRET=1 set before kittenmoe is imported); got tensors on {device}. "
-        f"Use kittenmoe.torch_backend for a CPU path without the interpreter.")
-
-
-@dataclass(frozen=True)
-class RingGeometry:
-    """Sizes of the routed-row ring of one rank, all from shapes and config."""
-
-    capacity: int  # C: worst-case routed rows
-    minibatch: int  # MB
-    macrobatch: int  # MAC: rows the ring buffers hold
-    slots: int  # NSLOT = MAC // MB
-    num_minibatches: int  # NMB: worst-case processing indices
-
-    @staticmethod
-    def make(capacity: int, config: KernelConfig) -> "RingGeometry":
-        mb = config.minibatch_size
-        full = triton.cdiv(capacity, mb) * mb
-        mac = full if config.macrobatch_size is None else min(config.macrobatch_size, full)
-        slots = mac // mb
-        return RingGeometry(capacity, mb, mac, slots, triton.cdiv(capacity, mac) * slots)
-
-    @property
-    def resident(self) -> bool:
-        """The ring never wraps: every routed row keeps its own slot until the forward ends, so the backward
-        can read all the forward's routed activations instead of replaying them (a wrapping ring leaves
-        macrobatch 0 only)."""
-        return self.macrobatch >= self.capacity
-
-    def live_minibatches(self, num_rows: int) -> list[int]:
-        """Processing indices that hold rows (host mirror of the kernel's ``_mb_rows``)."""
-        nmac = triton.cdiv(num_rows, self.macrobatch)
-        out = []
-        for p in range(self.num_minibatches):
-            m = nmac - 1 - p // self.slots
-            if m >= 0 and m * self.macrobatch + (p % self.slots) * self.minibatch < num_rows:
-                out.append(p)
-        return out
-
-
-# What a forward keeps for its backward (ForwardState.saved): the ring's x rows [MAC, H], their fp32 gate|up
-# [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S] (None without a shared expert).
-Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-@dataclass
-class ForwardState:
-    """What one rank's forward leaves behind (the backward will read it)."""
-
-    schedule: Schedule
-    ring: RingGeometry
-    x_routed: torch.Tensor  # [MAC, H]
-    hidden: torch.Tensor  # [MAC, I]
-    y_routed: torch.Tensor  # [MAC, H]
-    shared_hidden: torch.Tensor  # [T, S]
-    y_shared: torch.Tensor  # [T, H]
-    counters: torch.Tensor  # [4 * NMB + 1] int32
-    err: torch.Tensor  # [1] int32
-    # [MAC, 2I] fp32 gate|up pre-activations of the rows the ring holds at the end, kept for the backward
-    # (save_for_backward), else None
-    gate_up: torch.Tensor | None = None
-    # [T, 2S] fp32 the shared expert's gate|up pre-activations, kept beside them (save_for_backward with a
-    # shared expert), else None
-    shared_gate_up: torch.Tensor | None = None
-    x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
-    # [MAC, H] x's dtype under FP8 with save_for_backward: the routed rows unquantised, for the weight gradients
-    x_kept: torch.Tensor | None = None
-    hidden_scale: torch.Tensor | None = None  # [MAC, I / B] fp32 under FP8
-    # [T*K] int32 with KernelConfig.combine_gather: the y_routed row of each of this (only) rank's routes, -1 for
-    # routes it does not hold (out-of-range ids); the epilogue reads rows through it. Else None.
-    route_row: torch.Tensor | None = None
-    compiled: object = None  # the launched CompiledKernel on a GPU (registers, spills, PTX for inspection)
-    # [MAXE, 5] int64 events (kind, program, start, wait returned, end; %globaltimer ns, 0 under the
-    # interpreter; unused slots -1) with trace=True, else None: kittenmoe.trace reads it
-    trace: torch.Tensor | None = None
-
-    def saved(self) -> Saved | None:
-        """What ``launch_rank_backward(saved=...)`` reads: (x_routed, gate_up, shared_gate_up) when this forward
-        kept them (``save_for_backward``; under FP8 the rows in x's dtype, not the e4m3 ring; shared_gate_up
-        None without a shared expert), else None (the backward replays)."""
-        if self.gate_up is None:
-            return None
-        return (self.x_routed if self.x_kept is None else self.x_kept), self.gate_up, self.shared_gate_up
-
-
-def _tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> bool:
-    """TMA descriptors are asked for (``config.tma``) and possible: a Hopper-or-newer GPU, 2-byte operands."""
-    if not config.tma or dev.type != "cuda" or interpreting():
-        return False
-    return torch.cuda.get_device_capability(dev)[0] >= 9 and dtype in (torch.bfloat16, torch.float16)
-
-
-def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
-    """The forward's TMA path: TMA capable, and tile-divisible widths (a gate tile must not run into the up
-    rows of the stacked [2I, H] weight)."""
-    if not _tma_capable(config, dev, dtype):
-        return False
-    bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
-    return I % bn == 0 and S % bn == 0 and H % bn2 == 0 and H % bk == 0 and I % bk == 0 and S % bk == 0
 
 
 def _bwd_tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int, I: int, S: int) -> bool:
     """The backward's TMA path: TMA capable, and row strides (2I, H, I, 2S, S elements) that are 16-byte
     multiples; out-of-range rows and columns load as zeros."""
-    if not _tma_capable(config, dev, dtype):
+    if not tma_capable(config, dev, dtype):
         return False
     return all(n * dtype.itemsize % 16 == 0 for n in (H, I, max(S, 8)))
 
@@ -178,11 +44,11 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
     operands of out's dtype, N a multiple of the 128-row tile (a tile never crosses into the next expert's
     gradient), M a multiple of 8 (TMA's 16-byte rows) and a contiguous out. Each failure names itself: the knob
     is never silently replaced by the Triton kernel."""
-    if interpreting():
+    if lc.interpreting():
         raise NotImplementedError("KernelConfig.wgrad='gluon': Gluon kernels do not run under the Triton interpreter; "
                                   "the interpreter runs the Triton weight-gradient kernels (wgrad='persistent'), "
                                   "whose bits the Gluon kernel's GPU test holds it to")
-    _check_gluon_device(dev)
+    lc.check_gluon_device(dev)
     try:  # here, not at the launch after the megakernel: a Triton without Gluon's Hopper API is refused up front
         from kittenmoe.kernels import wgrad_gluon  # noqa: F401
     except ImportError as exc:
@@ -199,408 +65,6 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
                 f"KernelConfig.wgrad='gluon': a weight gradient of {n} x {m} in {dst.dtype} from {p_op.dtype} x "
                 f"{q_op.dtype} operands is not built (it needs one 2-byte dtype for all three, N % 128 == 0, "
                 f"M % 8 == 0 and a contiguous gradient); set wgrad='persistent'")
-
-
-def _check_gluon_device(dev: torch.device) -> None:
-    """The Gluon weight-gradient kernel issues wgmma, which only sm_90 (Hopper) has."""
-    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    if cap is None or cap[0] != 9:
-        raise NotImplementedError(f"KernelConfig.wgrad='gluon' issues Hopper's wgmma (sm_90); this device is {dev}"
-                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad='persistent'")
-
-
-FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)
-
-
-def _check_fp8_type(fp8) -> None:
-    from kittenmoe.fp8 import FP8ExpertWeights
-
-    if fp8 is not None and not isinstance(fp8, FP8ExpertWeights):
-        raise TypeError(f"fp8 must be a kittenmoe.fp8.FP8ExpertWeights or None, got {type(fp8).__name__}")
-
-
-def fp8_dgu_block(config: KernelConfig, scale_block: int) -> int:
-    """The FP8 backward's d(gate|up) quantisation block (1 x this along 2I), also its gate|up dgrad's K step:
-    phase A's tile width (block_n / 2), or the scale block when that is narrower (MXFP8's 32)."""
-    return min(max(16, config.block_n // 2), scale_block)
-
-
-def _check_fp8(fp8, config: KernelConfig, L: int, H: int, I: int, dev: torch.device):
-    _check_fp8_type(fp8)
-    b = fp8.cfg.scale_block
-    if config.block_n % b:
-        raise ValueError(f"FP8 megakernel: block_n must be a multiple of the scale block ({b}) so each gate|up "
-                         f"tile's hidden rows hold whole scale blocks; got block_n={config.block_n}")
-    dgb = fp8_dgu_block(config, b)
-    # e4m3 tensor-core dots need K >= 32 (Triton refuses to compile less); with FP8Config.dx_high nothing is
-    # quantised in d(gate|up) blocks
-    if dgb < 32 and not fp8.cfg.dx_high:
-        raise ValueError(f"FP8 megakernel: block_n={config.block_n} makes the backward's d(gate|up) blocks {dgb} "
-                         f"wide, its gate|up dgrad's K step, under the 32 an e4m3 dot needs: use block_n >= 64")
-    if H % b or I % b:
-        raise ValueError(f"FP8 megakernel: H={H} and I={I} must be multiples of the scale block {b}")
-    if I % config.block_n:  # the e4m3 gate|up tiles are not masked at I: a partial tile would read up rows as gate
-        raise ValueError(f"FP8 megakernel: I={I} must be a multiple of block_n={config.block_n} (whole gate|up "
-                         f"tiles)")
-    if tuple(fp8.w13_q.shape) != (L, 2 * I, H) or tuple(fp8.w2_q.shape) != (L, H, I):
-        raise ValueError(f"FP8 megakernel: fp8 weights {tuple(fp8.w13_q.shape)} / {tuple(fp8.w2_q.shape)} do not "
-                         f"match this rank's experts {(L, 2 * I, H)} / {(L, H, I)}")
-    # (the transposes, when given: the kernels index them as contiguous [L, H, 2I] / [L, I, H])
-    parts = [t for t in (fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.w13_qt, fp8.w2_qt) if t is not None]
-    if any(t.device != dev or not t.is_contiguous() for t in parts):
-        raise ValueError(f"FP8 megakernel: the fp8 weights, their transposes and scales must be contiguous tensors "
-                         f"on {dev}, got {[(str(t.device), t.is_contiguous()) for t in parts]}")
-
-
-def _num_programs(device: torch.device, num_comm: int) -> int:
-    if device.type == "cuda":
-        n = torch.cuda.get_device_properties(device).multi_processor_count
-        if num_comm >= n:
-            raise ValueError(f"num_comm_programs_fwd={num_comm} leaves no compute program on a GPU with {n} SMs")
-        return n
-    return num_comm + 3  # interpreter: a few compute programs exercise the round-robin
-
-
-def _trace_buffer(n_gemm: int, comm_iters: int, num_comm: int, dev: torch.device, extra: int = 0
-                  ) -> tuple[torch.Tensor, dict]:
-    """A traced launch's event buffer ([MAXE, 5] int64, unused rows -1) and its kernel constexprs: one slot per
-    GEMM tile (``n_gemm``, the kernel's tile count), then a pull and a push slot per comm program and
-    processing index (``comm_iters`` of them), then ``extra`` (the backward's wide phase-A epilogues)."""
-    maxe = n_gemm + 2 * comm_iters * num_comm + extra
-    return torch.full((maxe, 5), -1, dtype=torch.int64, device=dev), dict(TRACE=True, MAXE=maxe)
-
-
-def launch_rank_forward(
-    rank: int,
-    peers: LocalPeers,
-    ids_all_RTK: torch.Tensor,
-    w13_L2IH: torch.Tensor,
-    w2_LHI: torch.Tensor,
-    shared_w13_2SH: torch.Tensor | None,
-    shared_w2_HS: torch.Tensor | None,
-    swiglu_limit: float | None,
-    config: KernelConfig,
-    max_spin: int = DEFAULT_MAX_SPIN,
-    phases: int = mk.PH_ALL,
-    save_for_backward: bool = False,
-    fp8: FP8ExpertWeights | None = None,
-    trace: bool = False,
-) -> ForwardState:
-    """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
-
-    ``save_for_backward``: also keep the gate|up pre-activations of the rows in the ring (``state.gate_up``,
-    fp32) and write padding rows of ``state.x_routed`` as zeros (under FP8, whose ring holds e4m3 bits: the
-    rows in x's dtype, padding zeroed, into ``state.x_kept``), for ``launch_rank_backward(saved=...)``. A
-    resident ring (``macrobatch_size`` None or at least the capacity) then holds every routed row: the
-    backward skips the gate|up replay and the x pull. A wrapping ring ends holding macrobatch 0 (processed
-    last): the backward reads those rows' gate|up and replays the others. The shared expert's fp32 gate|up
-    (``state.shared_gate_up``, every token's) is kept either way: the backward's shared phase A then runs its
-    down dgrad alone.
-
-    ``fp8``: this rank's routed experts quantised (``kittenmoe.fp8.FP8ExpertWeights``, experts matching
-    ``w13_L2IH``'s): the routed GEMMs run on e4m3 operands with fp32 accumulation, x rows quantised (1 x B)
-    in the pull and hidden rows in the gate|up epilogue; the shared expert stays in x's dtype.
-
-    ``trace``: every program records what it did and when (``state.trace``; ``kittenmoe.trace.summarize``):
-    a profiling build of the kernel (a timer read around each wait and tile, one small store a tile)."""
-    R, T, K = ids_all_RTK.shape
-    L, two_i, H = w13_L2IH.shape
-    I = two_i // 2
-    S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
-    dev = w13_L2IH.device
-    dtype = w13_L2IH.dtype
-    bm = config.block_m
-    if fp8 is not None:
-        _check_fp8(fp8, config, L, H, I, dev)
-    if dev.type == "cuda":
-        check_shared_memory(config, dtype.itemsize)
-    sched = build_schedule(ids_all_RTK, rank, L, bm)
-    ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
-    row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
-    fp8_down = fp8 is not None and not fp8.cfg.down_high  # else the down projection in x's dtype
-    st = ForwardState(
-        schedule=sched,
-        ring=ring,
-        x_routed=torch.empty(ring.macrobatch, H, dtype=row_dtype, device=dev),
-        hidden=torch.empty(ring.macrobatch, I, dtype=row_dtype if fp8_down else dtype, device=dev),
-        y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
-        shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
-        y_shared=torch.empty(T, H, dtype=dtype, device=dev),
-        counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
-        err=torch.zeros(1, dtype=torch.int32, device=dev),
-    )
-    save_gu = save_for_backward
-    if save_gu:
-        # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
-        # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
-        st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=torch.float32, device=dev)
-        if S > 0:  # every token's, whatever the ring (34 MB on the Kimi slice)
-            st.shared_gate_up = torch.empty(T, 2 * S, dtype=torch.float32, device=dev)
-    sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
-    if fp8 is not None:
-        st.x_scale = torch.empty(ring.macrobatch, H // sb, dtype=torch.float32, device=dev)
-        st.hidden_scale = torch.empty(ring.macrobatch, I // sb, dtype=torch.float32, device=dev)
-        if save_gu:
-            st.x_kept = torch.empty(ring.macrobatch, H, dtype=dtype, device=dev)
-        w13_rows, w2_rows = fp8.w13_q.view(torch.uint8), fp8.w2_q.view(torch.uint8) if fp8_down else w2_LHI
-        fp8_args = (st.x_scale, st.hidden_scale, w13_rows, w2_rows, fp8.w13_scale, fp8.w2_scale)
-    else:
-        w13_rows, w2_rows = w13_L2IH, w2_LHI
-        fp8_args = (st.y_shared, st.y_shared, w13_L2IH, w2_LHI, st.y_shared, st.y_shared)  # scales: placeholders
-    has_shared = S > 0
-    sw13 = shared_w13_2SH if has_shared else w13_L2IH
-    sw2 = shared_w2_HS if has_shared else w2_LHI
-    use_tma = _tma_ok(config, dev, dtype, H, I, S)
-    if use_tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor as TD
-
-        bn, bn2, bk = config.block_n, 2 * config.block_n, config.block_k
-        xl_desc = TD.from_tensor(peers.buffer("x", rank), [bm, bk])
-        if fp8 is None:
-            routed = (TD.from_tensor(st.x_routed, [bm, bk]), TD.from_tensor(st.hidden, [bm, bk]),
-                      TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
-                      TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]))
-        else:  # e4m3 operands, one scale block per K step
-            f8 = torch.float8_e4m3fn
-            hid_desc = (TD.from_tensor(st.hidden.view(f8), [bm, sb]) if fp8_down
-                        else TD.from_tensor(st.hidden, [bm, bk]))
-            routed = (TD.from_tensor(st.x_routed.view(f8), [bm, sb]), hid_desc,
-                      TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]),
-                      TD.from_tensor(fp8.w2_q.reshape(L * H, I), [bn2, sb]) if fp8_down
-                      else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]))
-        # Without a shared expert its descriptors are never loaded: stand-ins.
-        descs = (
-            xl_desc,
-            routed[0],
-            routed[1],
-            TD.from_tensor(st.shared_hidden, [bm, bk]) if has_shared else xl_desc,
-            routed[2],
-            routed[3],
-            TD.from_tensor(sw13, [bn, bk]) if has_shared else TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [bn, bk]),
-            TD.from_tensor(sw2, [bn2, bk]) if has_shared else TD.from_tensor(w2_LHI.view(L * H, I), [bn2, bk]),
-        )
-    else:
-        descs = (peers.buffer("x", rank), st.x_routed, st.hidden, st.shared_hidden, w13_rows, w2_rows, sw13, sw2)
-    num_comm = config.num_comm_programs_fwd
-    self_pull = num_comm == 0  # KernelConfig checked combine_gather: nothing is pushed; this needs no wrap
-    if self_pull and not ring.resident:
-        raise ValueError(f"num_comm_programs_fwd=0 pulls every routed row before any tile runs, so the ring must "
-                         f"hold them all: macrobatch_size={config.macrobatch_size} is below the worst case of "
-                         f"{ring.capacity} rows (use None, or at least that many; or, for a ring, comm programs, "
-                         f"e.g. num_comm_programs_fwd=12 and num_comm_programs_bwd=16, with combine_gather=False)")
-    if config.combine_gather:
-        if R != 1:
-            raise NotImplementedError(
-                f"KernelConfig.combine_gather runs one rank (the epilogue reads this rank's y_routed); got R={R} "
-                f"ranks, whose routes' rows live on other ranks (a cross-rank gather is not built)")
-        if not ring.resident:
-            raise ValueError(f"KernelConfig.combine_gather reads every route's row from y_routed after the launch, "
-                             f"so the ring must hold them all: macrobatch_size={config.macrobatch_size} is below "
-                             f"the worst case of {ring.capacity} rows (use None or at least that many; or, for a "
-                             f"ring, combine_gather=False with comm programs, e.g. num_comm_programs_fwd=12 and "
-                             f"num_comm_programs_bwd=16)")
-        phases &= ~mk.PH_PUSH  # nothing is pushed: the epilogue gathers
-        st.route_row = route_rows(sched, T * K)
-    grid = (_num_programs(dev, num_comm),)
-    interp = interpreting()
-    trace_meta = {}
-    if trace:
-        bn, lag = config.block_n, min(ring.slots - 1, 1)
-        n_sh_rt = triton.cdiv(T, bm)
-        per_mb = (ring.minibatch // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, 2 * bn))
-        n_gemm = ((n_sh_rt * (triton.cdiv(S, bn) + triton.cdiv(H, 2 * bn)) if S > 0 else 0)
-                  + (ring.num_minibatches + lag) * per_mb)  # every GEMM tile of the forward (the kernel's total)
-        # processing indices < NMB + pull_ahead <= NMB + 2
-        # without comm programs every program records a pull event per minibatch
-        st.trace, trace_meta = _trace_buffer(n_gemm, ring.num_minibatches + 2, grid[0] if self_pull else num_comm,
-                                             dev)
-    meta = dict(
-        LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
-        BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
-        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
-        USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
-        POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
-        DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32", **trace_meta,
-    )
-    if not interp:
-        meta.update(num_warps=config.num_warps, num_stages=config.num_stages)
-    limit = float(swiglu_limit) if swiglu_limit is not None else 0.0
-
-    def launch(phase: int, p_lo: int, p_hi: int, pull_ahead: int):
-        return mk.dispatch_mlp_swiglu_combine_kernel[grid](
-            sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
-            sched.num_invalid,
-            # combine_gather pushes nothing: x's table stands in for the combine buffers' (never dereferenced)
-            peers.ptrs("x"), peers.ptrs("x" if config.combine_gather else "combine"), peers.buffer("x", rank),
-            st.x_routed, st.hidden, st.y_routed, st.gate_up if save_gu else st.y_routed,
-            st.y_routed if st.shared_gate_up is None else st.shared_gate_up,
-            st.y_routed if st.x_kept is None else st.x_kept, fp8_args[0], fp8_args[1],
-            st.shared_hidden, st.y_shared, fp8_args[2], fp8_args[3], fp8_args[4], fp8_args[5], sw13, sw2, *descs,
-            st.counters, st.err, st.err if st.trace is None else st.trace,
-            T, H, I, S, K, ring.num_minibatches, ring.slots, limit,
-            phase, p_lo, p_hi, pull_ahead, num_comm, max_spin,
-            **meta,
-        )
-
-    if not interp:
-        # One launch, every role concurrent. Comm programs stay at most
-        # pull_ahead minibatches ahead of their pushes; it must stay below the
-        # slot count or a pull would wait on a push that comes after it.
-        st.compiled = launch(phases, 0, ring.num_minibatches,
-                             0 if config.combine_gather else min(ring.slots - 1, 2))
-    else:
-        # Programs run one after another: one role over one minibatch per
-        # launch keeps every producer ahead of its consumers. Reading
-        # num_rows on the host is free on CPU.
-        if phases & mk.PH_SHARED_GU:
-            launch(mk.PH_SHARED_GU, 0, 0, 0)
-        for p in ring.live_minibatches(int(sched.num_rows.item())):
-            for ph in (mk.PH_PULL, mk.PH_GATEUP, mk.PH_DOWN, mk.PH_PUSH):
-                if phases & ph:
-                    launch(ph, p, p + 1, 0)
-        if phases & mk.PH_SHARED_DOWN:
-            launch(mk.PH_SHARED_DOWN, 0, 0, 0)
-    return st
-
-
-def route_rows(sched: Schedule, num_routes: int) -> torch.Tensor:
-    """[num_routes] int32: the routed-buffer row of each route t*K + j of a one-rank schedule, -1 for routes with
-    no row (expert ids out of range). Padding and unused rows (peer_rank -1) scatter into one spare slot past the
-    end, which is dropped; every real route has exactly one row, so the result does not depend on write order.
-    Device-side, no host sync."""
-    rows = torch.arange(sched.capacity, dtype=torch.int32, device=sched.peer_rank.device)
-    dst = torch.where(sched.peer_rank >= 0, sched.peer_token_idx, num_routes).to(torch.int64)
-    out = torch.full((num_routes + 1,), -1, dtype=torch.int32, device=rows.device)
-    # index_put_ without accumulation: deterministic under torch.use_deterministic_algorithms (scatter_ with a
-    # tensor src raises there on some torch versions)
-    out.index_put_((dst,), rows)
-    return out[:num_routes]
-
-
-def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool,
-                    route_row_TK: torch.Tensor | None = None) -> None:
-    """out = y_shared + sum_j w[t, j] * combine[t*K + j] (fp32, fixed j order). With ``route_row_TK``
-    (``KernelConfig.combine_gather``) ``combine_TKH`` is y_routed and route t*K + j reads its row there."""
-    T, H = out_TH.shape
-    K = w_TK.shape[1]
-    if T == 0:  # an EP rank that brought no tokens (it still served its experts): nothing to sum, no launch
-        return
-    bt, bh = 16, min(256, triton.next_power_of_2(H))
-    gather = route_row_TK is not None
-    mk.combine_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
-        y_shared_TH, combine_TKH, route_row_TK if gather else ids_TK, w_TK, ids_TK, out_TH, T, H, num_experts,
-        K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
-
-
-def rank_forward_epilogue(st: ForwardState, combine_NKH: torch.Tensor | None, w_TK: torch.Tensor,
-                          ids_TK: torch.Tensor, out_TH: torch.Tensor, num_experts: int, has_shared: bool) -> None:
-    """One rank's forward epilogue on its T = ``ids_TK.shape[0]`` tokens: out = y_shared + the K routed rows of
-    each token. The one place that picks where those rows are, for the single-process and the per-process
-    drivers: under ``KernelConfig.combine_gather`` (``st.route_row`` set; one rank, nothing pushed,
-    ``combine_NKH`` may be None) they stay in ``st.y_routed``; otherwise they are in the pushed combine buffer
-    ``combine_NKH``. The rank's buffers may hold N >= T token slots (``SymmetricPeers(max_tokens=N)``'s
-    padding); only the first T tokens' (T*K routes') are read."""
-    T, K = ids_TK.shape
-    if st.route_row is not None:
-        # y_routed is indexed by row, not by route: it is passed whole, route_row says which row each route reads
-        launch_epilogue(st.y_shared[:T], st.y_routed, w_TK, ids_TK, out_TH, num_experts, has_shared,
-                        st.route_row[:T * K])
-    else:
-        launch_epilogue(st.y_shared[:T], combine_NKH[:T * K], w_TK, ids_TK, out_TH, num_experts, has_shared)
-
-
-def _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-             peers: LocalPeers | None):
-    """Validate the inputs and the device; return the dimensions and the peers to use."""
-    dims = check_moe_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                            shared_w2_HS)
-    dev = w13_E2IH.device
-    _check_device(dev)
-    if peers is None:
-        peers = LocalPeers(dims.r, dev)
-    elif peers.num_ranks != dims.r or peers.device != dev:
-        raise ValueError(f"peers has {peers.num_ranks} ranks on {peers.device}; the inputs need {dims.r} on {dev}")
-    return dims, peers
-
-
-@dataclass
-class MultirankForward:
-    outputs: list[torch.Tensor]  # [R] x [T, H]
-    states: list[ForwardState]
-    peers: LocalPeers
-
-    def check_errors(self) -> None:
-        for st in self.states:
-            check_errors(st.err)
-
-    def saved(self) -> list[Saved | None]:
-        """Per rank, what ``megakernel_backward_multirank(saved=...)`` reads: (x_routed, gate_up,
-        shared_gate_up) when this forward kept them (``save_for_backward``), else None (the backward replays)."""
-        return [st.saved() for st in self.states]
-
-
-def megakernel_forward_multirank(
-    x_RTH: list[torch.Tensor],
-    topk_ids_RTK: list[torch.Tensor],
-    topk_weights_RTK: list[torch.Tensor],
-    w13_E2IH: torch.Tensor,
-    w2_EHI: torch.Tensor,
-    shared_w13_2SH: torch.Tensor | None = None,
-    shared_w2_HS: torch.Tensor | None = None,
-    swiglu_limit: float | None = None,
-    config: KernelConfig | None = None,
-    peers: LocalPeers | None = None,
-    max_spin: int = DEFAULT_MAX_SPIN,
-    phases: int = mk.PH_ALL,
-    save_for_backward: bool = False,
-    fp8: FP8ExpertWeights | None = None,
-    trace: bool = False,
-) -> MultirankForward:
-    """Forward of R virtual ranks on one device through the megakernel (no autograd).
-
-    ``phases`` (a mask of ``megakernel_fwd.PH_*``, default all) runs a subset of
-    the roles, for timing one phase against another. ``save_for_backward``: keep
-    the routed activations for the backward (``result.saved()``; see
-    ``launch_rank_forward``). ``fp8``: all E experts quantised
-    (``FP8ExpertWeights.quantize(w13_E2IH, w2_EHI)``): the routed GEMMs in e4m3. ``trace``: each rank's
-    ``states[r].trace`` records what every program did and when (``kittenmoe.trace``).
-
-    Same contract as ``torch_backend.moe_forward_multirank``; outputs are in
-    x's dtype. Call ``.check_errors()`` on the result to surface device-side
-    errors (it reads a flag, a sync on CUDA).
-    """
-    config = config or KernelConfig()
-    _check_fp8_type(fp8)
-    dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
-                           shared_w2_HS, peers)
-    dev, dtype = w13_E2IH.device, w13_E2IH.dtype
-    R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
-    xb = peers.alloc("x", (T, H), dtype)
-    # combine_gather pushes nothing: no [T*K, H] combine buffer (235 MB on the Kimi slice) is allocated. (Not a
-    # smaller one either: buffers keyed by name are re-allocated whenever their shape changes, which a workspace
-    # shared by layers of different configs would then do on every call.)
-    # (A None per rank then: rank_forward_epilogue reads y_routed instead.)
-    cb = [None] * R if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
-    for r in range(R):
-        xb[r].copy_(x_RTH[r])
-    ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
-    states = [
-        launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
-                            shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
-                            save_for_backward, None if fp8 is None else fp8.experts(d * L, (d + 1) * L),
-                            trace=trace)
-        for d in range(R)
-    ]
-    outs = []
-    for r in range(R):
-        out = torch.empty(T, H, dtype=dtype, device=dev)
-        rank_forward_epilogue(states[r], cb[r], topk_weights_RTK[r].float().contiguous(), ids_all[r], out, dims.e,
-                              shared_w13_2SH is not None)
-        outs.append(out)
-    return MultirankForward(outs, states, peers)
-
-
-# ----------------------------------------------------------------------------- backward
 
 
 @dataclass
@@ -725,7 +189,7 @@ def launch_rank_backward(
                              f"{tuple(t.shape)} {t.dtype} on {t.device} (contiguous={t.is_contiguous()})")
     gu_mode, gu_rows = 0, 0  # the kernel's GU_MODE: 0 replay, 1 every row kept, 2 the leading gu_rows rows
     if fp8 is not None:
-        _check_fp8(fp8, config, L, H, I, dev)
+        check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
         gu_mode, gu_rows = _check_saved(saved, NR, bm, T, H, I, S, dtype, dev)
     # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
@@ -828,8 +292,8 @@ def launch_rank_backward(
                        TD.from_tensor(fp8.w13_q.reshape(L * 2 * I, H), [bn, sb]), *a_descs[4:])
     num_comm = config.num_comm_programs_bwd
     self_pull = num_comm == 0  # KernelConfig checked combine_gather: nothing is pushed
-    grid = (_num_programs(dev, num_comm),)
-    interp = interpreting()
+    grid = (lc.num_programs(dev, num_comm),)
+    interp = lc.interpreting()
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
     trace_meta = {}
     out["trace"] = None
@@ -840,7 +304,7 @@ def launch_rank_backward(
         n_gemm = (n_srt * (triton.cdiv(S, bns) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
         n_epi = (NMB + 1) * (MB // bm) * n_a if bna != bn else 0  # one per wide phase-A tile
-        out["trace"], trace_meta = _trace_buffer(n_gemm, 2 * NMB + 1, grid[0] if self_pull else num_comm, dev,
+        out["trace"], trace_meta = trace_buffer(n_gemm, 2 * NMB + 1, grid[0] if self_pull else num_comm, dev,
                                                  n_epi)
     meta = dict(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
@@ -925,9 +389,9 @@ def launch_rank_backward(
             from kittenmoe.kernels import wgrad_gluon
 
             out["compiled_wgrad"] = wgrad_gluon.launch(offsets, ends, p_op, q_op, dst, n, m, wk, wm,
-                                                         _num_programs(dev, 0))
+                                                         lc.num_programs(dev, 0))
         elif config.wgrad == "persistent":  # one program per SM (3 under the interpreter)
-            progs = _num_programs(dev, 0)
+            progs = lc.num_programs(dev, 0)
             # The store through shared memory and TMA, drained under the next tile's K loop: the output viewed
             # as [G * N, M] must not let a tile cross into the next group's rows (N % wn) and a 2-byte dtype (an
             # fp32 tile's 128 KB buffer does not fit beside the operands); at 3 stages (3 x 48 KB + 64 KB =
@@ -1021,8 +485,8 @@ def megakernel_backward_multirank(
     what every program of rank r's backward megakernel did and when (``kittenmoe.trace``, ``BWD_KINDS``).
     """
     config = config or KernelConfig()
-    _check_fp8_type(fp8)
-    dims, peers = _prepare(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
+    check_fp8_type(fp8)
+    dims, peers = prepare_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
