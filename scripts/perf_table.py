@@ -99,9 +99,8 @@ def render(rows: list[dict]) -> str:
                     "(median of the rounds' medians: the H200's clock falls under its 700 W power cap during "
                     "sustained runs, which favoured whatever was timed first)"
                     if any("timing" in r for r in rows) else "")
-                 + "; a forward row's kittenmoe figure is the best of the KernelConfigs swept in that run, a "
-                 "forward+backward row's that run's heuristic config (each recorded in the row's `config`; a "
-                 "forward+backward row's other variants are in its `sweep_ms`); each row is its shape's newest "
+                 + "; each row's KernelConfig is in its `config` (`kittenmoe bench`: the tuned or heuristic one the "
+                 "public entries pick; `benchmarks/fwd_round.py`: the fastest of a sweep); each row is its shape's newest "
                  "run, and where other runs of the same config on the same GPU and versions exist the speedup "
                  "cell gives their range (the rows record no library revision, so a range can span code changes "
                  "that kept the config). Routed TFLOP/s = 6*T*K*H*I / latency (18*T*K*H*I for forward+backward; rel L1 there is the worst "
