@@ -3,7 +3,7 @@
 ``moe_forward_distributed`` is ``torch_backend.moe_forward_multirank`` (the
 single-process semantic model) split over real processes: each process holds
 its own ``T`` tokens and its own ``L = E / R`` experts, and the steps of
-DESIGN.md "The pipeline, per rank" become collectives:
+docs/design.md "The pipeline, per rank (forward)" become collectives:
 
 1. routing all-gather: every rank's ``topk_ids`` -> ``[R, T, K]`` (``all_gather``);
 2. ``build_schedule`` for this rank, exactly as the single-process model does;
