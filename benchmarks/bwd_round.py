@@ -1,4 +1,4 @@
-"""One device round for the backward megakernel: check gradients, time forward+backward; a table last.
+"""One device run for the backward megakernel: check gradients, time forward+backward; a table last.
 
     PYTHONPATH=src python3 benchmarks/bwd_round.py [--shapes kimi-k2.7,...] [--out DIR]
 
@@ -30,7 +30,7 @@ from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference_multirank
 from kittenmoe.testing import cosine, make_weights, rel_l1, routing_uniform
 
-SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
+SLICES = SLICE_TOKENS  # kittenmoe.config: the one-GPU slices (tokens at EP8)
 
 
 def case(shape, R, T, dev, seed=0):
@@ -154,8 +154,8 @@ def main() -> int:
                          "after an L2 flush (do_bench's setting) from a profiler trace, with the largest gaps")
     ap.add_argument("--aa", action="store_true",
                     help="time the heuristic a second time as its own variant ('heuristic-again'): the gap between "
-                         "the two is a rough noise floor for the other variants' gaps (session 14: one config read "
-                         "0-3.8%% apart from itself over five rounds). One sample, and the two copies sit at fixed "
+                         "the two is a rough noise floor for the other variants' gaps (one config read 0-3.8%% "
+                         "apart from itself over five rounds). One sample, and the two copies sit at fixed "
                          "places in the rotated order (each after the same neighbour), so 'within / past the A/A "
                          "gap' is a rule of thumb, not a test")
     ap.add_argument("--shared-replay", action="store_true",

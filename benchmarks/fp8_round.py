@@ -1,4 +1,4 @@
-"""One device round for the FP8 forward (issue 7): check, time against our BF16 forward, a short table last.
+"""One device run for the FP8 forward: check, time against our BF16 forward, a short table last.
 
     PYTHONPATH=src python3 benchmarks/fp8_round.py [--shapes kimi-k2.7,...] [--reps 10] [--out DIR]
 
@@ -35,7 +35,7 @@ from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_backward_reference_fp8, moe_reference, moe_reference_fp8
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
 
-SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
+SLICES = SLICE_TOKENS  # kittenmoe.config: the one-GPU slices (tokens at EP8)
 
 
 def ceilings(reps: int) -> dict:

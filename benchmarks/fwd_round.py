@@ -1,4 +1,4 @@
-"""One device round for the forward megakernel: build, check, time; a short table last.
+"""One device run for the forward megakernel: build, check, time; a short table last.
 
     PYTHONPATH=src python3 benchmarks/fwd_round.py [--shapes kimi-k2.7,...] [--tokens 2048] [--out DIR]
 
@@ -32,7 +32,7 @@ from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import make_weights, rel_l1, routing_uniform
 
-SLICES = SLICE_TOKENS  # kittenmoe.config: the issues' slices (tokens at EP8)
+SLICES = SLICE_TOKENS  # kittenmoe.config: the one-GPU slices (tokens at EP8)
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class ForwardSlice:
 
 
 def forward_slice(name: str, ep: int, tokens: int, dev: torch.device) -> ForwardSlice:
-    """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: the issue's SLICES count)."""
+    """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: its SLICES count)."""
     base = SEED_SHAPES[name]
     L = base.e // ep
     shape = base.with_(e=L, k=base.k)
@@ -89,7 +89,7 @@ def parse_config(s: str | None) -> KernelConfig:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default=",".join(SLICES))
-    ap.add_argument("--tokens", type=int, default=0, help="override tokens per shape (0 = the issue's slice)")
+    ap.add_argument("--tokens", type=int, default=0, help="override tokens per shape (0 = the shape's SLICES count)")
     ap.add_argument("--ep", type=int, default=8)
     ap.add_argument("--config", default="", help="KernelConfig overrides on top of each shape's heuristic config "
                     "(config.default_config, what the layer runs untuned), e.g. num_comm_programs_fwd=16,block_n=128; "

@@ -1,9 +1,9 @@
 """Whole training steps of a Hugging Face DeepSeek-V3-style model: kittenmoe vs grouped_mm experts.
 
-    PYTHONPATH=src python3 benchmarks/hf_round.py [--out DIR]           # the issue's model on the GPU
+    PYTHONPATH=src python3 benchmarks/hf_round.py [--out DIR]           # the mid-size model on the GPU
     PYTHONPATH=src python3 benchmarks/hf_round.py --tiny --device cpu   # a seconds-long smoke run on CPU
 
-The model (issue 9's speed goal): a few DeepSeek-V3 layers, H 2048, I 1408, E 64, top-6, one shared
+The model: a few DeepSeek-V3 layers, H 2048, I 1408, E 64, top-6, one shared
 expert, 8 k tokens a step, bf16, randomly initialised from its config (no download). Each
 ``experts_implementation`` (grouped_mm, kittenmoe, kittenmoe-fp8 on CUDA, sonicmoe when importable) trains from the same weights on
 the same batches; a step is forward + backward + AdamW, timed with CUDA events after warm-up, median of the
@@ -55,7 +55,7 @@ def register_no_experts() -> None:
     step, so that ``grouped_mm / no-routed-experts`` bounds the whole-step speed-up an experts kernel can give.
     One element of each expert weight joins the output (times 0) so the weights still get (zero) gradients and
     AdamW still updates them: every real implementation pays that optimizer work (1.6 G expert parameters in
-    the issue's model, most of the step's multi_tensor_apply time), so the floor must too."""
+    the mid-size model, most of the step's multi_tensor_apply time), so the floor must too."""
     from transformers.integrations.moe import ExpertsInterface
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
@@ -104,7 +104,7 @@ def main() -> int:
     seq = 16 if args.tiny else args.seq
     # Every implementation's model lives through the whole run and the timed steps go in rounds, each round
     # a few steps of every implementation in turn: drift in the host or the GPU (the floor moved 69.8 -> 63.8 ms
-    # between two runs on 2026-12-01) then lands on all rows alike instead of on whichever ran at the time.
+    # between two runs) then lands on all rows alike instead of on whichever ran at the time.
     runs = {}
     for impl in implementations(dev):
         model, cfg = build(args.tiny, args.device, dtype)

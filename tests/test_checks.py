@@ -1,4 +1,4 @@
-"""Bad input gets a clear error before any work (DESIGN.md "Invariants").
+"""Bad input gets a clear error before any work (docs/design.md "Invariants and errors").
 
 Every malformed input of ``moe_forward_multirank`` raises the documented
 error type (TypeError for types and dtypes, ValueError for shapes, contiguity

@@ -844,7 +844,7 @@ def test_gpu_ep_fp8_megakernels_equal_local_peers_bitwise(gpu_worlds, fp8_block,
 @pytest.mark.parametrize("r", [2, 4])  # 2: one GPU a rank on nvidia-h200-x2; 4: shared round-robin there
 @pytest.mark.parametrize("routing", ["uniform", "zipf"])  # balanced, and skewed load as real routing is
 def test_gpu_ep_matches_reference_and_repeats_10_times(gpu_worlds, routing, r):
-    """Issue 8's correctness bar at Kimi's widths (H=7168, I=2048, K=8; 4 experts a rank, 192 tokens a rank):
+    """The EP correctness bar at Kimi's widths (H=7168, I=2048, K=8; 4 experts a rank, 192 tokens a rank):
     outputs and every gradient within rel L1 1e-2 of the fp64 multi-rank reference, equal to LocalPeers bit
     for bit, and the same bits over 10 calls on every rank."""
     from kittenmoe.config import SEED_SHAPES
@@ -1080,7 +1080,7 @@ def _task_ep_peer_gone(rank, world, p):
     if rank == 1:
         return "gone"
     # After the timeout the CUDA context is broken (the barrier traps), and torch's symmetric-memory
-    # destructors then abort the process (H200 x2, 2026-11-30: "terminate called after throwing ...
+    # destructors then abort the process (H200 x2: "terminate called after throwing ...
     # ~AllocationRef"). Keep the peers alive so that the answer reaches the test process first.
     _KEEP_ALIVE.append(peers)
     t0 = time.monotonic()

@@ -1,4 +1,4 @@
-"""FP8 block quantisation (issue 7, first brick): scale rules exactly, round trips, Triton kernel vs torch bitwise.
+"""FP8 block quantisation: scale rules exactly, round trips, Triton kernel vs torch bitwise.
 
 CPU only; the Triton kernel runs under the interpreter (conftest sets TRITON_INTERPRET=1 without CUDA).
 """

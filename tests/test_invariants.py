@@ -1,6 +1,6 @@
-"""DESIGN.md's invariants ("Invariants (each one a test)"), the checks the rest of the suite did not make on CPU.
+"""docs/design.md's invariants ("Invariants and errors"), the checks the rest of the suite did not make on CPU.
 
-An audit (2026-12) mapped each invariant to the CPU tests that can fail when it breaks:
+An audit mapped each invariant to the CPU tests that can fail when it breaks:
 
 - No host sync: nothing on CPU (only the GPU's CUDA-graph captures). Here: the launchers' compiled-GPU path,
   the custom ops' implementations and the MoELayer stack run on ``meta`` tensors, where any ``.item()``,
@@ -142,7 +142,7 @@ def _meta_problem(c: dict):
 @pytest.mark.parametrize("sched_impl", ["torch", "triton"])  # the schedule in torch ops, or the GPU's Triton one
 @pytest.mark.parametrize("name", list(META_CASES))
 def test_launchers_have_no_host_sync(name, sched_impl, meta_launches, monkeypatch):
-    """DESIGN.md: no ``.item()``, ``.tolist()``, ``.cpu()``, data-dependent branching or size-from-data
+    """docs/design.md: no ``.item()``, ``.tolist()``, ``.cpu()``, data-dependent branching or size-from-data
     allocation in the forward or backward. The multi-rank launchers (schedule, buffers, pointer tables,
     megakernel, weight gradients, epilogues) run to the end on meta tensors, one persistent megakernel launch
     per rank, and nothing between the kernels accumulates floats through a scatter (atomics on CUDA)."""
@@ -376,7 +376,7 @@ def bf16_base():
 
 @pytest.mark.parametrize("variant", list(BF16_VARIANTS))
 def test_bf16_forward_bitwise_across_configs(bf16_base, variant, monkeypatch):
-    """DESIGN.md: the forward output is bitwise identical across minibatch / macrobatch / comm-program settings
+    """docs/design.md: the forward output is bitwise identical across minibatch / macrobatch / comm-program settings
     (the suite checks this on CPU in fp32 with one routing only). bf16 rows, every segment but two empty, scratch
     NaN in the variant's run."""
     inp, base = bf16_base

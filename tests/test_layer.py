@@ -225,7 +225,7 @@ def _op_args(case: Case, device, requires_grad: bool):
 def test_opcheck_megakernel_forward_op():
     # On a GPU the full opcheck (its AOT-dispatch test runs the backward op through autograd, real and fake).
     # Under the interpreter that costs ~30 s, so there: schema, autograd registration and fake tensor (AOT
-    # dispatch runs in the GPU session).
+    # dispatch runs in the GPU tests).
     args, _ = _op_args(Case(TINY, t=5), DEV, requires_grad=True)
     utils = None if HAS_CUDA else ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.kittenmoe.moe_forward, (*args, *kag.config_to_args(CFG)),
@@ -484,7 +484,7 @@ def test_gpu_layer_megakernel_matches_torch_backend_bf16(cfg_name):
 def test_gpu_torch_compile_fullgraph_megakernel_layer():
     """fullgraph compile of a block holding MoELayer(backend="megakernel") matches the same block compiled with
     the torch backend, forward and backward. Compiled against compiled, because inductor fuses the bf16 RMSNorm
-    and router differently from eager: on the H200 (2026-11-29) compiled-vs-eager d_x alone reached cosine
+    and router differently from eager: on the H200 compiled-vs-eager d_x alone reached cosine
     0.99988 while every eager megakernel-vs-torch comparison passed."""
     torch._dynamo.reset()
     block = _Block(SMALL, dtype=torch.bfloat16, device="cuda", backend="megakernel", config=GPU_CFG,

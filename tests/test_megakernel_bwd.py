@@ -777,7 +777,7 @@ def bad_id_run():
 
 def test_out_of_range_expert_ids_flagged(bad_id_run):
     """Out-of-range ids pass the metadata checks (no error before the launch) and are reported through the
-    backward's error flag on every rank, as the forward reports them (DESIGN.md "Invariants")."""
+    backward's error flag on every rank, as the forward reports them (docs/design.md "Invariants and errors")."""
     case, inp, res = bad_id_run
     for r, err in enumerate(res.errs):
         code = int(err.max())
@@ -804,7 +804,7 @@ def test_out_of_range_expert_ids_leave_valid_routes_intact(bad_id_run):
 # ----------------------------------------------------------------------------- spin-wait timeout
 
 # Each omits one producer role, so one of the backward's four bounded waits never sees its counter reach the
-# target (DESIGN.md "No deadlock").
+# target (docs/design.md "Invariants and errors": no deadlock).
 TIMEOUT_MISSING_PHASE = {
     # no pull: phase A waits on pull_ready for d_out / x rows that never arrive
     "no-pull": mb.PB_PULL,

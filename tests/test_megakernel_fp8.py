@@ -1,5 +1,5 @@
 """The FP8 megakernels (``megakernel_forward_multirank`` / ``megakernel_backward_multirank`` with
-``fp8=FP8ExpertWeights``, issue 7).
+``fp8=FP8ExpertWeights``).
 
 Routed GEMMs on e4m3 operands with 1 x 128 activation scales (x quantised in the pull, hidden rows in the gate|up
 epilogue) and 128 x 128 weight scales; the shared expert in x's dtype. Checked against two references:

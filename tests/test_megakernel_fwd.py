@@ -248,8 +248,8 @@ def test_every_route_pushed_to_its_combine_row(name):
 
 BITWISE_BASE = Case(TINY, r=2, t=16, routing="zipf", swiglu_limit=0.5)
 
-# Config variants that must leave the forward output bit-for-bit unchanged (DESIGN.md "Invariants": each row's
-# arithmetic does not depend on tiling along rows); every one differs from BITWISE_BASE's config.
+# Config variants that must leave the forward output bit-for-bit unchanged (docs/design.md "Invariants and errors":
+# each row's arithmetic does not depend on tiling along rows); every one differs from BITWISE_BASE's config.
 BITWISE_VARIANTS = {
     # minibatch 32: two row tiles per handoff instead of one
     "minibatch-32": dict(minibatch_size=32),
@@ -873,7 +873,7 @@ def test_gpu_spin_wait_timeout_flagged(cuda_cleanup):
 @pytest.mark.skipif(HAS_CUDA, reason="compiled, the epilogue's multiply-add fuses into an FMA (one rounding), "
                     "which torch's separate mul and add cannot reproduce; the interpreter rounds twice, as here")
 def test_epilogue_sums_routes_in_fixed_order():
-    """DESIGN.md: the epilogue adds the K routes in fp32 in the fixed order j = 0..K-1 onto the shared expert's
+    """docs/design.md: the epilogue adds the K routes in fp32 in the fixed order j = 0..K-1 onto the shared expert's
     output. The output equals that sum rebuilt in torch from the combine rows, bit for bit; the reversed order
     differs (so the comparison could fail). fp32 activations: the Triton 3.9 interpreter converts fp32 to bf16
     by truncation (torch and the GPU round to nearest even), so a bf16 output would test the interpreter."""
@@ -924,7 +924,7 @@ def test_copy_rows_chunks(zero_invalid):
 
 
 def test_atomics_only_touch_counters_and_error_flags():
-    """Determinism rests on no atomics on data (DESIGN.md): every ``tl.atomic_*`` in the package targets a
+    """Determinism rests on no atomics on data (docs/design.md): every ``tl.atomic_*`` in the package targets a
     counter (``cnt_ptr``, through _wait_geq / _signal) or the error flag (``err_ptr``), never a data buffer, and
     every _wait_geq / _signal call is handed cnt_ptr or a name bound to it. A source scan, so a new atomic on
     data fails here before any bitwise test has to catch its nondeterminism."""

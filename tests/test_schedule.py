@@ -1,4 +1,4 @@
-"""build_schedule against a naive pure-Python construction (DESIGN.md "The pipeline, per rank", step 2).
+"""build_schedule against a naive pure-Python construction (docs/design.md "The pipeline, per rank (forward)", step 2).
 
 The naive table: for each local expert, for each per-source ordinal, for each
 source rank (round-robin), one row holding (source rank, t*K + j); each expert

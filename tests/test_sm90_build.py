@@ -1,7 +1,7 @@
 """Every kernel variant builds for sm_90 with the Triton the H200 runs (3.6), on a machine without a GPU.
 
 The interpreter runs the kernels but checks neither the types on both sides of a runtime branch nor
-shared memory. On 2026-12-01 the FP8 backward's replay variant, green here, did not compile on the H200
+shared memory. The FP8 backward's replay variant, green here, did not compile on the H200
 ("Mismatched type for acc_g between then block ... and else block"); Triton 3.9, which CI's interpreter tests
 use, accepts that kernel, 3.6 refuses it. So the builds run in a subprocess whose ``sys.path`` puts the
 device's Triton first: the directory ``KITTENMOE_SM90_TRITON`` names, else ``.triton-device`` at the
@@ -135,7 +135,7 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
         # 384 threads and no spills (its own GPU test holds it to the Triton kernel's bits)
         if b["name"] in (FWD[0], BWD[0]):
             assert b["timer"] == spec.get("trace", False), b
-        # every wgmma's descriptor registers set on every path to it (a ptxas miscompile, session 16)
+        # every wgmma's descriptor registers set on every path to it (a ptxas miscompile seen on the H200)
         assert not b["hgmma_unset"], b
         if b["name"] == BWD_GLUON[1]:
             assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
@@ -143,7 +143,7 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
             assert not b["warp_specialized"], b
 
 
-# Two HGMMAs after a branch, as ptxas built wgrad_gluon's three-way short tail (session 16): the taken path
+# Two HGMMAs after a branch, as ptxas built wgrad_gluon's three-way short tail: the taken path
 # sets UR16..UR19 only; its second wgmma reads UR8..UR11, set in the other branch alone.
 _SASS_BRANCHES = """
         /*0000*/                   UMOV UR16, 0x1 ;
@@ -196,7 +196,7 @@ def test_hgmma_descriptor_check_flags_a_path_that_leaves_one_unset():
 
 
 def test_hgmma_descriptor_check_flags_the_three_way_tail_build():
-    """The SASS of the build that failed on the H200 (session 16: wgrad_gluon with a three-way short last step,
+    """The SASS of the build that failed on the H200 (wgrad_gluon with a three-way short last step,
     Triton 3.6's ptxas; tests/data, encodings stripped): each math group's 32-row branch issues its second
     wgmma with descriptor registers written only in the 48-row branch. Both are flagged, nothing else; the
     warp-specialized partitions are reached through an indirect branch (BRX)."""
@@ -224,8 +224,8 @@ def test_quantisers_build_for_sm90():
 
 
 def test_gluon_fp8_probe_builds_overlapped_for_sm90():
-    """benchmarks/probes/gluon_fp8_probe.py's e4m3 GEMM loops at the Kimi/DeepSeek K (7168), as the H200 ran them on
-    2026-12-02 (chunk8 1049 TFLOP/s against the Triton promote loop's 782): the pair and chunk loops build with
+    """benchmarks/probes/gluon_fp8_probe.py's e4m3 GEMM loops at the Kimi/DeepSeek K (7168), as the H200 ran them
+    (chunk8 1049 TFLOP/s against the Triton promote loop's 782): the pair and chunk loops build with
     wgmma waits that leave one group in flight (the promotion under the next wgmma) and no stack; the
     loop-carried lag form is serialized by ptxas (every wait leaves none), which is why chunks drain."""
     d = _triton_dir()

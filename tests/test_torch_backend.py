@@ -442,4 +442,4 @@ def test_expert_rows_memory_does_not_scale_with_tiles():
             torch.autograd.grad(y, leaves, d_y)
         seen[name] = m.max
     assert seen["per_expert"] <= bound, seen
-    assert seen["tiled"] >= nt * 2 * _ER_I * _ER_H, seen  # the old form's per-tile weight gather
+    assert seen["tiled"] >= nt * 2 * _ER_I * _ER_H, seen  # the tiled form's per-tile weight gather

@@ -90,8 +90,8 @@ def test_train_command_line(capsys):
 
 
 def test_train_script_runs_as_a_file():
-    """``python examples/train_lm.py`` (with kittenmoe importable) runs a short CPU training; the package has no
-    ``kittenmoe train`` subcommand any more."""
+    """``python examples/train_lm.py`` (with kittenmoe importable) runs a short CPU training; the
+    ``kittenmoe`` CLI has no training subcommand."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH"))
                                                       if p))
     proc = subprocess.run(

@@ -98,7 +98,7 @@ def test_megakernel_backend_matches_eager_fp32():
 
 @pytest.mark.parametrize("scale_block", [
     128,  # DeepSeek-V3's 1 x 128 / 128 x 128 blocks
-    32,  # MXFP8's 32-blocks with power-of-two scales (every call raised until 2026-12-03: 32-wide tiles)
+    32,  # MXFP8's 32-blocks with power-of-two scales (on FP8Config.tile_block_n's 128-wide tiles)
 ])
 def test_fp8_option_close_to_eager(scale_block):
     """Options(backend="megakernel", fp8=FP8Config(...)): a DeepSeek-V3 whose expert widths are multiples of 128

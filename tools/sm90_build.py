@@ -4,7 +4,7 @@ Build tooling, not library: it lives in the repository's ``tools/`` (not in the 
 ``kittenmoe`` from ``src/``. Two users: ``scripts/sm90_compile.py`` (registers, spills and shared memory of a tile
 or stage change, in a minute instead of a device call) and ``tests/test_sm90_build.py`` (CI: every kernel variant must build for
 the H200 with the Triton the device runs). The second exists because the interpreter checks neither types
-across branches nor shared memory: on 2026-12-01 the FP8 backward's replay variant, green in CI, did not
+across branches nor shared memory: the FP8 backward's replay variant, green in CI, did not
 compile on the H200 (Triton 3.6: "Mismatched type for acc_g between then block ... and else block").
 
 How: the launchers run on small CPU tensors of a shape's widths (H, I, S; few tokens and experts, which are
@@ -98,9 +98,10 @@ def hgmma_descriptors_unset(sass_text: str) -> list[str]:
     branches, where a predicated write does not count.
 
     Why: Triton 3.6's ptxas built a Gluon branch that issued a 32-row wgmma with the descriptor of its second half
-    computed only in a sibling branch (session 16: three branches of 16 / 32 / 32 + 16-row wgmmas in a short last
-    step tried in ``wgrad_gluon``, since reverted; ``tests/data/wgrad_gluon_three_way_tail.sass.gz``); the H200
-    then summed garbage and hit illegal addresses, and ptxas said nothing.
+    computed only in a sibling branch (three branches of 16 / 32 / 32 + 16-row wgmmas in a short last step tried in
+    ``wgrad_gluon`` and dropped, docs/experiments/wgrad-gluon-short-last-step.md;
+    ``tests/data/wgrad_gluon_three_way_tail.sass.gz``); the H200 then summed garbage and hit illegal addresses, and
+    ptxas said nothing.
 
     Coarse, in the safe direction mostly: uniform registers only; writes it does not see (vote, elect,
     complementary predicated pairs) give false alarms; calls are not followed; an indirect branch is taken to reach

@@ -3,15 +3,15 @@
     PYTHONPATH=src python3 benchmarks/probes/gluon_wgrad_probe.py [--shapes kimi-k2.7,deepseek-v4-pro] [--jobs dw13,dw2]
     PYTHONPATH=.triton-device:src python benchmarks/probes/gluon_wgrad_probe.py --build   # no GPU: sm_90 build only
 
-Why (docs/performance.md, "Weight gradients"): with the Triton kernel the four weight-gradient launches were the
-largest part of a forward+backward (Kimi slice: 3.45 of ~9.7 ms of GPU time, 470 TFLOP/s; their floors are 2.0 ms
-of MMAs at the measured dense rate and 0.96 ms of stores, which can overlap). A tile sums an expert's ~341 rows
-(Kimi) in six 64-row steps, so each tile pays its pipeline fill, the drain of its last wgmma and its epilogue: the
-Triton persistent form (``weight_grad_persistent_kernel``) drains the store under the next tile, but Triton 3.6
-does not pipeline the next tile's first loads across the data-dependent K loop (docs/design.md, "Weight
-gradients").
+Why (docs/performance.md, "Backward: phase A, phase B, weight gradients"): with the Triton kernel the four
+weight-gradient launches were the largest part of a forward+backward (Kimi slice: 3.45 of ~9.7 ms of GPU time, 470
+TFLOP/s; their floors are 2.0 ms of MMAs at the measured dense rate and 0.96 ms of stores, which can overlap). A
+tile sums an expert's ~341 rows (Kimi) in six 64-row steps, so each tile pays its pipeline fill, the drain of its
+last wgmma and its epilogue: the Triton persistent form (``weight_grad_persistent_kernel``) drains the store under
+the next tile, but Triton 3.6 does not pipeline the next tile's first loads across the data-dependent K loop
+(docs/design.md, "Weight gradients").
 
-The kernel (now the library's, ``kittenmoe/kernels/wgrad_gluon.py``, KernelConfig.wgrad_gluon): one program per SM
+The kernel (the library's, ``kittenmoe/kernels/wgrad_gluon.py``, ``KernelConfig.wgrad="gluon"``): one program per SM
 walking the library's tiles in the library's order; a producer warp keeps a 3-deep TMA ring full across tile
 boundaries (the next tile's first steps load while this tile's last steps and its epilogue run), and two 4-warp
 math groups each own 64 of the tile's 128 rows, each storing its half through its own shared-memory buffer and a
@@ -37,7 +37,7 @@ import triton
 
 
 def launch_gluon(offsets, ends, p_op, q_op, out, progs: int):
-    """The library's Gluon launch (``kittenmoe.kernels.wgrad_gluon``, KernelConfig.wgrad_gluon) as the backward
+    """The library's Gluon launch (``kittenmoe.kernels.wgrad_gluon``, ``KernelConfig.wgrad="gluon"``) as the backward
     makes it: 128 x 256 tiles of 64-row steps, 3 stages."""
     from kittenmoe.kernels import wgrad_gluon
 

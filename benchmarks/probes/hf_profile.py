@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-# the round scripts live one directory up, in benchmarks/
+# the benchmark scripts live one directory up, in benchmarks/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_round  # noqa: E402
 

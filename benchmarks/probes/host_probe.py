@@ -19,7 +19,7 @@ import time
 
 import torch
 
-# the round scripts live one directory up, in benchmarks/
+# the benchmark scripts live one directory up, in benchmarks/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fwd_round import forward_slice  # noqa: E402
 

@@ -12,12 +12,12 @@ tiles), and varies one thing at a time:
   touch) instead of its own expert's (the first touch of 48 experts' 1.4 GB of weights from HBM).
 
 Each row prints ms, TFLOP/s and TFLOP/s a program, beside torch.mm of the same FLOPs (dense, one GEMM).
-H200 (Triton 3.6, ``phase-a-probe-20261202-044603.json``), TFLOP/s a program at bn 128: 2.33 / 3.90 / 4.70 /
-4.78 / 4.74 at 2 / 3 / 4 / 5 / 6 stages, 5.74 at 4 with L2-resident operands; bn 256 at 4 stages 5.13 (6.10
-resident); torch.mm 5.63 a SM (6.05 in the run before, ``phase-a-probe-20261202-043946.json``). So the loop is latency-bound below 4 stages, depth past 4 buys nothing,
-and operands on first touch from HBM cost 18-22% against L2-resident ones: what later made each expert's row
-tiles run together (``KernelConfig.tile_group_m`` -1). Two K steps an iteration and deeper phase-A loops were
-tried in the megakernel and dropped (docs/experiments/bwd-a-k-unroll.md, bwd-a-num-stages.md).
+H200 (Triton 3.6), TFLOP/s a program at bn 128: 2.33 / 3.90 / 4.70 / 4.78 / 4.74 at 2 / 3 / 4 / 5 / 6 stages, 5.74
+at 4 with L2-resident operands; bn 256 at 4 stages 5.13 (6.10 resident); torch.mm 5.63 a SM (6.05 in another run).
+So the loop is latency-bound below 4 stages, depth past 4 buys nothing, and operands on first touch from HBM cost
+18-22% against L2-resident ones: what later made each expert's row tiles run together (``KernelConfig.tile_group_m``
+-1). Two K steps an iteration and deeper phase-A loops were tried in the megakernel and dropped
+(docs/experiments/phase-a-k-unroll.md, phase-a-pipeline-depth.md).
 
     PYTHONPATH=src python3 benchmarks/probes/phase_a_probe.py [--out DIR]
 """

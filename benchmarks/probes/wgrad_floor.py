@@ -4,7 +4,7 @@
 
 The backward's d_W13 launch as one program per 128 x 256 output tile (64-row steps over the expert's ~384 padded
 rows, 8 warps, 4 stages) ran at ~415 TFLOP/s on the Kimi slice against a dense matmul's ~795, and two programs an
-SM did not move it (docs/experiments/wgrad-two-per-sm.md). This times, on one expert layout like the slice's
+SM did not move it (docs/experiments/two-wgrad-programs-per-sm.md). This times, on one expert layout like the slice's
 (E_local experts of `rows` padded rows each), the library's Triton kernel and variants of the same tile loop, so
 the launch's limiter shows as the variant that keeps its time:
 
@@ -29,7 +29,7 @@ store only 0.624 (4.52 TB/s); DeepSeek 2.888 (375), 2.037 (531), 2.884 (375), 0.
 tile is a quarter to a third of the launch, and DeepSeek's tiles (four row steps) are bound by per-tile fixed
 costs (fill, epilogue, store), not operand loads; persistent with the TMA store at 3 stages hid 0.17 / 0.12 ms of
 the store. The warp-specialized Gluon kernel (kittenmoe/kernels/wgrad_gluon.py) then took the fill off each tile
-too (docs/performance.md, "Weight gradients").
+too (docs/performance.md, "Backward: phase A, phase B, weight gradients").
 
 Needs a Hopper GPU (TMA descriptors). Prints one table a slice: ms, TFLOP/s of the tile work, operand bytes
 read into SMs and stored bytes, and each as a rate.

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python3 benchmarks/probes/wquant_time.py [--shape kimi-k2.7] [--ep 8]
 
-What the layer pays every step when it quantises bf16 master weights (docs/design.md, "FP8"). On the H200 (Kimi
+What the layer pays every step when it quantises bf16 master weights (docs/design.md, "FP8 experts"). On the H200 (Kimi
 slice, 48 experts): the chunked form 3.13 ms against the one-pass form's 10.82 and torch's 58.2 (bf16 weights), the
 same bits; the chunked form is the library's.
 """

@@ -1,7 +1,8 @@
 """``torch.library`` custom ops over the launchers, with fake (meta) impls and autograd. One rank (R=1).
 
-Layering (DESIGN.md "Where code lives"): launchers (``kittenmoe.launch_forward`` / ``launch_backward``) -> the custom ops here -> autograd
-(``torch.library.register_autograd``) -> ``kittenmoe.functional.moe`` -> ``kittenmoe.layer.MoELayer``.
+Layering (docs/design.md "Where code lives"): launchers (``kittenmoe.launch_forward`` / ``launch_backward``) -> the
+custom ops here -> autograd (``torch.library.register_autograd``) -> ``kittenmoe.functional.moe`` ->
+``kittenmoe.layer.MoELayer``.
 
 Ops (namespace ``kittenmoe``):
 
@@ -33,9 +34,9 @@ are read is set by :func:`set_error_check`:
 - ``"sync"``: every megakernel op reads its flags right after launching and raises
   ``kittenmoe.launch_common.MegakernelError`` at once. On CUDA that is one device sync per op; during CUDA-graph
   capture it is impossible, so capture under ``"sync"`` raises a clear error.
-- ``"deferred"`` (default, DESIGN.md's "no host sync" invariant): on CUDA the flags are OR-ed, on device, into a per-device accumulator; nothing syncs, so
-  CUDA-graph capture works. :func:`check_errors` reads (and clears) it: call it at a point of your choosing
-  (e.g. every logging step).
+- ``"deferred"`` (default, docs/design.md's "no host sync" invariant): on CUDA the flags are OR-ed, on device,
+  into a per-device accumulator; nothing syncs, so CUDA-graph capture works. :func:`check_errors` reads (and
+  clears) it: call it at a point of your choosing (e.g. every logging step).
 
 On CPU (the Triton interpreter) reading a flag costs nothing, so flags are always read at once there.
 
@@ -104,7 +105,7 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 # The forward also returns what it kept for the backward (KernelConfig.keep_activations): its ring's x_routed
 # [MAC, H] and fp32 gate_up [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S], or [0, H] / [0, 2I] /
 # [0, 2S] when it kept nothing (the backward replays; [0, 0] for the last without a shared expert).
-# FP8 (issue 7): the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
+# FP8: the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
 # bf16), whether the activation scales are powers of two, and FP8Config's dx_high / down_high (which GEMMs stay
 # in x's dtype). The bf16 master weights stay the differentiable
 # inputs: their gradients are computed from e4m3 data gradients and bf16 weight-gradient products.

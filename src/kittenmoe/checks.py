@@ -136,22 +136,31 @@ def check_moe_inputs(
     if k > e * expert_parallel:
         raise ValueError(f"top-k K={k} exceeds the number of experts E={e * expert_parallel}")
 
-    s = 0
+    s = check_shared_expert(shared_w13_2SH, shared_w2_HS, h, w13_E2IH.dtype, device)
+    return MoEDims(r=r, t=t, h=h, i=i, e=e, k=k, s=s)
+
+
+def check_shared_expert(shared_w13_2SH, shared_w2_HS, h: int, dtype: torch.dtype, device: torch.device,
+                        min_width: int = 0) -> int:
+    """The shared expert's width S (0: none) once its weights check out: both or neither, 2-D, [2S, H] and
+    [H, S], the routed weights' ``dtype``, on ``device``, contiguous; ``min_width`` refuses a narrower one."""
     if (shared_w13_2SH is None) != (shared_w2_HS is None):
         raise ValueError("shared_w13 and shared_w2 must be given together (or both None for no shared expert)")
-    if shared_w13_2SH is not None:
-        _tensor("shared_w13", shared_w13_2SH, 2, FLOAT_DTYPES, device)
-        _tensor("shared_w2", shared_w2_HS, 2, FLOAT_DTYPES, device)
-        two_s, hs = shared_w13_2SH.shape
-        if two_s % 2 or hs != h:
-            raise ValueError(f"shared_w13 must be [2*S, H={h}], got {tuple(shared_w13_2SH.shape)}")
-        s = two_s // 2
-        if tuple(shared_w2_HS.shape) != (h, s):
-            raise ValueError(f"shared_w2 must be [H, S] = {(h, s)}, got {tuple(shared_w2_HS.shape)}")
-        if shared_w13_2SH.dtype != w13_E2IH.dtype or shared_w2_HS.dtype != w13_E2IH.dtype:
-            raise TypeError("the shared expert weights must have the routed weights' dtype "
-                            f"{w13_E2IH.dtype}, got {shared_w13_2SH.dtype} / {shared_w2_HS.dtype}")
-    return MoEDims(r=r, t=t, h=h, i=i, e=e, k=k, s=s)
+    if shared_w13_2SH is None:
+        return 0
+    _tensor("shared_w13", shared_w13_2SH, 2, FLOAT_DTYPES, device)
+    _tensor("shared_w2", shared_w2_HS, 2, FLOAT_DTYPES, device)
+    two_s, hs = shared_w13_2SH.shape
+    if two_s % 2 or hs != h or two_s < 2 * min_width:
+        at_least = f" with S >= {min_width}" if min_width else ""
+        raise ValueError(f"shared_w13 must be [2*S, H={h}]{at_least}, got {tuple(shared_w13_2SH.shape)}")
+    s = two_s // 2
+    if tuple(shared_w2_HS.shape) != (h, s):
+        raise ValueError(f"shared_w2 must be [H, S] = {(h, s)}, got {tuple(shared_w2_HS.shape)}")
+    if shared_w13_2SH.dtype != dtype or shared_w2_HS.dtype != dtype:
+        raise TypeError("the shared expert weights must have the routed weights' dtype "
+                        f"{dtype}, got {shared_w13_2SH.dtype} / {shared_w2_HS.dtype}")
+    return s
 
 
 def raise_if_invalid_routes(num_invalid: torch.Tensor, num_experts: int) -> None:

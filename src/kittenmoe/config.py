@@ -66,7 +66,7 @@ class ModelShape:
         return dataclasses.replace(self, **changes)
 
 
-# The four seed models (DESIGN.md "Shapes"). DeepSeek-V4 adds the SwiGLU clamp;
+# The four seed models (docs/design.md "Shapes"). DeepSeek-V4 adds the SwiGLU clamp;
 # its published limit is 7.0 (gate <= 7, -7 <= up <= 7).
 SEED_SHAPES: dict[str, ModelShape] = {
     "kimi-k2.7": ModelShape("kimi-k2.7", e=384, h=7168, i=2048, k=8, routed_scaling_factor=2.827),
@@ -76,7 +76,7 @@ SEED_SHAPES: dict[str, ModelShape] = {
                                   swiglu_limit=7.0),
 }
 
-# The issues' one-GPU benchmark slices: tokens of each seed shape at EP8 (E_local = E / 8, R = 1, every route
+# The one-GPU benchmark slices: tokens of each seed shape at EP8 (E_local = E / 8, R = 1, every route
 # local). Qwen's fewer, narrower experts take twice the tokens for a comparable amount of work.
 SLICE_TOKENS: dict[str, int] = {"kimi-k2.7": 2048, "deepseek-v4-pro": 2048, "qwen3.5-397b-a17b": 4096, "glm-5.2": 2048}
 
@@ -131,7 +131,7 @@ _BOOL_KNOBS = ("combine_gather", "tma", "keep_activations")
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The megakernels' knobs (DESIGN.md "Knobs"): what each moves, its constraint, and why its default (H200
+    """The megakernels' knobs (docs/design.md "Knobs"): what each moves, its constraint, and why its default (H200
     timings on the four seed slices, Kimi, DeepSeek, Qwen and GLM at one EP8 rank; ``default_config`` sets the
     CUDA values, the dataclass defaults are its one-rank-agnostic baseline). Knobs measured and retired:
     docs/experiments/.

@@ -3,7 +3,7 @@
 ``moe_forward_distributed`` is ``torch_backend.moe_forward_multirank`` (the
 single-process semantic model) split over real processes: each process holds
 its own ``T`` tokens and its own ``L = E / R`` experts, and the steps of
-DESIGN.md "The pipeline, per rank" become collectives:
+docs/design.md "The pipeline, per rank (forward)" become collectives:
 
 1. routing all-gather: every rank's ``topk_ids`` -> ``[R, T, K]`` (``all_gather``);
 2. ``build_schedule`` for this rank, exactly as the single-process model does;
@@ -52,7 +52,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from kittenmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, _tensor, raise_if_invalid_routes
+from kittenmoe.checks import FLOAT_DTYPES, INDEX_DTYPES, _tensor, check_shared_expert, raise_if_invalid_routes
 from kittenmoe.schedule import build_schedule
 from kittenmoe.torch_backend import DEFAULT_TORCH_BLOCK_M, epilogue, expert_rows
 
@@ -181,21 +181,7 @@ def _check_local(x, ids, w, w13, w2, sw13, sw2, swiglu_limit, block_m, world, us
         raise ValueError("topk_ids has K=0 columns; at least one expert per token is needed")
     if k > local_e * world:
         raise ValueError(f"top-k K={k} exceeds the number of experts E = R*L = {world}*{local_e}")
-    s = 0
-    if (sw13 is None) != (sw2 is None):
-        raise ValueError("shared_w13 and shared_w2 must be given together (or both None for no shared expert)")
-    if sw13 is not None:
-        _tensor("shared_w13", sw13, 2, FLOAT_DTYPES, dev)
-        _tensor("shared_w2", sw2, 2, FLOAT_DTYPES, dev)
-        two_s, hs = sw13.shape
-        if two_s % 2 or hs != h or two_s == 0:
-            raise ValueError(f"shared_w13 must be [2*S, H={h}] with S >= 1, got {tuple(sw13.shape)}")
-        s = two_s // 2
-        if tuple(sw2.shape) != (h, s):
-            raise ValueError(f"shared_w2 must be [H, S] = {(h, s)}, got {tuple(sw2.shape)}")
-        if sw13.dtype != w13.dtype or sw2.dtype != w13.dtype:
-            raise TypeError(f"the shared expert weights must have the routed weights' dtype {w13.dtype}, "
-                            f"got {sw13.dtype} / {sw2.dtype}")
+    s = check_shared_expert(sw13, sw2, h, w13.dtype, dev, min_width=1)
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
                                      or not math.isfinite(swiglu_limit) or swiglu_limit <= 0):
         raise ValueError(f"swiglu_limit must be a finite number > 0 or None, got {swiglu_limit!r}")

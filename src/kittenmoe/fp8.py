@@ -1,5 +1,5 @@
 """FP8 (e4m3fn) block-scaled quantisation: config, torch reference, Triton launcher, and the routed-expert
-weights the FP8 megakernels read (``FP8ExpertWeights``; issue 7).
+weights the FP8 megakernels read (``FP8ExpertWeights``).
 
 Layouts (DeepSeek-V3's fine-grained scaling; MXFP8 when ``scale_block=32`` with power-of-two scales):
 
@@ -22,7 +22,7 @@ may flush. A partial last block (K or N not a multiple of B) is scaled over the 
 Dequantisation is ``q.float() * scale`` in fp32. The multiply by the reciprocal (rather than dividing each
 element) is for the GPU: a correctly rounded fp32 division is a multi-instruction sequence, and in the FP8
 forward's pull, which quantises every routed row, dividing made the quantiser 2.4x slower on an H200
-(``benchmarks/quant_probe.py``, Kimi slice, 16 programs: 1.40 ms dividing, 0.60 ms multiplying, 0.34 ms for
+(``benchmarks/probes/quant_probe.py``, Kimi slice, 16 programs: 1.40 ms dividing, 0.60 ms multiplying, 0.34 ms for
 the plain bf16 copy). The two differ in one e4m3 value in ~2,000 (57,112 of 117 M on that problem); with
 power-of-two scales the reciprocal is exact and they agree. ``x * inv`` stays below 464 (the e4m3fn
 rounding limit): amax * RN(1 / RN(amax / 448)) <= 448 (1 + 2^-22).
@@ -52,7 +52,7 @@ _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 32-row chunks (an amax pass, then a quantise pass), 4 warps for 128-blocks; one 32-block in one pass with one
 # warp. The one-pass form of a 128-block (RC = 128) needs 255 registers and a 280-byte stack (Triton 3.6, bf16)
 # against the chunked form's 55: on the H200 the chunked form quantises the Kimi slice's weights in 3.13 ms
-# against 10.82 (bf16; fp32 5.16 against 17.48), the same bits (benchmarks/wquant_time.py).
+# against 10.82 (bf16; fp32 5.16 against 17.48), the same bits (benchmarks/probes/wquant_time.py).
 ACT_QUANT_LAUNCH = {128: dict(BLOCK_M=16), 32: dict(BLOCK_M=64)}
 WEIGHT_QUANT_LAUNCH = {128: dict(RC=32, num_warps=4), 32: dict(RC=32, num_warps=1)}
 
@@ -251,7 +251,7 @@ def _quantize_weights_fp8_op(w: torch.Tensor, scale_block: int, pow2_scales: boo
 def launch_weight_quant(w: torch.Tensor, scale_block: int, pow2_scales: bool, rows_per_chunk: int | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launcher of ``quantize_weights_bxb_kernel``: (q, scale, q_t) of ``w`` [N, K] or [E, N, K].
-    ``rows_per_chunk``: the kernel's RC (None: ``WEIGHT_QUANT_LAUNCH``'s); benchmarks/wquant_time.py compares."""
+    ``rows_per_chunk``: the kernel's RC (None: ``WEIGHT_QUANT_LAUNCH``'s); benchmarks/probes/wquant_time.py compares."""
     from kittenmoe.kernels import quant
 
     n, k = w.shape[-2:]

@@ -177,7 +177,8 @@ def launch_rank_backward(
     # its five operand tiles (57 KB each) fit the 227 KB of shared memory.
     bn = max(16, config.block_n // 2)
     # Phase B (gate|up dgrad, one accumulator) takes full-width output tiles, 2 x block_n as the forward's
-    # down GEMM: 128 x 256 on the defaults, twice v2's FLOPs per operand byte.
+    # down GEMM: 128 x 256 on the defaults, twice the FLOPs per operand byte of
+    # block_n-wide tiles.
     bn2 = 2 * config.block_n
     e = lambda *shape, dt=dtype: torch.empty(shape, dtype=dt, device=dev)  # noqa: E731
     has_shared = S > 0
@@ -195,7 +196,7 @@ def launch_rank_backward(
     # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
     # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
     # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
-    # against phase B's 5.7 (H200 trace, 2026-12-01).
+    # against phase B's 5.7 (H200 trace).
     bna = 2 * bn if gu_mode == 1 and I % (2 * bn) == 0 else bn
     # The shared phase A with its gate|up kept likewise holds the down dgrad alone: tiles of 2 bn when S allows.
     shared_kept = gu_mode > 0 and saved[2] is not None
@@ -246,7 +247,7 @@ def launch_rank_backward(
     dsw2 = out["dsw2"] if has_shared else out["dw2"]
     # Weight-gradient tiles: block_n x 2 block_n outputs, min(block_k, block_m) rows a step (Kimi: 128 x 256 x 64,
     # one fp32 accumulator of 128 registers a thread with 8 warps; 85 FLOP per operand byte against 43 for
-    # v1's 64 x 128). Routed segments start and end on block_m rows and both are powers of two, so whole row
+    # 64 x 128 tiles). Routed segments start and end on block_m rows and both are powers of two, so whole row
     # steps never cross into the next expert.
     wn, wm, wk = config.block_n, 2 * config.block_n, min(config.block_k, bm)
     use_tma = _bwd_tma_ok(config, dev, dtype, H, I, S)
@@ -318,7 +319,7 @@ def launch_rank_backward(
     # operands (4 x 48 KB on the defaults).
     # (A warp-specialized K loop, tl.range(warp_specialize=True) from a 4-warp launch, computed wrong weight
     # gradients on the H200 with Triton 3.6: rel L1 9.5e-2 on the Kimi slice, NaN losses in the HF step;
-    # removed 2026-12-01, docs/perf-notes.md.)
+    # docs/experiments/wgrad-warp-specialize.md.)
     wmeta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=use_tma, **dot)
     if not interp:
         meta.update(num_warps=config.num_warps, num_stages=config.bwd_stages)

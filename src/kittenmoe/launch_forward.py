@@ -1,6 +1,6 @@
 """The forward launcher: check, allocate, launch. The megakernel forward over ``LocalPeers``.
 
-``megakernel_forward_multirank`` runs the whole multi-rank forward the way DESIGN.md lays it out for R virtual
+``megakernel_forward_multirank`` runs the whole multi-rank forward the way docs/design.md lays it out for R virtual
 ranks on one device: copy every rank's x into its peer buffer, all-gather the routing, then every rank's
 megakernel (``launch_rank_forward``), then every rank's epilogue (``rank_forward_epilogue``). What the forward and
 backward launchers share is in ``kittenmoe.launch_common``.

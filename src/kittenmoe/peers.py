@@ -156,7 +156,7 @@ class SymmetricPeers:
       torch prints "[FATAL] CUDASymmetricMemory::barrier: rank r failed to
       receive signal from rank p", the next synchronising call raises, and
       torch's symmetric-memory destructors abort the process when they run
-      (seen with torch 2.11 on 2 H200s, 2026-11-30): report the error before
+      (seen with torch 2.11 on 2 H200s): report the error before
       the ``SymmetricPeers`` object is released.
     - ``destroy()`` is collective: a barrier and a stream sync so that no peer
       is still reading, then every buffer is released.

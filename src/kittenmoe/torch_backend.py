@@ -1,7 +1,7 @@
 """The multi-rank pipeline in torch ops: the ``torch`` backend.
 
 This is the semantic model the Triton megakernel must match, step for step
-(DESIGN.md "The pipeline, per rank"), and the CPU path of the layer:
+(docs/design.md "The pipeline, per rank (forward)"), and the CPU path of the layer:
 
 1. every rank's routing ``[R, T, K]`` is gathered;
 2. each destination rank builds its ``Schedule``;

@@ -73,7 +73,7 @@ TUNE_FINALISTS = 3  # the sweep's fastest configs re-timed together (with the de
 TUNE_PATH = "launcher"  # what the sweep times (see the module docstring)
 
 # The default sweep: 4 x 3 x 2 x 3 = 72 configs before pruning. The values bracket
-# what the H200 runs of docs/perf-notes.md found best for the seed slices
+# what the H200 runs found best for the seed slices (docs/performance.md)
 # (8-16 comm programs, or none on one rank, minibatch 2048, block_n 128, 4 stages).
 # 0 comm programs is valid where the base config gathers (one rank, no ring) and is
 # pruned elsewhere.

@@ -1,6 +1,6 @@
 """Backward megakernel ``combine_mlp_swiglu_dispatch_bwd``, the weight-gradient kernel and the epilogue.
 
-Mirrors the forward (DESIGN.md, backward paragraph). One persistent launch per
+Mirrors the forward (docs/design.md "The backward"). One persistent launch per
 rank for dispatch, data gradients and combine; programs [0, C) communicate,
 the rest compute. The weight gradients follow as a second launch.
 
@@ -20,13 +20,16 @@ Per routed row n (expert e, origin token t, slot j, router weight w):
 - compute, one topological tile sequence walked round-robin: shared-expert
   phase A; rounds of [A(p), B(p - LAG)] per minibatch (A: down dgrad + gate|up
   replay + SwiGLU backward, B: gate|up dgrad); shared phase B.
-- ``weight_grad_kernel`` (launched after it, once per weight): one program
-  per 128 x 256 tile of dW13[e], dW2[e] and the shared expert's, TMA
-  operands on Hopper.
+- the weight gradients (launched after it, once per weight), 128 x 256 tiles
+  of dW13[e], dW2[e] and the shared expert's, TMA operands on Hopper, in the
+  kernel ``KernelConfig.wgrad`` names: ``weight_grad_kernel`` (one program a
+  tile), ``weight_grad_persistent_kernel`` (one program an SM) or
+  ``kernels/wgrad_gluon.py``.
 
-Why two launches: in v1 the weight-gradient tiles ran inside the megakernel
+Why two launches: inside the megakernel the weight-gradient tiles ran
 as 64 x 128 tiles behind a row mask that kept Triton from pipelining them
-(17.4 of 28.2 ms on the Kimi slice, ~93 TF/s). Pipelined 128 x 256 tiles
+(17.4 of 28.2 ms on the Kimi slice, ~93 TF/s;
+docs/experiments/wgrad-in-megakernel.md). Pipelined 128 x 256 tiles
 there need 147 KB of shared memory, and Triton 3.6/3.9 then stopped
 overlapping the buffers of the kernel's other loops: 576 KB asked of 227 KB
 (scripts/sm90_compile.py shows it without a GPU). A launch of its own gives
@@ -969,7 +972,7 @@ def weight_grad_persistent_kernel(
     output goes out through one shared-memory buffer and a TMA bulk store: Triton 3.6 allocates the buffer once,
     outside the tile loop, and waits for the previous tile's store only before refilling it, so the store
     drains under the next tile's K loop. One program per tile paid its 64 KB store alone (Kimi d_W13: 2.44 ms
-    for the launch, 1.85 without the store; this form 2.26, benchmarks/wgrad_floor.py, 2026-12-01 (7)).
+    for the launch, 1.85 without the store; this form 2.26, benchmarks/probes/wgrad_floor.py).
 
     Each tile sums its rows in order, WK rows a step, as weight_grad_kernel does: the same bits. A group with
     no rows stores zeros."""

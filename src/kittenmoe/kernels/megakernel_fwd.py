@@ -1,7 +1,7 @@
 """Forward megakernel ``dispatch_mlp_swiglu_combine`` and its epilogue (Triton only).
 
 One persistent launch per rank. Programs [0, C) are communication programs,
-the rest compute programs (DESIGN.md "The pipeline, per rank"):
+the rest compute programs (docs/design.md "The pipeline, per rank (forward)"):
 
 - comm, per minibatch p in processing order: pull the routed rows from the
   source ranks' ``x`` (peer pointer table) into the ring slot, bump
@@ -62,7 +62,7 @@ def _proxy_fence():
     Rows one program writes with ordinary stores (the generic proxy) are read by other programs through TMA
     (the async proxy), and the PTX memory model orders accesses to one location across proxies only
     through a proxy fence. So a signal fences after the writer's stores, and a wait fences after its acquire,
-    before the reader's TMA loads. Without the fences every GPU test passed (H200, 2026-11-29 to 12-01), so
+    before the reader's TMA loads. Without the fences every GPU test passed (H200), so
     this is the memory model's requirement, not a fix of an observed failure."""
     if COMPILED:
         tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,

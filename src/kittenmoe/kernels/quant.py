@@ -5,7 +5,7 @@ block of SB columns along K). Per row of the tile: amax over the block,
 ``scale = max(amax / 448, 2^-126)``, optionally rounded up to a power of two,
 then ``q = e4m3(x * (1 / scale))`` (one correctly rounded reciprocal a block; the rule and why are in
 ``kittenmoe.fp8``). This is the standalone form of what the pull
-dispatch will fuse later (issue 7); it must match ``kittenmoe.fp8``'s torch
+fuses (``quantize_rows_1xb``); it must match ``kittenmoe.fp8``'s torch
 reference bit for bit.
 
 The fp32 -> e4m3fn rounding is done here in integer arithmetic on the fp32
@@ -33,7 +33,7 @@ MIN_SCALE = tl.constexpr(1.1754943508222875e-38)  # 2^-126, the smallest normal 
 # and with ``_e4m3_bits_rne`` under the interpreter (read when this module is imported, as Triton reads
 # TRITON_INTERPRET when it decorates). Same bits for |v| <= 448; the integer path costs ~30 operations an
 # element, and in the FP8 forward's pull (32 x 512 chunks on 12 SMs) that made the pull alone 5.5 ms on the
-# Kimi slice where the BF16 pull takes 0.8 ms (H200, 2026-11-30, benchmarks/fp8_round.py --breakdown).
+# Kimi slice where the BF16 pull takes 0.8 ms (H200, benchmarks/fp8_round.py --breakdown).
 HW_E4M3_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
@@ -143,7 +143,7 @@ def _weight_bits(w, scale, FP32_IN: tl.constexpr):
     GPU's cvt (``_e4m3_bits``): with the cvt, Triton 3.6 on the H200 wrote wrong q^T bytes (NaN patterns among
     them) for fp32 weights whose N and K are multiples of 16, through tl.trans(bits) and through transposed
     addresses alike, while q was right (tests/test_fp8.py::test_weights_and_transpose_triton_matches_torch_
-    bitwise, 2026-12-01; root cause not found). bf16 / fp16 weights are right with the cvt, which is cheaper."""
+    bitwise; root cause not found). bf16 / fp16 weights are right with the cvt, which is cheaper."""
     if FP32_IN:
         return _e4m3_bits_rne(w * _reciprocal(scale)).to(tl.uint8)
     return _e4m3_bits(w * _reciprocal(scale))
@@ -167,7 +167,7 @@ def quantize_weights_bxb_kernel(
     the same rows again (from L2: the block was read a moment before). Holding the whole 128 x 128 block
     in registers took 255 registers and a 280-byte stack a thread at 4 warps (bf16, Triton 3.6), each
     loading, reducing and storing in series: 11.2 ms for the Kimi EP8 slice's weights, 18% of HBM
-    bandwidth (H200, benchmarks/wquant_time.py); 32-row chunks take 55 and no stack. RC = SB keeps the
+    bandwidth (H200, benchmarks/probes/wquant_time.py); 32-row chunks take 55 and no stack. RC = SB keeps the
     one-pass form (small blocks, and the launch default until the chunked form has run on a GPU)."""
     kb = tl.program_id(0)
     nb = tl.program_id(1)

@@ -2,7 +2,7 @@
 
 ``build_schedule`` in torch ops costs ~30 small kernels and as many host
 dispatches per rank (measured ~0.3 ms of GPU time and most of a forward's
-host time on the H200, docs/perf-notes.md). These two kernels compute the same
+host time on the H200). These two kernels compute the same
 tables bit for bit:
 
 1. ``schedule_count_kernel``, one program per local expert e: the number of

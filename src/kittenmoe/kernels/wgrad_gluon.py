@@ -7,13 +7,13 @@ element one fp32 sum over the group's rows in order, WK rows a step and 16 a wgm
 - a producer warp keeps a STAGES-deep TMA ring full *across tile boundaries*, so the next tile's first row steps
   load while this tile's last wgmmas, its drain and its epilogue run. A routed tile has few steps (Kimi slice:
   six 64-row steps over an expert's ~341 rows), and Triton 3.6 pipelines loads only within one K loop: the
-  Triton form paid each tile's fill (docs/perf-notes.md, "why wgrad_persistent cannot take the tutorial's form";
-  that knob is now ``wgrad="persistent"``);
+  Triton form (``wgrad="persistent"``) paid each tile's fill (docs/experiments/wgrad-persistent-fused-loop.md:
+  why it cannot take the tutorial's fused persistent loop);
 - two 4-warp math groups each own 64 of the tile's 128 rows (A = P^T straight from shared memory, B = Q; one
   wgmma group in flight) and store their half through their own shared-memory buffer and a TMA bulk store that
   drains under the next tile.
 
-H200 (2026-12-03, ``benchmarks/gluon_wgrad_probe.py``, the slices' ragged expert rows, ms, this kernel against
+H200 (``benchmarks/probes/gluon_wgrad_probe.py``, the slices' ragged expert rows, ms, this kernel against
 the Triton kernel's and cutlass's (torch._grouped_mm)): Kimi d_W13 1.887 / 2.204 / 2.180, d_W2 0.958 / 1.153 /
 1.100; DeepSeek 2.329 / 2.826 / 2.818, 1.220 / 1.540 / 1.444; Qwen 1.189 / 1.310 / 1.326, 0.588 / 0.647 / 0.692;
 every output equal bit for bit to the Triton kernel's (and to cutlass's). Deeper rings of shorter steps
