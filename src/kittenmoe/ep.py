@@ -292,16 +292,11 @@ def moe_ep(
     its experts' gradients from the other ranks' rows. Without ``max_tokens`` every rank brings the same T
     (checked collectively), so T = 0 on one means T = 0 on all: ``[0, H]`` and zero gradients everywhere."""
     x_TH, topk_ids_TK, topk_weights_TK = contiguous_activations(x_TH, topk_ids_TK, topk_weights_TK)
-    if not isinstance(peers, SymmetricPeers):
-        raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
-                        f"{type(peers).__name__}")
-    if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
-    dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
-                            shared_w2_HS, expert_parallel=peers.num_ranks, allow_empty=True)
-    if dims.t == 0 and peers.max_tokens is None:
-        _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
-               swiglu_limit, config, allow_empty=True)  # collective: every rank must agree on T = 0
+    # the launches check again; the dims are needed here for T = 0 and the config (the collective part of the
+    # check runs once per new problem: SymmetricPeers.agree remembers what the ranks agreed on)
+    dims = _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS,
+                  swiglu_limit, config, allow_empty=True)
+    if dims.t == 0 and peers.max_tokens is None:  # every rank agreed on T = 0 in _check
         return no_tokens_output(x_TH, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS)
     if config is None:
         config = auto_config(token_slots(peers, dims.t), dims.h, dims.i, dims.e * peers.num_ranks, dims.k, dims.s,
