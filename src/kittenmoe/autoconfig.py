@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kittenmoe.checks import canonical_device
 from kittenmoe.config import KernelConfig
 
 
@@ -35,9 +36,7 @@ def auto_config(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, devi
 
     ``fp8`` (an ``FP8Config`` or ``FP8ExpertWeights``): the gate|up tile width the e4m3 path needs
     (``FP8Config.tile_block_n``), applied as an override so the knobs derived from the tile follow."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = canonical_device(device)  # "cuda" and "cuda:0" one key (a graph constant per device under compile)
     cfg = KernelConfig(*_auto_config_args(t, h, i, e, k, s, ranks, str(dev), str(dtype).removeprefix("torch.")))
     if fp8 is None:
         return cfg

@@ -86,6 +86,10 @@ def parse_shape(spec: str) -> tuple[int, int, int, int, int]:
 _CONFIG_LITERALS = {"none": None, "true": True, "false": False}
 
 
+# each knob's dataclass default: its type tells how a command-line value reads
+_KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
+
+
 def parse_knob_value(key: str, val: str, flag: str = "--config"):
     """One KernelConfig knob's value from the command line: an int, ``None``, ``True`` or ``False``, or for a
     knob that picks an implementation by name (``wgrad``) the name. Shared by ``--config`` and ``tune --grid``."""
@@ -98,9 +102,6 @@ def parse_knob_value(key: str, val: str, flag: str = "--config"):
         return int(val)
     except ValueError:
         raise ValueError(f"bad {flag} value {key}={val!r}: expected an integer, None, True or False") from None
-
-
-_KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(KernelConfig)}
 
 
 def parse_config_overrides(spec: str | None) -> dict:
