@@ -21,6 +21,7 @@ import torch
 
 from kittenmoe.bench.problems import FP8_QUANT_REPS, KIND, Problem, rel_l1_bar
 from kittenmoe.bench.report import make_row
+from kittenmoe.bench.runner import TimedPaths
 from kittenmoe.bench.timing import measure, measure_ranks_rounds
 from kittenmoe.config import KernelConfig
 
@@ -86,7 +87,7 @@ def agree_config(group, config: KernelConfig) -> None:
                          f"pass --config or KITTENMOE_AUTOTUNE=0), in rank order: {cfgs}")
 
 
-class EPRunner:
+class EPRunner(TimedPaths):
     """One rank's inputs of a problem under torchrun, the timed callables and their checks.
 
     Each rank makes only what it holds (the whole model may not fit one process): its E_local experts from its
@@ -124,14 +125,6 @@ class EPRunner:
         return [self.w13, self.w2, self.sw13, self.sw2]
 
     # kittenmoe -------------------------------------------------------------
-    def kittenmoe(self, mode: str, config: KernelConfig, path: str) -> Callable[[], object]:
-        """kittenmoe's collective callable for ``mode`` along ``path`` (``"public"`` or ``"launcher"``)."""
-        if path == "public":
-            return self.public(mode, config)
-        if path == "launcher":
-            return self.launcher(mode, config)
-        raise ValueError(f"path must be 'public' or 'launcher', got {path!r}")
-
     def public(self, mode: str, config: KernelConfig) -> Callable[[], object]:
         """``kittenmoe.ep.moe_ep``. The forward's inputs need no grad (no activations kept, as in inference);
         forward+backward returns (this rank's output, its gradients of x, router weights, its experts' weights

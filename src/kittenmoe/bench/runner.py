@@ -31,7 +31,20 @@ from kittenmoe.config import KernelConfig
 GRAD_NAMES = ("d_w13", "d_w2", "d_shared_w13", "d_shared_w2")
 
 
-class Runner:
+class TimedPaths:
+    """What both runners (one process, and one rank under torchrun) share: ``kittenmoe(mode, config, path)``
+    picks the subclass's ``public`` (the autograd entry users call) or ``launcher`` callable."""
+
+    def kittenmoe(self, mode: str, config: KernelConfig, path: str) -> Callable[[], object]:
+        """kittenmoe's callable for ``mode`` along ``path`` (``"public"`` or ``"launcher"``)."""
+        if path == "public":
+            return self.public(mode, config)
+        if path == "launcher":
+            return self.launcher(mode, config)
+        raise ValueError(f"path must be 'public' or 'launcher', got {path!r}")
+
+
+class Runner(TimedPaths):
     """Inputs of one problem on one device, the timed callables, and their correctness checks."""
 
     def __init__(self, problem: Problem, device: torch.device, seed: int = 0) -> None:
@@ -64,14 +77,6 @@ class Runner:
         return FP8ExpertWeights.quantize(self.w.w13_E2IH, self.w.w2_EHI, self.problem.fp8_config(), check_finite)
 
     # kittenmoe -------------------------------------------------------------
-    def kittenmoe(self, mode: str, config: KernelConfig, path: str) -> Callable[[], object]:
-        """kittenmoe's timed callable for ``mode`` along ``path`` (``"public"`` or ``"launcher"``)."""
-        if path == "public":
-            return self.public(mode, config)
-        if path == "launcher":
-            return self.launcher(mode, config)
-        raise ValueError(f"path must be 'public' or 'launcher', got {path!r}")
-
     def public(self, mode: str, config: KernelConfig) -> Callable[[], object]:
         """``kittenmoe.moe(..., backend="megakernel")`` on rank 0's inputs (one rank only). The forward's inputs
         need no grad (the op then keeps no activations, as in inference); forward+backward returns (output,
