@@ -11,8 +11,11 @@
 #   bench-*     kittenmoe bench --shape S --ep 1 --mode both --baseline grouped_mm,sonicmoe --no-shared for the
 #               shapes in SHAPES below: kittenmoe, grouped_mm and SonicMoE timed in the same interleaved rounds,
 #               kittenmoe without its shared expert so that all three compute the same routed experts
-# then rows.json (every bench row) and, printed last, a short table: the rows, then each step's exit status, time
-# and last log line. $OUT holds at most 6 files (a device call brings back 8).
+#   profile-*   benchmarks/probes/phase_profile.py on the same shapes: each provider's kernels, by name, under
+#               torch.profiler (forward and forward+backward), for the phase-by-phase comparison
+# STEPS (default "test bench profile") names which of the last three kinds run. Logs and the profiles' JSON go
+# to $OUT/logs and are packed into $OUT/logs.tar.gz at the end (a device call brings back 8 files); then rows.json
+# (every bench row) and, printed last, a short table: the rows, then each step's exit status, time and last line.
 #
 # Time: SonicMoE compiles and autotunes its GEMMs on each shape's first call (50-90 s a shape; its forward alone
 # and its forward+backward compile apart), kittenmoe compiles its megakernels too. The whole run is held under
@@ -25,19 +28,21 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 BUDGET=${BUDGET:-560}
 REPS=${REPS:-30}
 WARMUP=${WARMUP:-3}
-SHAPES=(32768,4096,512,128,8 32768,4096,2048,64,4 2048,7168,2048,48,8)
+SHAPES=(${SHAPES:-32768,4096,512,128,8 32768,4096,2048,64,4 2048,7168,2048,48,8})
+STEPS=${STEPS:-test bench profile}
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (one GPU here; kept as on every device command)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # SonicMoE's compile caches in /tmp; QuACK compiles its autotuning candidates in worker processes, one per core
 export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
-mkdir -p "$OUT"
+LOG=$OUT/logs
+mkdir -p "$LOG"
 rows_dir=$(mktemp -d /tmp/sonic-rows.XXXX)
 summary=()
 start=$SECONDS
 
-step() {  # step NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, within its limit and the budget
+step() {  # step NAME SECONDS COMMAND...: COMMAND's output to $LOG/NAME.log, within its limit and the budget
   local name=$1 limit=$2
   shift 2
   local left=$((BUDGET - (SECONDS - start)))
@@ -47,11 +52,11 @@ step() {  # step NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, wit
   fi
   ((limit > left)) && limit=$left
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout "$limit" "$@" > "$LOG/$name.log" 2>&1
   local rc=$?
-  [[ $rc == 124 ]] && echo "(stopped by the step's ${limit} s limit)" >> "$OUT/$name.log"
+  [[ $rc == 124 ]] && echo "(stopped by the step's ${limit} s limit)" >> "$LOG/$name.log"
   summary+=("$(printf '%-26s rc=%-3s %5ss  %s' "$name" "$rc" "$((SECONDS - t0))" \
-    "$(tail -n 1 "$OUT/$name.log" | cut -c1-100)")")
+    "$(tail -n 1 "$LOG/$name.log" | cut -c1-100)")")
 }
 
 setup() {
@@ -89,11 +94,19 @@ if [[ -f /tmp/sonic-env.sh ]]; then
   . /tmp/sonic-env.sh
 fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
-step gpu-test 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_sonic.py
-for s in "${SHAPES[@]}"; do
-  step "bench-${s//,/-}" 240 python3 -m kittenmoe.cli bench --shape "$s" --ep 1 --mode both \
-    --baseline grouped_mm,sonicmoe --no-shared --reps "$REPS" --warmup "$WARMUP" --out "$rows_dir"
-done
+[[ $STEPS == *test* ]] && step gpu-test 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_sonic.py
+if [[ $STEPS == *bench* ]]; then
+  for s in "${SHAPES[@]}"; do
+    step "bench-${s//,/-}" 240 python3 -m kittenmoe.cli bench --shape "$s" --ep 1 --mode both \
+      --baseline grouped_mm,sonicmoe --no-shared --reps "$REPS" --warmup "$WARMUP" --out "$rows_dir"
+  done
+fi
+if [[ $STEPS == *profile* ]]; then
+  for s in "${SHAPES[@]}"; do
+    step "profile-${s//,/-}" 240 python3 benchmarks/probes/phase_profile.py --shape "$s" --out "$LOG"
+  done
+fi
+tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOG"
 
 python3 - "$rows_dir" "$OUT/rows.json" <<'EOF'
 import json
