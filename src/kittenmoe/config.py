@@ -17,6 +17,9 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 # KernelConfig.wgrad: the kernel of the backward's weight gradients
 WgradKernel = Literal["triton", "persistent", "gluon"]
 WGRAD_KERNELS: tuple[str, ...] = ("triton", "persistent", "gluon")
+# KernelConfig.forward_kernel: the forward megakernel's implementation
+ForwardKernel = Literal["triton", "gluon"]
+FORWARD_KERNELS: tuple[str, ...] = ("triton", "gluon")
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,12 @@ class KernelConfig:
         (``gluon_wgrad_shape_ok``; the backward refuses others before launching); the interpreter refuses it
         (NotImplementedError). ``default_config``: "persistent" with 2-byte operands, "gluon" on Hopper where
         the shapes fit.
+    forward_kernel: the forward megakernel, "triton" (``kernels/megakernel_fwd.py``: every role, every rank
+        count, FP8, the interpreter) or "gluon" (``kernels/megakernel_fwd_gluon.py``: the same schedule, tiles
+        and counters with a producer warp that keeps a TMA ring full across tiles and two math warpgroups; one
+        rank with ``combine_gather``, no communication programs, 2-byte operands on Hopper, 128 x 128 x 64
+        tiles, widths multiples of 128; ``forward_gluon_refusal`` says what a launch lacks, and the launch
+        raises NotImplementedError then). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
         column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%
         slower at G = 4 and 8: fixed groups split an expert's row tiles, whose weight tiles are then read once
@@ -209,6 +218,7 @@ class KernelConfig:
     tma: bool = True
     keep_activations: bool = True
     wgrad: WgradKernel = "triton"
+    forward_kernel: ForwardKernel = "triton"
     tile_group_m: int = 0
     bwd_num_stages: int = 0
 
@@ -221,6 +231,11 @@ class KernelConfig:
                 if not isinstance(v, str) or v not in WGRAD_KERNELS:
                     raise ValueError(f"KernelConfig.wgrad must be one of {', '.join(map(repr, WGRAD_KERNELS))}, "
                                      f"got {v!r}")
+                continue
+            if field.name == "forward_kernel":
+                if not isinstance(v, str) or v not in FORWARD_KERNELS:
+                    raise ValueError(f"KernelConfig.forward_kernel must be one of "
+                                     f"{', '.join(map(repr, FORWARD_KERNELS))}, got {v!r}")
                 continue
             if field.name in _BOOL_KNOBS:
                 if not isinstance(v, bool):

@@ -122,12 +122,13 @@ def tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> 
     return torch.cuda.get_device_capability(dev)[0] >= 9 and dtype in (torch.bfloat16, torch.float16)
 
 
-def check_gluon_device(dev: torch.device) -> None:
-    """The Gluon weight-gradient kernel issues wgmma, which only sm_90 (Hopper) has."""
+def check_gluon_device(dev: torch.device, knob: str = "wgrad='gluon'", instead: str = "wgrad='persistent'") -> None:
+    """The Gluon kernels issue wgmma, which only sm_90 (Hopper) has: NotImplementedError naming the knob
+    (``KernelConfig.<knob>``) and what to set instead, elsewhere."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cap is None or cap[0] != 9:
-        raise NotImplementedError(f"KernelConfig.wgrad='gluon' issues Hopper's wgmma (sm_90); this device is {dev}"
-                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set wgrad='persistent'")
+        raise NotImplementedError(f"KernelConfig.{knob} issues Hopper's wgmma (sm_90); this device is {dev}"
+                                  f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set {instead}")
 
 
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)

@@ -78,6 +78,31 @@ def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int,
     return I % bn == 0 and S % bn == 0 and H % bn2 == 0 and H % bk == 0 and I % bk == 0 and S % bk == 0
 
 
+def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
+                          s: int, resident: bool, fp8, trace: bool) -> str | None:
+    """Why ``KernelConfig.forward_kernel="gluon"`` cannot run this launch (one line), or None. The Gluon forward
+    (``kernels/megakernel_fwd_gluon.py``) is the one-rank default path only: one rank with ``combine_gather`` and
+    no communication programs (so a resident ring), 2-byte operands through TMA, no FP8, no trace, the 128 x 128
+    x 64 tile, and widths that divide into it. The device (Hopper) is checked apart."""
+    if ranks != 1 or not config.combine_gather or config.num_comm_programs_fwd != 0:
+        return (f"it runs one rank with combine_gather and num_comm_programs_fwd=0 (got {ranks} ranks, "
+                f"combine_gather={config.combine_gather}, num_comm_programs_fwd={config.num_comm_programs_fwd})")
+    if not resident:
+        return "it needs a ring that holds every routed row (macrobatch_size None)"
+    if fp8 is not None:
+        return "it has no FP8 path"
+    if trace:
+        return "it records no trace"
+    if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
+        return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
+    if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
+        return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
+                f"{config.block_k})")
+    if i % 128 or h % 256 or s % 128:
+        return f"it needs I and S multiples of 128 and H of 256 (got H={h}, I={i}, S={s})"
+    return None
+
+
 def launch_rank_forward(
     rank: int,
     peers: LocalPeers,
@@ -250,6 +275,18 @@ def launch_rank_forward(
             **meta,
         )
 
+    if config.forward_kernel == "gluon":
+        why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace)
+        if interp:
+            why = "Gluon kernels do not run under the Triton interpreter"
+        if why is not None:
+            raise NotImplementedError(f"KernelConfig.forward_kernel='gluon': {why}; set forward_kernel='triton'")
+        lc.check_gluon_device(dev, "forward_kernel='gluon'", "forward_kernel='triton'")
+        if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
+            raise NotImplementedError("KernelConfig.forward_kernel='gluon' runs every role in one launch")
+        st.compiled = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2, has_shared,
+                                    swiglu_limit, config, max_spin, T, H, I, S, K, L)
+        return st
     if not interp:
         # One launch, every role concurrent. Comm programs stay at most
         # pull_ahead minibatches ahead of their pushes; it must stay below the
@@ -269,6 +306,48 @@ def launch_rank_forward(
         if phases & mk.PH_SHARED_DOWN:
             launch(mk.PH_SHARED_DOWN, 0, 0, 0)
     return st
+
+
+def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2IH: torch.Tensor,
+                  w2_LHI: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, has_shared: bool,
+                  swiglu_limit: float | None, config: KernelConfig, max_spin: int, T: int, H: int, I: int, S: int,
+                  K: int, L: int):
+    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kittenmoe.kernels import megakernel_fwd_gluon as mkg
+
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x_TH.dtype]
+    bm, bn, bk, half = (int(v.value) for v in (mkg.BM, mkg.BN, mkg.BK, mkg.HALF))
+
+    def desc(t: torch.Tensor, block: list[int]):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    ring = st.ring
+    xl = desc(x_TH, [bm, bk])
+    w13 = desc(w13_L2IH.view(L * 2 * I, H), [bn, bk])
+    w2 = desc(w2_LHI.view(L * H, I), [bn, bk])
+    # Without a shared expert its descriptors are never loaded: stand-ins.
+    shid = desc(st.shared_hidden, [bm, bk]) if has_shared else xl
+    sw13_d = desc(sw13, [bn, bk]) if has_shared else w13
+    sw2_d = desc(sw2, [bn, bk]) if has_shared else w2
+    save_gu = st.gate_up is not None
+    grid = (lc.num_programs(x_TH.device, 0),)
+    return mkg.forward_kernel[grid](
+        sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
+        sched.num_invalid, x_TH, st.x_routed, st.hidden, st.gate_up if save_gu else st.y_routed,
+        st.shared_hidden, st.y_shared if st.shared_gate_up is None else st.shared_gate_up,
+        xl, desc(st.x_routed, [bm, bk]), desc(st.hidden, [bm, bk]), shid, w13, w2, sw13_d, sw2_d,
+        desc(st.y_routed, [half, bn]), desc(st.y_shared, [half, bn]),
+        st.counters, st.err,
+        T, H, I, S, K, ring.num_minibatches, ring.slots, float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        max_spin, int(save_gu),
+        LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
+        ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
+        num_warps=4, maxnreg=168,
+    )
 
 
 def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool,

@@ -1,0 +1,122 @@
+"""The Gluon forward megakernel (``KernelConfig.forward_kernel="gluon"``): its refusals on CPU, and on a Hopper GPU
+the Triton megakernel's bits (output, kept gate|up, routed x rows) and the fp32 reference's accuracy."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kittenmoe.config import SEED_SHAPES, KernelConfig, ModelShape
+from kittenmoe.launch_forward import forward_gluon_refusal, megakernel_forward_multirank
+from kittenmoe.reference import moe_reference
+from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, rel_l1, routing_uniform, routing_zipf,
+                               tolerance_for)
+
+# the one-rank default the Gluon kernel runs (default_config's on an H200), Triton and Gluon
+ONE_RANK = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, tile_group_m=-1)
+GLUON = ONE_RANK.with_(forward_kernel="gluon")
+
+
+def test_config_names_the_forward_kernel():
+    assert KernelConfig().forward_kernel == "triton"
+    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon'"):
+        KernelConfig(forward_kernel="cuda")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(ranks=2), "one rank"),  # several ranks push: the Gluon kernel has no communication programs
+    (dict(resident=False), "every routed row"),  # a wrapping ring
+    (dict(fp8=object()), "no FP8"),  # e4m3 operands
+    (dict(trace=True), "no trace"),  # the profiling build
+    (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
+    (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
+    (dict(i=192), "multiples of 128"),  # an expert width off the 128-column tile
+    (dict(h=384), "H of 256"),  # a hidden width off the 256-column down tile
+    (dict(s=64), "multiples of 128"),  # a shared width off the tile
+])
+def test_gluon_refusals_say_what_is_missing(change, match):
+    args = dict(config=GLUON, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=256,
+                resident=True, fp8=None, trace=False)
+    why = forward_gluon_refusal(**{**args, **change})
+    assert why is not None and match in why, why
+    assert forward_gluon_refusal(**args) is None
+
+
+def test_gluon_refused_under_the_interpreter():
+    """The CPU path (the interpreter) cannot run Gluon: the launch says so instead of running something else."""
+    sh = ModelShape("t", e=4, h=256, i=128, k=2)
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(sh, dtype=torch.bfloat16, generator=g)
+    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    with pytest.raises(NotImplementedError, match="forward_kernel='gluon'.*interpreter"):
+        megakernel_forward_multirank([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+                                     None, config=GLUON)
+
+
+@pytest.fixture
+def cuda_cleanup():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# (shape, tokens, routing, shared expert): each case names the edge it covers
+GPU_CASES = {
+    # a seed slice (Kimi: E_local 48, H 7168, I 2048, K 8), shared expert, uniform routing
+    "kimi-slice": (SEED_SHAPES["kimi-k2.7"].with_(e=48), 2048, "uniform", True),
+    # DeepSeek's SwiGLU clamp (7.0) and I = 3072 (24 gate|up column tiles)
+    "deepseek-slice": (SEED_SHAPES["deepseek-v4-pro"].with_(e=48), 2048, "uniform", True),
+    # fine-grained experts (I = 512: 8 K steps a down tile), no shared expert, T not a multiple of 128
+    "fine-no-shared": (ModelShape("fine", e=64, h=2048, i=512, k=8), 3000, "uniform", False),
+    # skewed routing: empty experts and long ones, several minibatches, shared tail rows (T % 128 != 0)
+    "zipf-ragged": (ModelShape("zipf", e=32, h=1024, i=256, k=4), 1500, "zipf", True),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward needs a Hopper GPU")
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_gluon_forward_matches_triton_bits(case, keep, cuda_cleanup, monkeypatch):
+    """The output, and with kept activations the fp32 gate|up and routed x rows, equal the Triton megakernel's bit
+    for bit; the output is within the bf16 tolerance of the fp32 reference; two Gluon runs give the same bits.
+    Scratch starts NaN (``nan_scratch``), so a row the kernel leaves unwritten shows."""
+    sh, t, routing, shared = GPU_CASES[case]
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    w = make_weights(sh, dtype=torch.float32, generator=g, shared=shared)
+    w13, w2 = w.w13_E2IH.to(dev, torch.bfloat16), w.w2_EHI.to(dev, torch.bfloat16)
+    sw13 = w.shared_w13_2SH.to(dev, torch.bfloat16) if shared else None
+    sw2 = w.shared_w2_HS.to(dev, torch.bfloat16) if shared else None
+    x = torch.randn(t, sh.h, generator=g).to(dev, torch.bfloat16)
+    gen = routing_uniform if routing == "uniform" else routing_zipf
+    ids, wts = gen(t, sh.e, sh.k, generator=g, device=dev)
+    args = ([x], [ids], [wts.float()], w13, w2, sw13, sw2, sh.swiglu_limit)
+    nan_scratch(monkeypatch)
+    tri = megakernel_forward_multirank(*args, config=ONE_RANK, save_for_backward=keep)
+    tri.check_errors()
+    runs = []
+    for _ in range(2):
+        glu = megakernel_forward_multirank(*args, config=GLUON, save_for_backward=keep)
+        glu.check_errors()
+        runs.append(glu)
+    ref = moe_reference(x, ids, wts.float(), w13, w2, sw13, sw2, sh.swiglu_limit, compute_dtype=torch.float32)
+    err = rel_l1(runs[0].outputs[0], ref)
+    assert err <= tolerance_for("bf16").rel_l1, f"{case}: relative L1 {err:.3e}"
+    assert_bitwise_equal(runs[0].outputs[0], tri.outputs[0], f"{case}: out, Gluon vs Triton")
+    assert_bitwise_equal(runs[1].outputs[0], runs[0].outputs[0], f"{case}: out, Gluon run to run")
+    if keep:
+        n = int(tri.states[0].schedule.num_rows.item())
+        for name in ("x_routed", "gate_up"):
+            assert_bitwise_equal(getattr(runs[0].states[0], name)[:n], getattr(tri.states[0], name)[:n],
+                                 f"{case}: {name}")
+        if shared:
+            assert_bitwise_equal(runs[0].states[0].shared_gate_up, tri.states[0].shared_gate_up,
+                                 f"{case}: shared_gate_up")
