@@ -83,6 +83,8 @@ FWD = ["dispatch_mlp_swiglu_combine_kernel", "combine_epilogue_kernel"]
 BWD = ["combine_mlp_swiglu_dispatch_bwd_kernel", "weight_grad_kernel", "bwd_epilogue_kernel"]
 BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
 BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
+FWD_GLUON = ["forward_kernel", FWD[1]]
+GLUON_ONE_RANK = dict(num_comm_programs_fwd=0, combine_gather=True, tile_group_m=-1, forward_kernel="gluon")
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -105,6 +107,10 @@ BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
     # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad="gluon"), kept and replaying
     (dict(which="bwd", resident=True, config=dict(wgrad="gluon")), BWD_GLUON),
     (dict(which="bwd", config=dict(wgrad="gluon")), BWD_GLUON),
+    # the warp-specialized Gluon forward (KernelConfig.forward_kernel="gluon"): keeping gate|up at its 4-stage ring
+    # with one store buffer a math group, and not keeping it at 3 stages with two
+    (dict(which="fwd", resident=True, config=GLUON_ONE_RANK), FWD_GLUON),
+    (dict(which="fwd", config=dict(GLUON_ONE_RANK, num_stages=3)), FWD_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),
@@ -127,7 +133,7 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
     assert sorted(set(names)) == sorted(expected), names
     for b in out["builds"]:
         assert b["shared"] <= SHARED_MEMORY_LIMIT, b
-        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1], BWD_GLUON[1]):
+        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1], BWD_GLUON[1], FWD_GLUON[0]):
             assert b["wgmma"] and b["tma"], b
         # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; nothing Triton
         # builds is warp-specialized (the one form that was, tl.range(warp_specialize=True) over the weight
@@ -139,6 +145,8 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
         assert not b["hgmma_unset"], b
         if b["name"] == BWD_GLUON[1]:
             assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
+        elif b["name"] == FWD_GLUON[0]:  # its 24-byte stack frame holds no spills (local 0)
+            assert b["warp_specialized"] and b["threads"] == 384 and b["local"] == 0, b
         else:
             assert not b["warp_specialized"], b
 

@@ -66,7 +66,7 @@ ErrorCheck = Literal["sync", "deferred"]
 # ----------------------------------------------------------------------------- schema
 
 _FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
-                       "float | None": "float?", "WgradKernel": "str"}
+                       "float | None": "float?", "WgradKernel": "str", "ForwardKernel": "str"}
 
 
 def _config_schema() -> str:

@@ -190,8 +190,9 @@ class KernelConfig:
         count, FP8, the interpreter) or "gluon" (``kernels/megakernel_fwd_gluon.py``: the same schedule, tiles
         and counters with a producer warp that keeps a TMA ring full across tiles and two math warpgroups; one
         rank with ``combine_gather``, no communication programs, 2-byte operands on Hopper, 128 x 128 x 64
-        tiles, widths multiples of 128; ``forward_gluon_refusal`` says what a launch lacks, and the launch
-        raises NotImplementedError then). The same bits.
+        tiles, ``num_stages`` 2-4 as its TMA ring's depth, I and S multiples of 128 and H of 256;
+        ``launch_forward.forward_gluon_refusal`` says what a launch lacks, and the launch raises
+        NotImplementedError then). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
         column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%
         slower at G = 4 and 8: fixed groups split an expert's row tiles, whose weight tiles are then read once
