@@ -32,7 +32,6 @@ def test_config_names_the_forward_kernel():
     (dict(trace=True), "no trace"),  # the profiling build
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
-    (dict(config=GLUON.with_(num_stages=1)), "2-4 stages"),  # no ring to overlap loads with
     (dict(i=192), "multiples of 128"),  # an expert width off the 128-column tile
     (dict(h=384), "H of 256"),  # a hidden width off the 256-column down tile
     (dict(s=64), "multiples of 128"),  # a shared width off the tile

@@ -107,10 +107,9 @@ GLUON_ONE_RANK = dict(num_comm_programs_fwd=0, combine_gather=True, tile_group_m
     # the weight gradients from the warp-specialized Gluon kernel (KernelConfig.wgrad="gluon"), kept and replaying
     (dict(which="bwd", resident=True, config=dict(wgrad="gluon")), BWD_GLUON),
     (dict(which="bwd", config=dict(wgrad="gluon")), BWD_GLUON),
-    # the warp-specialized Gluon forward (KernelConfig.forward_kernel="gluon"): keeping gate|up at its 4-stage ring
-    # with one store buffer a math group, and not keeping it at 3 stages with two
+    # the warp-specialized Gluon forward (KernelConfig.forward_kernel="gluon"), keeping gate|up and not
     (dict(which="fwd", resident=True, config=GLUON_ONE_RANK), FWD_GLUON),
-    (dict(which="fwd", config=dict(GLUON_ONE_RANK, num_stages=3)), FWD_GLUON),
+    (dict(which="fwd", config=GLUON_ONE_RANK), FWD_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),

@@ -190,7 +190,7 @@ class KernelConfig:
         count, FP8, the interpreter) or "gluon" (``kernels/megakernel_fwd_gluon.py``: the same schedule, tiles
         and counters with a producer warp that keeps a TMA ring full across tiles and two math warpgroups; one
         rank with ``combine_gather``, no communication programs, 2-byte operands on Hopper, 128 x 128 x 64
-        tiles, ``num_stages`` 2-4 as its TMA ring's depth, I and S multiples of 128 and H of 256;
+        tiles (its TMA ring is 3 stages deep whatever ``num_stages``), I and S multiples of 128 and H of 256;
         ``launch_forward.forward_gluon_refusal`` says what a launch lacks, and the launch raises
         NotImplementedError then). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
