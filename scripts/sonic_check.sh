@@ -13,7 +13,9 @@
 #               kittenmoe without its shared expert so that all three compute the same routed experts
 #   profile-*   benchmarks/probes/phase_profile.py on the same shapes: each provider's kernels, by name, under
 #               torch.profiler (forward and forward+backward), for the phase-by-phase comparison
-# STEPS (default "test bench profile") names which of the last three kinds run. Logs and the profiles' JSON go
+# STEPS (default "test bench profile") names which of the last three kinds run; SHAPES (space-separated) and
+# STEP_LIMIT (seconds a step, default 240) narrow a run: on the H200 all three shapes' bench steps once ran past
+# 240 s each, so one shape a call (SHAPES=2048,7168,2048,48,8 STEP_LIMIT=500) is the safer start. Logs and the profiles' JSON go
 # to $OUT/logs and are packed into $OUT/logs.tar.gz at the end (a device call brings back 8 files); then rows.json
 # (every bench row) and, printed last, a short table: the rows, then each step's exit status, time and last line.
 #
@@ -30,6 +32,7 @@ REPS=${REPS:-30}
 WARMUP=${WARMUP:-3}
 SHAPES=(${SHAPES:-32768,4096,512,128,8 32768,4096,2048,64,4 2048,7168,2048,48,8})
 STEPS=${STEPS:-test bench profile}
+STEP_LIMIT=${STEP_LIMIT:-240}  # seconds a bench or profile step may take (each prints a line per stage)
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (one GPU here; kept as on every device command)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -97,13 +100,13 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 [[ $STEPS == *test* ]] && step gpu-test 150 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_sonic.py
 if [[ $STEPS == *bench* ]]; then
   for s in "${SHAPES[@]}"; do
-    step "bench-${s//,/-}" 240 python3 -m kittenmoe.cli bench --shape "$s" --ep 1 --mode both \
+    step "bench-${s//,/-}" "$STEP_LIMIT" python3 -m kittenmoe.cli bench --shape "$s" --ep 1 --mode both \
       --baseline grouped_mm,sonicmoe --no-shared --reps "$REPS" --warmup "$WARMUP" --out "$rows_dir"
   done
 fi
 if [[ $STEPS == *profile* ]]; then
   for s in "${SHAPES[@]}"; do
-    step "profile-${s//,/-}" 240 python3 benchmarks/probes/phase_profile.py --shape "$s" --out "$LOG"
+    step "profile-${s//,/-}" "$STEP_LIMIT" python3 benchmarks/probes/phase_profile.py --shape "$s" --out "$LOG"
   done
 fi
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOG"

@@ -338,6 +338,9 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
         errs = run.check_kittenmoe(mode, k_fn(), path)  # first run: compile, error flags, accuracy
         first_s = time.perf_counter() - t0
         worst = max(errs.values())
+        # a line per step, so that a run stopped by a time limit shows how far it got
+        log(f"  {KIND[mode]}: kittenmoe's first call and check against the fp32 reference {first_s:.1f} s, "
+            f"relative L1 {worst:.1e}")
         if not worst <= tol:
             log(f"WARNING: {problem.label} {KIND[mode]}: relative L1 {worst:.2e} vs the fp32 reference exceeds "
                 f"{tol:.0e}")
@@ -351,6 +354,8 @@ def bench_problem(problem: Problem, config: KernelConfig, modes: list[str], devi
             fn, results[name] = _first_call(run, name, mode, tol, same_work, log)
             if fn is not None:
                 fns[name] = fn
+                log(f"  {KIND[mode]}: {name}'s first call and check {results[name].first_call_s:.1f} s")
+        log(f"  {KIND[mode]}: timing {', '.join(fns)} in interleaved rounds")
         # an extra baseline that raises in a timed round is dropped from the rounds and reported; kittenmoe and
         # grouped_mm raising there stop the run, as without extra baselines
         errors: dict[str, str] = {}
