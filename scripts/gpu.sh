@@ -9,6 +9,10 @@
 #                                         examples/ep_layer.py, then kittenmoe bench --ep 8 --mode both; one process
 #                                         a GPU, or with a single GPU two processes sharing it
 #                                         (KITTENMOE_EP_SHARE_GPU=1: a smoke test of the path, not a measurement)
+#   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward (KernelConfig.forward_kernel="gluon"): its GPU tests
+#                                         (the Triton forward's bits), then benchmarks/fwd_round.py timing it
+#                                         against the Triton forward in the same rounds (MODELS comma-separated,
+#                                         default kimi-k2.7,qwen3.5-397b-a17b); about 2 + 1 a model minutes
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
@@ -32,7 +36,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -140,6 +144,15 @@ ep)
   step "ep-bench-$m" 560 ${share[@]+"${share[@]}"} "${run[@]}" "$n" -m kittenmoe.cli bench --model "$m" --ep 8 \
     --tokens "$(tokens_of "$m")" --mode both --out "$RESULTS"
   keep_rows "$stamp"
+  ;;
+gluon)
+  stamp="$OUT/.gluon-start"
+  touch "$stamp"
+  step gluon-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd_gluon.py
+  step gluon-fwd 400 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b}" \
+    --config ";forward_kernel=gluon" --skip-check --reps 20 --out "$RESULTS"
+  keep_rows "$stamp"
+  grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;
 ncu)
   m=${arg:-kimi-k2.7}
