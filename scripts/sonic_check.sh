@@ -39,6 +39,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # SonicMoE's compile caches in /tmp; QuACK compiles its autotuning candidates in worker processes, one per core
 export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
+# QuACK prints each autotuning step (configs pre-compiled, timed, chosen): where a long first call goes
+export QUACK_PRINT_AUTOTUNING=${QUACK_PRINT_AUTOTUNING:-1}
 LOG=$OUT/logs
 mkdir -p "$LOG"
 rows_dir=$(mktemp -d /tmp/sonic-rows.XXXX)
