@@ -41,7 +41,7 @@ def _result_rows():
 def load_rows() -> list[dict]:
     rows = []
     for name, r in _result_rows():
-        if r.get("kind") in ("hf-train-step", "tune"):  # whole-model steps and tune records: their own lines
+        if r.get("kind") in ("hf-train-step", "train-step", "tune"):  # whole-model steps, tune records: own lines
             continue
         if "rel_l1" not in r and "worst_rel_l1" in r:  # forward+backward rows: the worst gradient's error
             r["rel_l1"] = r["worst_rel_l1"]
@@ -111,8 +111,49 @@ def render(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render_train() -> str:
+    """Training steps of published models (benchmarks/train_step.py): the newest run of each (stack, model,
+    sequence, depth, batch), one line per provider and compile mode."""
+    runs: dict[tuple, dict[str, list[dict]]] = {}
+    for name, r in _result_rows():
+        if r.get("kind") == "train-step" and r.get("device") == "cuda":
+            key = (r["stack"], r["model"], r["seq"], r["layers"], r["batch"])
+            runs.setdefault(key, {}).setdefault(name, []).append(dict(r, _file=name))
+    if not runs:
+        return ""
+    lines = ["", "", "Whole training steps of published models at full width, truncated in depth (bf16, AdamW, every "
+             "provider from the same weights on the same batches, one after another in one run; median step after "
+             "warm-up; routed share = (step - the step whose routed experts compute nothing) / step; loss diff = the "
+             "largest difference from the reference provider's loss over the run's steps; `benchmarks/train_step.py`, "
+             "each file's `command`):", "",
+             "| model | stack | layers | batch x seq | provider | compiled | ms / step | tokens/s | x reference "
+             "| peak GiB | host syncs / step | routed share | loss diff | GPU | date | file |",
+             "| --- " * 16 + "|"]
+    for key in sorted(runs):
+        files = runs[key]
+        rows = files[max(files, key=lambda n: max(r["date"] for r in files[n]))]
+        ref = "grouped_mm" if key[0] == "hf" else "torchtitan"
+        for r in rows:
+            tag = r["provider"] + ("" if r["provider"] != "no-routed-experts" else " (the floor)")
+            head = (f"| {r['model']} | {r['stack']} | {r['layers']} | {r['batch']} x {r['seq']} | {tag} | "
+                    f"{'yes' if r['compiled'] else 'no'} |")
+            if r["status"] != "ok":
+                lines.append(head + f" {r['status']} |" + " |" * 7 + f" {r['gpu']} | {r['date'][:10]} | `{r['_file']}` |")
+                continue
+            share = r.get("routed_share")
+            lines.append(head + f" {r['ms_median']:.2f} | {r['tokens_per_s']:.0f} | "
+                         f"{r.get('speedup_vs_' + ref, math.nan):.2f}x | {r.get('peak_mem_gib', math.nan):.1f} | "
+                         f"{r.get('host_syncs_per_step', '-')} | {'' if share is None else f'{100 * share:.0f}%'} | "
+                         f"{r.get('loss_max_abs_diff_vs_' + ref, math.nan):.3f} | {r['gpu']} | {r['date'][:10]} | "
+                         f"`{r['_file']}` |")
+    return "\n".join(lines)
+
+
 def render_hf() -> str:
-    """The newest whole-model training-step run (benchmarks/hf_round.py): one line per experts implementation."""
+    """The newest whole-model training-step run of the benchmark that train_step.py replaced (one model, no
+    compile, interleaved rounds): shown until train_step.py has CUDA rows."""
+    if any(r.get("kind") == "train-step" and r.get("device") == "cuda" for _, r in _result_rows()):
+        return ""
     runs: dict[str, list[dict]] = {}
     for name, r in _result_rows():
         if r.get("kind") == "hf-train-step" and r.get("device") == "cuda":
@@ -136,7 +177,7 @@ def render_hf() -> str:
         name = r["experts_implementation"]
         if name in bad:  # a step whose loss went non-finite is no speed figure
             continue
-        if name == "no-routed-experts":  # hf_round's floor: the step with the routed experts computing nothing
+        if name == "no-routed-experts":  # the floor: the step with the routed experts computing nothing
             name = "(routed experts computing nothing: the floor)"
         rm = r.get("ms_round_medians")
         lines.append(f"| {name} | {r['ms_median']:.2f} | {r['speedup_vs_grouped_mm']:.2f}x |"
@@ -234,7 +275,7 @@ TARGETS = {"readme": "README.md", "docs": os.path.join("docs", "performance.md")
 
 def table() -> str:
     """The whole generated block: the one-GPU BF16 table and the HF, tune, EP and FP8 sections."""
-    return render(load_rows()) + render_hf() + render_tune() + render_ep() + render_fp8()
+    return render(load_rows()) + render_train() + render_hf() + render_tune() + render_ep() + render_fp8()
 
 
 def splice(text: str, block: str, name: str) -> str:

@@ -1,0 +1,182 @@
+"""The published MoE model configurations the training-step benchmark trains, built with transformers or
+torchtitan (``benchmarks/train_step.py``, ``examples/train_hf_moe.py``), and the batches they train on.
+
+At full width, truncated in depth to train on one GPU: Moonlight-16B-A3B (DeepSeek-V3 architecture: MLA, hidden
+2048, 64 routed experts of width 1408, top-6 by sigmoid scores scaled 2.446, 2 shared experts, the first layer
+dense) and Qwen3-30B-A3B (hidden 2048, GQA 32/4, 128 experts of width 768, top-8 softmax renormalised, no shared
+expert), randomly initialised from the config (no download), plus CPU-sized versions of each architecture.
+Providers: with transformers, every registered ``experts_implementation`` (and ``eager``, the module's own
+loop); with torchtitan, its own ``GroupedExperts`` or kittenmoe through ``kittenmoe.integrations.torchtitan``;
+with either, ``no-routed-experts``: the routed experts computing nothing, the floor under every provider's step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FLOOR = "no-routed-experts"
+KITTENMOE = "kittenmoe"
+
+
+@dataclass(frozen=True)
+class Model:
+    """A published configuration: what both stacks need to build it (``layers`` is the full depth)."""
+
+    family: str  # "deepseek_v3" | "qwen3_moe"
+    hidden: int
+    layers: int
+    dense_layers: int  # leading layers with a dense FFN instead of the MoE
+    dense_inter: int
+    moe_inter: int
+    experts: int
+    top_k: int
+    shared: int  # shared experts (each moe_inter wide)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    hf_extra: tuple[tuple[str, object], ...] = ()
+    titan_flavor: str | None = None  # torchtitan's model registry flavor, where it has the model
+
+
+MODELS = {
+    # moonshotai/Moonlight-16B-A3B config.json (DeepseekV3ForCausalLM)
+    "moonlight-16b-a3b": Model("deepseek_v3", 2048, 27, 1, 11264, 1408, 64, 6, 2, 16, 16, 128, 163840, hf_extra=(
+        ("kv_lora_rank", 512), ("q_lora_rank", None), ("qk_rope_head_dim", 64), ("qk_nope_head_dim", 128),
+        ("v_head_dim", 128), ("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 2.446),
+        ("norm_topk_prob", True), ("rope_theta", 50000.0), ("rms_norm_eps", 1e-5),
+        ("max_position_embeddings", 8192))),
+    # Qwen/Qwen3-30B-A3B config.json (Qwen3MoeForCausalLM)
+    "qwen3-30b-a3b": Model("qwen3_moe", 2048, 48, 0, 6144, 768, 128, 8, 0, 32, 4, 128, 151936, hf_extra=(
+        ("norm_topk_prob", True), ("rope_theta", 1e6), ("rms_norm_eps", 1e-6), ("max_position_embeddings", 40960)),
+        titan_flavor="30B-A3B"),
+    # CPU smoke sizes of the two architectures
+    "tiny-deepseek-v3": Model("deepseek_v3", 64, 3, 1, 96, 32, 8, 2, 1, 2, 2, 16, 256, hf_extra=(
+        ("kv_lora_rank", 16), ("q_lora_rank", None), ("qk_rope_head_dim", 8), ("qk_nope_head_dim", 8),
+        ("v_head_dim", 8), ("n_group", 1), ("topk_group", 1), ("norm_topk_prob", True))),
+    # (torchtitan's debugmodel_moe: both stacks build the same shape)
+    "tiny-qwen3-moe": Model("qwen3_moe", 256, 8, 0, 768, 768, 64, 8, 0, 16, 8, 128, 2048, hf_extra=(
+        ("norm_topk_prob", True),), titan_flavor="debugmodel_moe"),
+}
+
+
+# ---- the Hugging Face stack ---------------------------------------------------------------------------------
+
+def build_hf(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    if spec.family == "deepseek_v3":
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_inter,
+            moe_intermediate_size=spec.moe_inter, num_hidden_layers=layers, first_k_dense_replace=spec.dense_layers,
+            n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_shared_experts=spec.shared,
+            num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, tie_word_embeddings=False,
+            **dict(spec.hf_extra))
+        cls = transformers.DeepseekV3ForCausalLM
+    else:
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_inter,
+            moe_intermediate_size=spec.moe_inter, num_hidden_layers=layers, num_experts=spec.experts,
+            num_experts_per_tok=spec.top_k, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+            head_dim=spec.head_dim, tie_word_embeddings=False, **dict(spec.hf_extra))
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    return cls(cfg).to(device, dtype)
+
+
+def register_hf_floor() -> None:
+    """The floor as an experts implementation: output ``hidden_states * 0``, with one element of each expert
+    weight joined (times 0) so the weights still get (zero) gradients and AdamW still updates them, as every
+    real implementation's step pays."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        touch = (self.gate_up_proj[0, 0, 0] + self.down_proj[0, 0, 0]).to(hidden_states.dtype)
+        return hidden_states * 0 + touch * 0
+
+    ExpertsInterface.register(FLOOR, forward)
+
+
+def hf_providers() -> list[str]:
+    """Every experts implementation transformers has registered here (with its module's own loop, ``eager``),
+    kittenmoe's, and the floor."""
+    import kittenmoe.integrations.transformers  # noqa: F401  (registers "kittenmoe")
+    from transformers.integrations.moe import ExpertsInterface
+
+    register_hf_floor()
+    names = ["eager"] + [n for n in ExpertsInterface._global_mapping if n not in (KITTENMOE, FLOOR)]
+    return names + [KITTENMOE, FLOOR]
+
+
+def hf_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
+    return model(ids_BS, labels=ids_BS).loss
+
+
+# ---- the torchtitan stack -----------------------------------------------------------------------------------
+
+def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    if spec.titan_flavor is None:
+        raise NotImplementedError(f"torchtitan has no configuration of this model here (torchtitan builds "
+                                  f"{[n for n, m in MODELS.items() if m.titan_flavor]})")
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    cfg = qwen3_configs[spec.titan_flavor](attn_backend="flex")  # (its trainer's default; sdpa is refused)
+    cfg.layers = cfg.layers[:layers]
+    if device.type == "cpu":  # FlexAttention has no CPU backward: the CPU smoke run attends by causal SDPA
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        for layer in cfg.layers:
+            layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cfg.build()
+        model.init_states(buffer_device=device)
+    return model.to(dtype)
+
+
+class _TitanFloor(nn.Module):
+    """torchtitan's ``RoutedExperts`` computing nothing (the floor): see ``register_hf_floor``."""
+
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        e = self.inner_experts
+        touch = (e.w1_EFD[0, 0, 0] + e.w2_EDF[0, 0, 0] + e.w3_EFD[0, 0, 0]).to(x_BLD.dtype)
+        return x_BLD * 0 + touch * 0 + topk_scores_BLK.sum() * 0
+
+
+def titan_providers() -> list[str]:
+    return ["torchtitan", KITTENMOE, FLOOR]
+
+
+def apply_titan(model: nn.Module, provider: str) -> None:
+    if provider == KITTENMOE:
+        from kittenmoe.integrations.torchtitan import apply_kittenmoe, fuse_gate_up_storage
+
+        apply_kittenmoe(model)
+        fuse_gate_up_storage(model)  # (no FSDP here: w13 read in place, no gate|up copy per step)
+    elif provider == FLOOR:
+        from torchtitan.models.common.moe import RoutedExperts
+
+        for m in model.modules():
+            if isinstance(m, RoutedExperts):
+                m.__class__ = type("FloorRoutedExperts", (_TitanFloor, RoutedExperts), {})
+
+
+def titan_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
+    # positions and the causal document mask as torchtitan's trainer passes them (one document a row)
+    positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
+    flex = ids_BS.device.type != "cpu"
+    logits_BSV = model(ids_BS, positions_BS, model.get_attention_masks(positions_BS) if flex else None)
+    return F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
+
+
+
+def zipf_batches(n: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
+    """``n`` batches of token ids, Zipf(1) over the vocabulary from a fixed seed: a unigram distribution the
+    model learns within the first steps, so the loss curves move and a wrong implementation shows."""
+    p_V = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    return [torch.multinomial(p_V, batch * seq, replacement=True, generator=g).view(batch, seq) for _ in range(n)]
