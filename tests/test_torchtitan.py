@@ -154,6 +154,24 @@ def test_matches_torchtitan_bf16():
     _assert_matches(_step(swapped, x_BLD, d_out_BLD), want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["torch", "megakernel"])
+@pytest.mark.parametrize("fused", [
+    False,  # w13 = cat(w1, w3) in the graph
+    True,  # fuse_gate_up_storage: the as_strided view of the shared buffer, through its autograd.Function
+])
+def test_compiles_fullgraph(backend, fused):
+    """The swapped layer (router, kittenmoe experts, shared expert) under ``torch.compile(fullgraph=True)``: no
+    graph break, and output and every gradient equal the uncompiled swapped layer's."""
+    layer = _moe()
+    ktt.apply_kittenmoe(layer, ktt.Options(backend=backend))
+    if fused:
+        assert ktt.fuse_gate_up_storage(layer) == 1
+    x_BLD, d_out_BLD = _inputs()
+    want = _step(layer, x_BLD, d_out_BLD)
+    layer.compile(fullgraph=True, backend="aot_eager")  # (in place: the parameter names stay)
+    _assert_matches(_step(layer, x_BLD, d_out_BLD), want, torch.float32)
+
+
 def test_no_tokens(monkeypatch):
     """L = 0 (an empty micro-batch): [B, 0, H] out and zero gradients, as torchtitan gives."""
     layer = _moe()

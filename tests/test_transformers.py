@@ -96,6 +96,32 @@ def test_megakernel_backend_matches_eager_fp32():
         assert_close(grads_k[n], grads_e[n], torch.float32, f"d {n}")
 
 
+@pytest.mark.parametrize("backend", [
+    "torch",  # the torch backend's ops traced into the graph (its route check becomes an async assert)
+    "megakernel",  # the custom op with its fake impl (the Triton kernels under the interpreter on CPU)
+])
+def test_moe_block_compiles_fullgraph(backend):
+    """A Qwen3-MoE block (router + kittenmoe experts) under ``torch.compile(fullgraph=True)``: no graph break
+    in the integration, and output and input gradient equal the uncompiled block's."""
+    name = f"kittenmoe-{backend}"
+    try:
+        kt.register(kt.Options(backend=backend), name=name)
+        torch.manual_seed(0)
+        model = _qwen3_moe().float()
+        model.set_experts_implementation(name)
+        block = model.model.layers[0].mlp
+        x = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        want = block(x)
+        (want * x.detach()).sum().backward()
+        d_x_want, x.grad = x.grad, None
+        got = torch.compile(block, fullgraph=True, backend="aot_eager")(x)
+        (got * x.detach()).sum().backward()
+    finally:
+        transformers.integrations.moe.ExpertsInterface._global_mapping.pop(name, None)
+    assert_close(got.detach(), want.detach(), torch.float32, "out")
+    assert_close(x.grad, d_x_want, torch.float32, "d x")
+
+
 @pytest.mark.parametrize("scale_block", [
     128,  # DeepSeek-V3's 1 x 128 / 128 x 128 blocks
     32,  # MXFP8's 32-blocks with power-of-two scales (on FP8Config.tile_block_n's 128-wide tiles)

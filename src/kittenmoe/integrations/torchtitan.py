@@ -144,12 +144,17 @@ class _GateUpHalves(torch.autograd.Function):
         return d_w13_E2FD[:, :ctx.f], d_w13_E2FD[:, ctx.f:]
 
 
+@torch._dynamo.assume_constant_result
 def _halves_of_one_buffer(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor) -> bool:
+    # Dynamo cannot trace storage_offset or a storage's data_ptr: under torch.compile this runs once at trace
+    # time and the graph keeps its answer. A graph is re-traced when the weights' strides change (moving or
+    # sharding the parameters gives each its own contiguous storage), so a kept True outlives the shared buffer
+    # only if the parameters are re-pointed by hand at two storages with the same strides and offsets.
     e, f, d = w1_EFD.shape
     return (w3_EFD.shape == w1_EFD.shape and w3_EFD.dtype == w1_EFD.dtype and w3_EFD.device == w1_EFD.device
             and w1_EFD.stride() == (2 * f * d, d, 1) and w3_EFD.stride() == (2 * f * d, d, 1)
-            and w1_EFD.untyped_storage().data_ptr() == w3_EFD.untyped_storage().data_ptr()
-            and w3_EFD.storage_offset() == w1_EFD.storage_offset() + f * d)
+            and w3_EFD.storage_offset() == w1_EFD.storage_offset() + f * d
+            and w1_EFD.untyped_storage().data_ptr() == w3_EFD.untyped_storage().data_ptr())
 
 
 def gate_up_weight(w1_EFD: torch.Tensor, w3_EFD: torch.Tensor) -> torch.Tensor:
