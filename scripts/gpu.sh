@@ -13,6 +13,12 @@
 #                                         (the Triton forward's bits), then benchmarks/fwd_round.py timing it
 #                                         against the Triton forward in the same rounds (MODELS comma-separated,
 #                                         default kimi-k2.7,qwen3.5-397b-a17b); about 2 + 1 a model minutes
+#   bash scripts/gpu.sh train [MODEL]     benchmarks/train_step.py: whole training steps of MODEL (qwen3-30b-a3b,
+#                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
+#                                         implementation, at SEQ tokens (default 8192), STACK hf or torchtitan
+#                                         (default hf), COMPILE off, on or both (default off), PROVIDERS (comma list,
+#                                         default all); SonicMoE from a carried .sonic/sonic.tar.xz and torchtitan
+#                                         from a carried .titan/wheels (scripts/sonicmoe_wheels.sh, titan_wheels.sh)
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
@@ -36,7 +42,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|train)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -154,6 +160,26 @@ gluon)
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;
+train)
+  stamp="$OUT/.train-start"
+  touch "$stamp"
+  if [[ -f .sonic/sonic.tar.xz ]]; then
+    step train-sonic-setup 60 bash -c "bash scripts/sonicmoe_wheels.sh unpack > '$OUT/sonic-env.sh'"
+    # shellcheck disable=SC1091
+    [[ -s $OUT/sonic-env.sh ]] && . "$OUT/sonic-env.sh"
+    export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+  fi
+  if compgen -G ".titan/wheels/*.whl" > /dev/null; then
+    step train-titan-setup 60 bash -c "bash scripts/titan_wheels.sh unpack > '$OUT/titan-env.sh'"
+    # shellcheck disable=SC1091
+    [[ -s $OUT/titan-env.sh ]] && . "$OUT/titan-env.sh"
+  fi
+  m=${arg:-qwen3-30b-a3b}
+  step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
+    --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
+    --out "$RESULTS"
+  keep_rows "$stamp"
+  ;;
 ncu)
   m=${arg:-kimi-k2.7}
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
@@ -176,6 +202,7 @@ ncu)
 esac
 
 [[ $target == ncu ]] && cat "$OUT/ncu-summary.log"
+[[ $target == train ]] && sed -n '/^provider /,$p' "$OUT"/train-*-*.log
 if [[ $target == bench || $target == tune || $target == ep ]] && compgen -G "$OUT/results/*.json" > /dev/null; then
   echo
   rows_table "$OUT"/results/*.json

@@ -157,3 +157,27 @@ def test_rows_render_in_the_performance_table(tmp_path, monkeypatch):
     assert [ln.split(" | ")[4] for ln in lines] == ["grouped_mm", "kittenmoe", FLOOR + " (the floor)"]
     assert " 1.00x " in lines[0] and "`train-x.json`" in lines[1]
     assert table.render_hf() == ""
+
+
+def test_sonicmoe_from_pip_fills_transformers_kernel_slot(monkeypatch):
+    # offline, transformers' sonicmoe gets the pip wheel's entry points; without the wheel it says why
+    hf_sonic = pytest.importorskip("transformers.integrations.sonicmoe")
+    import kittenmoe.baselines_sonic as bs
+    from kittenmoe.bench import train_models
+
+    monkeypatch.setattr(hf_sonic, "_SONICMOE", None)
+
+    def missing():
+        raise ImportError("sonicmoe is not importable (ModuleNotFoundError)")
+
+    monkeypatch.setattr(bs, "import_sonicmoe", missing)
+    assert "not importable" in train_models.sonicmoe_from_pip()
+    assert hf_sonic._SONICMOE is None
+
+    def entry(*a, **kw):
+        return "ran"
+
+    monkeypatch.setattr(bs, "import_sonicmoe", lambda: (entry, "ActivationTypeEnum"))
+    assert train_models.sonicmoe_from_pip() is None
+    assert hf_sonic.load_sonicmoe_kernel().moe_general_routing_inputs is entry
+    assert hf_sonic._SONICMOE.activation_type_enum == "ActivationTypeEnum"

@@ -101,13 +101,42 @@ def register_hf_floor() -> None:
     ExpertsInterface.register(FLOOR, forward)
 
 
+def sonicmoe_from_pip() -> str | None:
+    """Point transformers' ``sonicmoe`` experts implementation at the pip sonic-moe; None when done, else why not.
+
+    transformers loads SonicMoE's kernels from the Hugging Face Hub (the ``kernels`` package) on the first call
+    and keeps them in ``transformers.integrations.sonicmoe._SONICMOE``; a GPU machine without a network has the
+    pip wheels instead (``scripts/sonicmoe_wheels.sh``), whose ``moe_general_routing_inputs`` and
+    ``ActivationType`` are the same entry points. Filling that slot with them leaves transformers' own glue
+    (``sonicmoe_experts_forward``: routing flattening, weight permutes, ``concat_layout``) to run as it is."""
+    from kittenmoe.baselines_sonic import import_sonicmoe
+
+    try:
+        moe_general_routing_inputs, activation_type = import_sonicmoe()
+        import transformers.integrations.sonicmoe as hf_sonic
+    except ImportError as e:
+        return str(e)
+    if not hasattr(hf_sonic, "SonicMoE") or not hasattr(hf_sonic, "_SONICMOE"):
+        return "this transformers keeps its SonicMoE kernels elsewhere (no integrations.sonicmoe._SONICMOE)"
+    if hf_sonic._SONICMOE is None:
+        hf_sonic._SONICMOE = hf_sonic.SonicMoE(activation_type_enum=activation_type,
+                                               moe_general_routing_inputs=moe_general_routing_inputs)
+    return None
+
+
 def hf_providers() -> list[str]:
     """Every experts implementation transformers has registered here (with its module's own loop, ``eager``),
-    kittenmoe's, and the floor."""
+    kittenmoe's, and the floor. transformers' ``sonicmoe`` gets the pip sonic-moe where it imports
+    (``sonicmoe_from_pip``)."""
     import kittenmoe.integrations.transformers  # noqa: F401  (registers "kittenmoe")
     from transformers.integrations.moe import ExpertsInterface
 
     register_hf_floor()
+    if "sonicmoe" in ExpertsInterface._global_mapping:
+        why = sonicmoe_from_pip()
+        if why is not None:
+            print(f"sonicmoe from the pip wheels: not set up ({why.split(';')[0]}); transformers loads its own",
+                  flush=True)
     names = ["eager"] + [n for n in ExpertsInterface._global_mapping if n not in (KITTENMOE, FLOOR)]
     return names + [KITTENMOE, FLOOR]
 
