@@ -181,3 +181,16 @@ def test_sonicmoe_from_pip_fills_transformers_kernel_slot(monkeypatch):
     assert train_models.sonicmoe_from_pip() is None
     assert hf_sonic.load_sonicmoe_kernel().moe_general_routing_inputs is entry
     assert hf_sonic._SONICMOE.activation_type_enum == "ActivationTypeEnum"
+
+
+def test_example_trains_each_implementation(capsys):
+    # examples/train_hf_moe.py: a line per implementation with tokens/s, and the same loss curve for each
+    spec = importlib.util.spec_from_file_location("train_hf_moe", ROOT / "examples" / "train_hf_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model", "tiny-deepseek-v3", "--device", "cpu", "--layers", "2", "--seq", "16",
+                     "--steps", "3", "--warmup", "1", "--impls", "grouped_mm,kittenmoe"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [ln.split()[0] for ln in lines] == ["grouped_mm", "kittenmoe"]
+    assert all(float(ln.split()[1]) > 0 and "tokens/s" in ln for ln in lines)
+    assert lines[0].split("loss")[1] == lines[1].split("loss")[1]  # (printed to 4 decimals)
