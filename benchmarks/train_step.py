@@ -15,8 +15,9 @@ Each provider builds the same weights from one seed and trains on the same batch
 ``--loss-steps`` steps whose losses are kept (every implementation must train the same model: the rows give each
 one's largest loss difference from the reference provider's, grouped_mm or torchtitan, beside eager's as the
 scale of bf16 noise), of which all after ``--warmup`` are timed with CUDA events (median). Providers run one
-after another, each model freed before the next, so the peak memory of a provider (``max_memory_allocated``
-from its build to its last step) is its own. One more step runs under ``torch.cuda.set_sync_debug_mode("warn")``
+after another, the floor first and last (the mean of the two is the floor), each model freed before the next
+(Dynamo reset too), so the peak memory of a provider (``max_memory_allocated`` from its build to its last step)
+is its own; the rows are rewritten after each provider. One more step runs under ``torch.cuda.set_sync_debug_mode("warn")``
 to count the host syncs a step makes; with ``--profile``, two more under ``torch.profiler`` give each row its
 heaviest GPU kernels. A provider that does not fit (out of memory) or cannot run here (a missing package, a CPU)
 gets a row saying so; kittenmoe failing for any other reason stops the run. Rows go to ``benchmarks/results/``
@@ -39,8 +40,9 @@ from typing import Callable
 import torch
 
 from kittenmoe.bench.environment import command_line, environment, now_iso
-from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, apply_titan, build_hf, build_titan,
-                                          hf_loss, hf_providers, titan_loss, titan_providers, zipf_batches)
+from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, adamw, apply_titan, build_hf,
+                                          build_titan, hf_loss, hf_providers, titan_loss, titan_providers,
+                                          zipf_batches)
 
 def count_syncs(step: Callable[[], None]) -> int:
     """Host syncs one call of ``step`` makes, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
@@ -80,8 +82,7 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             mem_before = torch.cuda.memory_allocated(device)
         if args.stack == "hf":
             model = build_hf(spec, args.layers, device, dtype)
-            if provider != "eager":
-                model.set_experts_implementation(provider)
+            model.set_experts_implementation(provider)  # (transformers' default is grouped_mm, not eager)
             loss_fn = hf_loss
         else:
             model = build_titan(spec, args.layers, device, dtype)
@@ -89,7 +90,7 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             loss_fn = titan_loss
         if compiled:
             model.compile()
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = adamw(model, args.lr)
 
         def step(ids_BS):
             loss = loss_fn(model, ids_BS)
@@ -134,6 +135,8 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
         row.update(status="cannot run", detail=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     finally:
         del model, opt
+        if compiled:  # the next provider's graphs start from nothing (no recompile limit shared across them)
+            torch._dynamo.reset()
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -141,18 +144,22 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
 
 
 def summarise(rows: list[dict], base: str) -> None:
-    """Ratios against the stack's reference provider and the best other one, the routed share from the floor,
-    and loss agreement against the reference (with eager's agreement, where it ran, as the bf16 noise scale)."""
+    """Ratios against the stack's reference provider and the best other one, the routed share from the floor
+    (the mean of its two runs, first and last, so that the GPU's drift over the run falls on both sides), and
+    loss agreement against the reference (eager's, where it ran, is the scale of bf16 noise)."""
     for compiled in (False, True):
-        group = {r["provider"]: r for r in rows if r["compiled"] == compiled and r["status"] == "ok"}
-        ref, floor = group.get(base), group.get(FLOOR)
-        for r in group.values():
+        ok = [r for r in rows if r["compiled"] == compiled and r["status"] == "ok"]
+        ref = next((r for r in ok if r["provider"] == base), None)
+        floors = [r["ms_median"] for r in ok if r["provider"] == FLOOR]
+        floor_ms = statistics.mean(floors) if floors else None
+        for r in ok:
             if ref is not None:
                 r["speedup_vs_" + base] = ref["ms_median"] / r["ms_median"]
                 n = min(len(r["losses"]), len(ref["losses"]))
                 r["loss_max_abs_diff_vs_" + base] = max(abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
-            if floor is not None and r is not floor:
-                r["ms_routed_experts"] = r["ms_median"] - floor["ms_median"]
+            if floor_ms is not None and r["provider"] != FLOOR:
+                r["ms_floor"] = floor_ms
+                r["ms_routed_experts"] = r["ms_median"] - floor_ms
                 r["routed_share"] = r["ms_routed_experts"] / r["ms_median"]
     others = [r for r in rows if r["status"] == "ok" and r["provider"] not in (KITTENMOE, FLOOR)]
     if others:
@@ -204,11 +211,27 @@ def main(argv: list[str] | None = None) -> int:
     batches = zipf_batches(args.loss_steps, args.batch, args.seq, spec.vocab)
     print(f"{args.stack} {args.model}: {args.layers} layers, {args.batch} x {args.seq} tokens a step, {dtype}, "
           f"providers {providers}, compile {args.compile}", flush=True)
+    stamp = dict(kind="train-step", stack=args.stack, model=args.model, layers=args.layers, batch=args.batch,
+                 seq=args.seq, tokens_per_step=args.batch * args.seq, dtype=str(dtype).removeprefix("torch."),
+                 h=spec.hidden, i=spec.moe_inter, e=spec.experts, k=spec.top_k, shared=spec.shared,
+                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, **environment(device),
+                 date=now_iso(), command=command_line(sys.argv if argv is None else ["benchmarks/train_step.py", *argv]))
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"train-{args.stack}-{args.model}-s{args.seq}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+    def write(rows: list[dict]) -> None:  # after every provider, so that a run cut short keeps what it measured
+        with open(path, "w") as f:
+            json.dump([dict(stamp, **r) for r in rows], f, indent=1)
+
+    # The floor runs first and last (the mean is the floor): the GPU warms over a run and its clock falls.
+    order = ([FLOOR] if FLOOR in providers else []) + [p for p in providers if p != FLOOR] + \
+        ([FLOOR] if FLOOR in providers else [])
     rows = []
     for compiled in modes:
-        for provider in providers:
+        for provider in order:
             row = run_provider(args, spec, provider, compiled, batches, device, dtype)
             rows.append(row)
+            write(rows)
             tag = provider + (" +compile" if compiled else "")
             if row["status"] != "ok":
                 print(f"{tag:<26} {row['status']}: {row.get('detail', '')}", flush=True)
@@ -217,16 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"peak {row.get('peak_mem_gib', math.nan):6.2f} GiB syncs {row.get('host_syncs_per_step', '-')} "
                       f"loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)
     summarise(rows, base)
-    stamp = dict(kind="train-step", stack=args.stack, model=args.model, layers=args.layers, batch=args.batch,
-                 seq=args.seq, tokens_per_step=args.batch * args.seq, dtype=str(dtype).removeprefix("torch."),
-                 h=spec.hidden, i=spec.moe_inter, e=spec.experts, k=spec.top_k, shared=spec.shared,
-                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, **environment(device),
-                 date=now_iso(), command=command_line(sys.argv if argv is None else ["benchmarks/train_step.py", *argv]))
+    write(rows)
     rows = [dict(stamp, **r) for r in rows]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"train-{args.stack}-{args.model}-s{args.seq}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    with open(path, "w") as f:
-        json.dump(rows, f, indent=1)
     print(f"\n{'provider':<26}{'ms/step':>10}{'tok/s':>10}{'x ' + base:>15}{'routed %':>10}{'loss diff':>11}")
     for r in rows:
         if r["status"] != "ok":

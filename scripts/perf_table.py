@@ -138,7 +138,7 @@ def render_train() -> str:
             head = (f"| {r['model']} | {r['stack']} | {r['layers']} | {r['batch']} x {r['seq']} | {tag} | "
                     f"{'yes' if r['compiled'] else 'no'} |")
             if r["status"] != "ok":
-                lines.append(head + f" {r['status']} |" + " |" * 7 + f" {r['gpu']} | {r['date'][:10]} | `{r['_file']}` |")
+                lines.append(head + f" {r['status']} |" + " |" * 6 + f" {r['gpu']} | {r['date'][:10]} | `{r['_file']}` |")
                 continue
             share = r.get("routed_share")
             lines.append(head + f" {r['ms_median']:.2f} | {r['tokens_per_s']:.0f} | "

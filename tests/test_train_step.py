@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kittenmoe.bench.train_models import FLOOR, MODELS, zipf_batches
+from kittenmoe.bench.train_models import FLOOR, MODELS, adamw, build_hf, hf_config, hf_loss, hf_providers, zipf_batches
 from kittenmoe.testing import assert_close
 
 pytest.importorskip("transformers")
@@ -42,13 +42,42 @@ def _by_provider(rows):
 
 
 def test_published_configs():
-    # the numbers the benchmark stands on, as the models' config.json files give them
-    m = MODELS["moonlight-16b-a3b"]
-    assert (m.hidden, m.moe_inter, m.experts, m.top_k, m.shared, m.layers, m.vocab) == (2048, 1408, 64, 6, 2, 27,
-                                                                                           163840)
-    q = MODELS["qwen3-30b-a3b"]
-    assert (q.hidden, q.moe_inter, q.experts, q.top_k, q.shared, q.layers, q.vocab) == (2048, 768, 128, 8, 0, 48,
-                                                                                           151936)
+    # the built transformers configs carry the published numbers (transformers takes unknown keys silently)
+    m = hf_config(MODELS["moonlight-16b-a3b"], 27)
+    assert (m.hidden_size, m.intermediate_size, m.moe_intermediate_size, m.num_hidden_layers, m.vocab_size) == (
+        2048, 11264, 1408, 27, 163840)
+    assert (m.n_routed_experts, m.num_experts_per_tok, m.n_shared_experts, m.first_k_dense_replace) == (64, 6, 2, 1)
+    assert (m.n_group, m.topk_group, m.routed_scaling_factor, m.norm_topk_prob) == (1, 1, 2.446, True)
+    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim) == (
+        512, None, 64, 128, 128)
+    assert (m.num_attention_heads, m.rope_parameters["rope_theta"], m.rms_norm_eps) == (16, 50000.0, 1e-5)
+    q = hf_config(MODELS["qwen3-30b-a3b"], 48)
+    assert (q.hidden_size, q.intermediate_size, q.moe_intermediate_size, q.num_hidden_layers, q.vocab_size) == (
+        2048, 6144, 768, 48, 151936)
+    assert (q.num_experts, q.num_experts_per_tok, q.norm_topk_prob, q.decoder_sparse_step, q.mlp_only_layers) == (
+        128, 8, True, 1, [])
+    assert (q.num_attention_heads, q.num_key_value_heads, q.head_dim) == (32, 4, 128)
+    assert (q.rope_parameters["rope_theta"], q.rms_norm_eps, q.tie_word_embeddings) == (1e6, 1e-6, False)
+
+
+def test_build_keeps_the_router_in_fp32():
+    # as from_pretrained loads it: DeepSeek-V3's router weight and correction bias stay fp32 in a bf16 model
+    model = build_hf(MODELS["tiny-deepseek-v3"], 2, torch.device("cpu"), torch.bfloat16)
+    gate = model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
+def test_floor_keeps_router_and_expert_gradients():
+    # the floor computes no routed expert, yet the router and the expert weights get gradients as in a real step
+    model = build_hf(MODELS["tiny-qwen3-moe"], 1, torch.device("cpu"), torch.float32)
+    hf_providers()  # (registers the floor)
+    model.set_experts_implementation(FLOOR)
+    ids = zipf_batches(1, 1, 8, 2048)[0]
+    hf_loss(model, ids).backward()
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate.weight.grad is not None and mlp.experts.gate_up_proj.grad is not None
+    assert mlp.experts.down_proj.grad.abs().sum() == 0  # (zero: nothing routed reached it)
 
 
 def test_zipf_batches_repeatable_and_in_range():
@@ -69,7 +98,8 @@ def test_hf_stack(tmp_path, model):
                  "--batch", "2", "--loss-steps", "4", "--warmup", "1",
                  "--providers", "eager,grouped_mm,kittenmoe," + FLOOR)
     by = _by_provider(rows)
-    assert list(by) == ["eager", "grouped_mm", "kittenmoe", FLOOR]
+    # the floor first and last (its mean is the floor), the others in between
+    assert [r["provider"] for r in rows] == [FLOOR, "eager", "grouped_mm", "kittenmoe", FLOOR]
     for r in rows:
         assert r["status"] == "ok", r
         assert len(r["losses"]) == 4 and len(r["ms_all"]) == 3 and r["ms_median"] > 0
@@ -124,7 +154,7 @@ def test_torchtitan_stack(tmp_path):
     rows = _rows(tmp_path, "--stack", "torchtitan", "--model", "tiny-qwen3-moe", "--layers", "1", "--seq", "8",
                  "--loss-steps", "3", "--warmup", "1")
     by = _by_provider(rows)
-    assert list(by) == ["torchtitan", "kittenmoe", FLOOR]
+    assert [r["provider"] for r in rows] == [FLOOR, "torchtitan", "kittenmoe", FLOOR]
     assert all(r["status"] == "ok" and r["stack"] == "torchtitan" for r in rows), rows
     # torchtitan's experts compute in bf16 whatever the parameters' dtype; kittenmoe here in fp32
     assert_close(torch.tensor(by["kittenmoe"]["losses"]), torch.tensor(by["torchtitan"]["losses"]), torch.bfloat16,
@@ -154,8 +184,11 @@ def test_rows_render_in_the_performance_table(tmp_path, monkeypatch):
     monkeypatch.setattr(table, "ROOT", str(tmp_path))
     text = table.render_train()
     lines = [ln for ln in text.splitlines() if ln.startswith("| tiny-deepseek-v3 |")]
-    assert [ln.split(" | ")[4] for ln in lines] == ["grouped_mm", "kittenmoe", FLOOR + " (the floor)"]
-    assert " 1.00x " in lines[0] and "`train-x.json`" in lines[1]
+    floor = FLOOR + " (the floor)"
+    assert [ln.split(" | ")[4] for ln in lines] == [floor, "grouped_mm", "kittenmoe", floor]
+    assert " 1.00x " in lines[1] and "`train-x.json`" in lines[2]
+    header = next(ln for ln in text.splitlines() if ln.startswith("| model |"))
+    assert all(ln.count("|") == header.count("|") for ln in lines)
     assert table.render_hf() == ""
 
 
@@ -194,3 +227,46 @@ def test_example_trains_each_implementation(capsys):
     assert [ln.split()[0] for ln in lines] == ["grouped_mm", "kittenmoe"]
     assert all(float(ln.split()[1]) > 0 and "tokens/s" in ln for ln in lines)
     assert lines[0].split("loss")[1] == lines[1].split("loss")[1]  # (printed to 4 decimals)
+
+
+def test_each_provider_runs_its_own_implementation(tmp_path, monkeypatch):
+    # transformers' default experts implementation is grouped_mm: the eager row must not run it
+    from transformers.integrations.moe import ExpertsInterface
+
+    calls = []
+    real = ExpertsInterface._global_mapping["grouped_mm"]
+    monkeypatch.setitem(ExpertsInterface._global_mapping, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    argv = ["--model", "tiny-deepseek-v3", "--seq", "8", "--loss-steps", "2", "--warmup", "1", "--providers"]
+    _rows(tmp_path / "eager", *argv, "eager")
+    assert not calls
+    _rows(tmp_path / "grouped", *argv, "grouped_mm")
+    assert calls
+
+
+def test_a_failed_row_renders_with_the_table_width(tmp_path, monkeypatch):
+    rows = [dict(kind="train-step", device="cuda", gpu="NVIDIA H200", stack="hf", model="m", seq=8, layers=1,
+                 batch=1, provider=p, compiled=False, status=st, date="2026-01-01T00:00:00", ms_median=1.0,
+                 tokens_per_s=8.0) for p, st in (("grouped_mm", "ok"), ("batched_mm", "out of memory"))]
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    (results / "train-y.json").write_text(json.dumps(rows))
+    spec = importlib.util.spec_from_file_location("perf_table", ROOT / "scripts" / "perf_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    monkeypatch.setattr(table, "ROOT", str(tmp_path))
+    lines = [ln for ln in table.render_train().splitlines() if ln.startswith("| m |") or ln.startswith("| model |")]
+    assert len({ln.count("|") for ln in lines}) == 1 and "out of memory" in lines[2]
+
+
+def test_adamw_keeps_non_dense_parameters_apart():
+    # fuse_gate_up_storage's halves are non-dense views: they get their own group (same hyperparameters)
+    pytest.importorskip("torchtitan")
+    from kittenmoe.integrations.torchtitan import fuse_gate_up_storage
+    from kittenmoe.bench.train_models import build_titan
+
+    model = build_titan(MODELS["tiny-qwen3-moe"], 1, torch.device("cpu"), torch.float32)
+    assert len(adamw(model, 1e-3).param_groups) == 1
+    assert fuse_gate_up_storage(model) == 1
+    opt = adamw(model, 1e-3)
+    assert [len(g["params"]) for g in opt.param_groups][1] == 2 and opt.param_groups[1]["lr"] == 1e-3
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))

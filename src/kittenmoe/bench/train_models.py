@@ -66,37 +66,46 @@ MODELS = {
 
 # ---- the Hugging Face stack ---------------------------------------------------------------------------------
 
-def build_hf(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def hf_config(spec: Model, layers: int):
+    """The transformers config of ``spec``, ``layers`` deep (transformers accepts unknown keys silently:
+    the tests check the built config's values)."""
     import transformers
 
     if spec.family == "deepseek_v3":
-        cfg = transformers.DeepseekV3Config(
+        return transformers.DeepseekV3Config(
             vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_inter,
             moe_intermediate_size=spec.moe_inter, num_hidden_layers=layers, first_k_dense_replace=spec.dense_layers,
             n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_shared_experts=spec.shared,
             num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, tie_word_embeddings=False,
             **dict(spec.hf_extra))
-        cls = transformers.DeepseekV3ForCausalLM
-    else:
-        cfg = transformers.Qwen3MoeConfig(
-            vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_inter,
-            moe_intermediate_size=spec.moe_inter, num_hidden_layers=layers, num_experts=spec.experts,
-            num_experts_per_tok=spec.top_k, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
-            head_dim=spec.head_dim, tie_word_embeddings=False, **dict(spec.hf_extra))
-        cls = transformers.Qwen3MoeForCausalLM
+    return transformers.Qwen3MoeConfig(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.dense_inter,
+        moe_intermediate_size=spec.moe_inter, num_hidden_layers=layers, num_experts=spec.experts,
+        num_experts_per_tok=spec.top_k, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim, tie_word_embeddings=False, **dict(spec.hf_extra))
+
+
+def build_hf(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model, initialised on ``device`` in ``dtype`` from seed 0, except the modules transformers keeps in
+    fp32 (DeepSeek-V3's router weight and score-correction bias), as ``from_pretrained`` would load them. Its
+    experts implementation is transformers' default until ``set_experts_implementation``."""
+    import transformers
+
+    cls = transformers.DeepseekV3ForCausalLM if spec.family == "deepseek_v3" else transformers.Qwen3MoeForCausalLM
     torch.manual_seed(0)
-    return cls(cfg).to(device, dtype)
+    with torch.device(device):
+        return cls._from_config(hf_config(spec, layers), dtype=dtype)
 
 
 def register_hf_floor() -> None:
     """The floor as an experts implementation: output ``hidden_states * 0``, with one element of each expert
-    weight joined (times 0) so the weights still get (zero) gradients and AdamW still updates them, as every
-    real implementation's step pays."""
+    weight and the router weights joined (times 0) so the expert weights and the router still get (zero)
+    gradients and AdamW still updates them, as every real implementation's step pays."""
     from transformers.integrations.moe import ExpertsInterface
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         touch = (self.gate_up_proj[0, 0, 0] + self.down_proj[0, 0, 0]).to(hidden_states.dtype)
-        return hidden_states * 0 + touch * 0
+        return hidden_states * 0 + touch * 0 + top_k_weights.sum().to(hidden_states.dtype) * 0
 
     ExpertsInterface.register(FLOOR, forward)
 
@@ -142,7 +151,17 @@ def hf_providers() -> list[str]:
 
 
 def hf_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
-    return model(ids_BS, labels=ids_BS).loss
+    return model(ids_BS, labels=ids_BS, use_cache=False).loss  # (a training step keeps no KV cache)
+
+
+def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, the contiguous ones in one group and the rest in another (same
+    hyperparameters, so the same math): a non-dense parameter (``fuse_gate_up_storage``'s halves of one
+    buffer) takes the whole group it is in off the foreach kernels' fast path."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.is_contiguous()]),
+              dict(params=[p for p in params if not p.is_contiguous()])]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
 # ---- the torchtitan stack -----------------------------------------------------------------------------------
@@ -164,7 +183,10 @@ def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dty
     with torch.device(device):
         model = cfg.build()
         model.init_states(buffer_device=device)
-    return model.to(dtype)
+    with torch.no_grad():  # the parameters in dtype; the buffers (the routers' token counts and bias) stay fp32
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return model
 
 
 class _TitanFloor(nn.Module):

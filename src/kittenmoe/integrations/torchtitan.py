@@ -236,7 +236,9 @@ def fuse_gate_up_storage(model: nn.Module) -> int:
     reads its ``w13`` in place instead of concatenating them every forward. Returns how many. Plain (not
     DTensor) parameters only; call it after the weights reach their device and dtype and before building the
     optimizer's state, and not with FSDP, which all-gathers each parameter into storage of its own. The
-    parameters become non-contiguous views; torchtitan's own forward still runs on them."""
+    parameters become non-contiguous views; torchtitan's own forward still runs on them. A foreach optimizer
+    (AdamW's default) runs a parameter group holding a non-dense tensor off its fast path, one kernel a tensor:
+    give these parameters a group of their own (``p.is_contiguous()`` tells them apart)."""
     count = 0
     for routed in _routed_experts(model):
         experts = routed.inner_experts
