@@ -167,7 +167,11 @@ train)
     step train-sonic-setup 60 bash -c "bash scripts/sonicmoe_wheels.sh unpack > '$OUT/sonic-env.sh'"
     # shellcheck disable=SC1091
     [[ -s $OUT/sonic-env.sh ]] && . "$OUT/sonic-env.sh"
-    export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+    # QuACK's autotuning results and compiled GEMMs: from a carried .sonic/quack-cache.tar.gz (sonic_check.sh
+    # packs one), and packed again into $OUT at the end
+    export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache QUACK_CACHE_AUTOTUNING=1
+    mkdir -p "$QUACK_CACHE_DIR"
+    [[ -f .sonic/quack-cache.tar.gz ]] && tar xzf .sonic/quack-cache.tar.gz -C "$QUACK_CACHE_DIR"
   fi
   if compgen -G ".titan/wheels/*.whl" > /dev/null; then
     step train-titan-setup 60 bash -c "bash scripts/titan_wheels.sh unpack > '$OUT/titan-env.sh'"
@@ -179,6 +183,7 @@ train)
     --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"
+  [[ -n ${QUACK_CACHE_DIR:-} && -d ${QUACK_CACHE_DIR:-} ]] && tar czf "$OUT/quack-cache.tar.gz" -C "$QUACK_CACHE_DIR" .
   ;;
 ncu)
   m=${arg:-kimi-k2.7}
