@@ -24,7 +24,8 @@
 # and its forward+backward compile apart), kittenmoe compiles its megakernels too. The whole run is held under
 # BUDGET seconds (default 560, inside a 600 s call): each step's time limit is the smaller of its own and what is
 # left, and a step that no longer fits is skipped, named in the summary. REPS (default 30) and WARMUP (default 3)
-# are bench's timed and warm-up runs of each provider.
+# are bench's timed and warm-up runs of each provider; BENCH_ARGS adds bench flags (e.g.
+# BENCH_ARGS="--config forward_kernel=gluon" times that kernel config against SonicMoE).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kittenmoe-out}
@@ -112,7 +113,8 @@ export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH}
 if [[ $STEPS == *bench* ]]; then
   for s in "${SHAPES[@]}"; do
     step "bench-${s//,/-}" "$STEP_LIMIT" python3 -m kittenmoe.cli bench --shape "$s" --ep 1 --mode both \
-      --baseline grouped_mm,sonicmoe --no-shared --reps "$REPS" --warmup "$WARMUP" --out "$rows_dir"
+      --baseline grouped_mm,sonicmoe --no-shared --reps "$REPS" --warmup "$WARMUP" --out "$rows_dir" \
+      ${BENCH_ARGS:-}
   done
 fi
 if [[ $STEPS == *profile* ]]; then
