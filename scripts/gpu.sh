@@ -17,11 +17,12 @@
 #                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
 #                                         implementation, at SEQ tokens (default 8192), STACK hf or torchtitan
 #                                         (default hf), COMPILE off, on or both (default off), PROVIDERS (comma list,
-#                                         default all); SonicMoE from a carried .sonic/sonic.tar.xz and torchtitan
-#                                         from a carried .titan/wheels (scripts/sonicmoe_wheels.sh, titan_wheels.sh)
+#                                         default all); SonicMoE from a carried .sonic/sonic.tar.xz
+#                                         (scripts/sonicmoe_wheels.sh)
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
+# Every target puts torchtitan's MoE modules on PYTHONPATH from a carried .titan/wheels (scripts/titan_wheels.sh).
 # MODEL is a seed shape: kimi-k2.7, deepseek-v4-pro, qwen3.5-397b-a17b, glm-5.2 (Qwen's slice takes 4,096 tokens,
 # the others 2,048: kittenmoe.config.SLICE_TOKENS). Environment:
 #   OUT       where every step writes <step>.log, and whatever else it produces (default /tmp/kittenmoe-out)
@@ -50,6 +51,10 @@ if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|train)$ ]]; then  # no target
 fi
 mkdir -p "$OUT" "$RESULTS"
 summary=()
+# torchtitan's MoE modules (the torchtitan tests and the train target's torchtitan stack), where carried
+if compgen -G ".titan/wheels/*.whl" > /dev/null; then
+  eval "$(bash scripts/titan_wheels.sh unpack 2> "$OUT/titan-setup.log")" || echo "torchtitan wheels: see $OUT/titan-setup.log"
+fi
 SEEDS=(kimi-k2.7 deepseek-v4-pro qwen3.5-397b-a17b glm-5.2)
 
 step() {  # step NAME SECONDS COMMAND...: COMMAND's output to $OUT/NAME.log, under a time limit
@@ -172,11 +177,6 @@ train)
     export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache QUACK_CACHE_AUTOTUNING=1
     mkdir -p "$QUACK_CACHE_DIR"
     [[ -f .sonic/quack-cache.tar.gz ]] && tar xzf .sonic/quack-cache.tar.gz -C "$QUACK_CACHE_DIR"
-  fi
-  if compgen -G ".titan/wheels/*.whl" > /dev/null; then
-    step train-titan-setup 60 bash -c "bash scripts/titan_wheels.sh unpack > '$OUT/titan-env.sh'"
-    # shellcheck disable=SC1091
-    [[ -s $OUT/titan-env.sh ]] && . "$OUT/titan-env.sh"
   fi
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
