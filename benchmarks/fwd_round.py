@@ -1,6 +1,7 @@
 """One device run for the forward megakernel: build, check, time; a short table last.
 
     PYTHONPATH=src python3 benchmarks/fwd_round.py [--shapes kimi-k2.7,...] [--tokens 2048] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/fwd_round.py --shapes 32768x4096x512x128x8   # T x H x I x E x K, no shared
 
 Checks every seed shape sliced to one EP8 rank (E_local = E/8, R=1) against
 the fp32 reference (relative L1 <= 1e-2) and for bitwise determinism, then
@@ -26,7 +27,7 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import measure_interleaved, parse_config_overrides
-from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, default_config
+from kittenmoe.config import KernelConfig, ModelShape, SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
@@ -62,14 +63,22 @@ class ForwardSlice:
 
 
 def forward_slice(name: str, ep: int, tokens: int, dev: torch.device) -> ForwardSlice:
-    """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: its SLICES count)."""
-    base = SEED_SHAPES[name]
-    L = base.e // ep
-    shape = base.with_(e=L, k=base.k)
-    T = tokens or SLICES[name]
+    """The slice of seed shape ``name`` at EP ``ep`` with ``tokens`` (0: its SLICES count), or, for a name
+    ``TxHxIxExK`` (e.g. 32768x4096x512x128x8, the fine-grained shape), that problem on one rank with no shared
+    expert (``ep`` and ``tokens`` do not apply)."""
+    if "x" in name:
+        T, h, i, L, k = (int(v) for v in name.split("x"))
+        shape = ModelShape(name, e=L, h=h, i=i, k=k)
+        shared = False
+    else:
+        base = SEED_SHAPES[name]
+        L = base.e // ep
+        shape = base.with_(e=L, k=base.k)
+        T = tokens or SLICES[name]
+        shared = True
     cfg = default_config(T, shape.h, shape.i, L, shape.k, device=dev)
     g = torch.Generator().manual_seed(0)
-    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g, shared=shared)
     x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
     ids, wts = routing_uniform(T, L, shape.k, generator=g, device=dev)
     return ForwardSlice(shape, L, T, cfg, w, x, ids, wts, LocalPeers(1, dev))

@@ -12,7 +12,9 @@
 #   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward (KernelConfig.forward_kernel="gluon"): its GPU tests
 #                                         (the Triton forward's bits), then benchmarks/fwd_round.py timing it
 #                                         against the Triton forward in the same rounds (MODELS comma-separated,
-#                                         default kimi-k2.7,qwen3.5-397b-a17b); about 2 + 1 a model minutes
+#                                         default kimi-k2.7, qwen3.5-397b-a17b and the fine-grained
+#                                         32768x4096x512x128x8, fwd_round's T x H x I x E x K form, no shared
+#                                         expert); about 2 + 1 a shape minutes
 #   bash scripts/gpu.sh train [MODEL]     benchmarks/train_step.py: whole training steps of MODEL (qwen3-30b-a3b,
 #                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
 #                                         implementation, at SEQ tokens (default 8192), STACK hf or torchtitan
@@ -160,7 +162,7 @@ gluon)
   stamp="$OUT/.gluon-start"
   touch "$stamp"
   step gluon-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd_gluon.py
-  step gluon-fwd 400 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b}" \
+  step gluon-fwd 400 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b,32768x4096x512x128x8}" \
     --config ";forward_kernel=gluon" --skip-check --reps 20 --out "$RESULTS"
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
