@@ -44,6 +44,7 @@ from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, adamw
                                           build_titan, hf_loss, hf_providers, titan_loss, titan_providers,
                                           zipf_batches)
 
+
 def count_syncs(step: Callable[[], None]) -> int:
     """Host syncs one call of ``step`` makes, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
     with warnings.catch_warnings(record=True) as caught:
