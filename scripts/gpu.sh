@@ -17,7 +17,8 @@
 #                                         expert); about 2 + 1 a shape minutes
 #   bash scripts/gpu.sh train [MODEL]     benchmarks/train_step.py: whole training steps of MODEL (qwen3-30b-a3b,
 #                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
-#                                         implementation, at SEQ tokens (default 8192), STACK hf or torchtitan
+#                                         implementation, BATCH sequences (default 1) of SEQ tokens (default
+#                                         8192), STACK hf or torchtitan
 #                                         (default hf), COMPILE off, on or both (default off), PROVIDERS (comma list,
 #                                         default all); SonicMoE from a carried .sonic/sonic.tar.xz
 #                                         (scripts/sonicmoe_wheels.sh)
@@ -182,7 +183,7 @@ train)
   fi
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
-    --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
+    --batch "${BATCH:-1}" --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"
   [[ -n ${QUACK_CACHE_DIR:-} && -d ${QUACK_CACHE_DIR:-} ]] && tar czf "$OUT/quack-cache.tar.gz" -C "$QUACK_CACHE_DIR" .
