@@ -126,8 +126,12 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             row["peak_mem_gib"] = (torch.cuda.max_memory_allocated(device) - mem_before) / 2**30
             ids = batches[0].to(device)
             row["host_syncs_per_step"] = count_syncs(lambda: step(ids))
-            if args.profile:
-                row["kernels"] = top_kernels(lambda: step(ids))
+            if args.profile:  # a profiler failure is the row's to report, not the run's to end
+                try:
+                    row["kernels"] = top_kernels(lambda: step(ids))
+                except RuntimeError as e:
+                    row["kernels_error"] = f"{type(e).__name__}: {e}"
+                    print(f"{provider}: the profile failed: {row['kernels_error']}", flush=True)
     except torch.OutOfMemoryError as e:
         row.update(status="out of memory", detail=str(e).splitlines()[0])
     except Exception as e:  # a provider that cannot run here: its row says why; ours may not fail
