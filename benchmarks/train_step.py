@@ -129,7 +129,7 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             if args.profile:  # a profiler failure is the row's to report, not the run's to end
                 try:
                     row["kernels"] = top_kernels(lambda: step(ids))
-                except RuntimeError as e:
+                except (RuntimeError, AttributeError) as e:  # (the profiler's, or its API in another torch)
                     row["kernels_error"] = f"{type(e).__name__}: {e}"
                     print(f"{provider}: the profile failed: {row['kernels_error']}", flush=True)
     except torch.OutOfMemoryError as e:
