@@ -41,8 +41,8 @@ import torch
 
 from kittenmoe.bench.environment import command_line, environment, now_iso
 from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, adamw, apply_titan, build_hf,
-                                          build_titan, hf_loss, hf_providers, titan_loss, titan_providers,
-                                          zipf_batches)
+                                          build_titan, hf_loss, hf_providers, titan_flavor, titan_loss,
+                                          titan_providers, zipf_batches)
 
 
 def count_syncs(step: Callable[[], None]) -> int:
@@ -201,9 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers = min(spec.layers, 4 if device.type == "cuda" else 2)
     if args.loss_steps <= args.warmup:
         ap.error(f"--loss-steps ({args.loss_steps}) must exceed --warmup ({args.warmup}) to time any step")
-    if args.stack == "torchtitan" and spec.titan_flavor is None:
-        raise NotImplementedError(f"torchtitan has no configuration of {args.model} here (--stack torchtitan runs "
-                                  f"{[n for n, m in MODELS.items() if m.titan_flavor]})")
+    if args.stack == "torchtitan":
+        titan_flavor(spec)  # (a model torchtitan has no configuration of fails here, before any row)
     providers = hf_providers() if args.stack == "hf" else titan_providers()
     if args.providers:
         asked = args.providers.split(",")
@@ -229,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump([dict(stamp, **r) for r in rows], f, indent=1)
 
     # The floor runs first and last (the mean is the floor): the GPU warms over a run and its clock falls.
-    order = ([FLOOR] if FLOOR in providers else []) + [p for p in providers if p != FLOOR] + \
-        ([FLOOR] if FLOOR in providers else [])
+    floor = [FLOOR] if FLOOR in providers else []
+    order = floor + [p for p in providers if p != FLOOR] + floor
     rows = []
     for compiled in modes:
         for provider in order:
@@ -246,7 +245,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"loss {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f}", flush=True)
     summarise(rows, base)
     write(rows)
-    rows = [dict(stamp, **r) for r in rows]
     print(f"\n{'provider':<26}{'ms/step':>10}{'tok/s':>10}{'x ' + base:>15}{'routed %':>10}{'loss diff':>11}")
     for r in rows:
         if r["status"] != "ok":

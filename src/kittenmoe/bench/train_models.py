@@ -166,13 +166,19 @@ def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
 
 # ---- the torchtitan stack -----------------------------------------------------------------------------------
 
-def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def titan_flavor(spec: Model) -> str:
+    """torchtitan's registry flavor of ``spec``; NotImplementedError naming the models torchtitan builds here."""
     if spec.titan_flavor is None:
         raise NotImplementedError(f"torchtitan has no configuration of this model here (torchtitan builds "
                                   f"{[n for n, m in MODELS.items() if m.titan_flavor]})")
+    return spec.titan_flavor
+
+
+def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    flavor = titan_flavor(spec)
     from torchtitan.models.qwen3 import qwen3_configs
 
-    cfg = qwen3_configs[spec.titan_flavor](attn_backend="flex")  # (its trainer's default; sdpa is refused)
+    cfg = qwen3_configs[flavor](attn_backend="flex")  # (its trainer's default; sdpa is refused)
     cfg.layers = cfg.layers[:layers]
     if device.type == "cpu":  # FlexAttention has no CPU backward: the CPU smoke run attends by causal SDPA
         from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -222,7 +228,6 @@ def titan_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
     flex = ids_BS.device.type != "cpu"
     logits_BSV = model(ids_BS, positions_BS, model.get_attention_masks(positions_BS) if flex else None)
     return F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
-
 
 
 def zipf_batches(n: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]:
