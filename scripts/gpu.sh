@@ -174,19 +174,14 @@ train)
   if [[ -f .sonic/sonic.tar.xz ]]; then
     step train-sonic-setup 60 bash -c "bash scripts/sonicmoe_wheels.sh unpack > '$OUT/sonic-env.sh'"
     # shellcheck disable=SC1091
-    [[ -s $OUT/sonic-env.sh ]] && . "$OUT/sonic-env.sh"
-    # QuACK's autotuning results and compiled GEMMs: from a carried .sonic/quack-cache.tar.gz (sonic_check.sh
-    # packs one), and packed again into $OUT at the end
-    export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache QUACK_CACHE_AUTOTUNING=1
-    mkdir -p "$QUACK_CACHE_DIR"
-    [[ -f .sonic/quack-cache.tar.gz ]] && tar xzf .sonic/quack-cache.tar.gz -C "$QUACK_CACHE_DIR"
+    [[ -s $OUT/sonic-env.sh ]] && . "$OUT/sonic-env.sh"  # (with QuACK's caches: packed again at the end)
   fi
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
     --batch "${BATCH:-1}" --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"
-  [[ -n ${QUACK_CACHE_DIR:-} && -d ${QUACK_CACHE_DIR:-} ]] && tar czf "$OUT/quack-cache.tar.gz" -C "$QUACK_CACHE_DIR" .
+  [[ -n ${QUACK_CACHE_DIR:-} ]] && bash scripts/sonicmoe_wheels.sh pack-cache "$OUT"
   ;;
 ncu)
   m=${arg:-kimi-k2.7}

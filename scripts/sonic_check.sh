@@ -17,7 +17,8 @@
 # STEP_LIMIT (seconds a step, default 240) narrow a run: on the H200 all three shapes' bench steps once ran past
 # 240 s each, so one shape a call (SHAPES=2048,7168,2048,48,8 STEP_LIMIT=500) is the safer start. Logs and the profiles' JSON go
 # to $OUT/logs and are packed into $OUT/logs.tar.gz at the end (a device call brings back 8 files), QuACK's cache
-# into $OUT/quack-cache.tar.gz (carry it back as .sonic/quack-cache.tar.gz: see below); then rows.json
+# into $OUT/quack-cache.tar.gz (carry it back as .sonic/quack-cache.tar.gz: scripts/sonicmoe_wheels.sh says why);
+# then rows.json
 # (every bench row) and, printed last, a short table: the rows, then each step's exit status, time and last line.
 #
 # Time: SonicMoE compiles and autotunes its GEMMs on each shape's first call (50-90 s a shape; its forward alone
@@ -39,16 +40,8 @@ export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (one GPU here; kept as on every device command)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # SonicMoE's compile caches in /tmp; QuACK compiles its autotuning candidates in worker processes, one per core
-export QUACK_CACHE_DIR=/tmp/quack-cache TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+# (their caches, and a carried .sonic/quack-cache.tar.gz in them, come from scripts/sonicmoe_wheels.sh unpack)
 export QUACK_COMPILE_WORKERS=${QUACK_COMPILE_WORKERS:-$(nproc)}
-# QuACK keeps each GEMM's autotuning result (and its compiled objects) in QUACK_CACHE_DIR. Every GEMM of each
-# pass autotunes apart on a fresh machine, which is where the first calls' minutes go: the run packs the cache
-# into $OUT/quack-cache.tar.gz, and a copy carried back as .sonic/quack-cache.tar.gz starts the next run warm
-# (the same GPU model and versions; QuACK's cache keys hold its version and each config).
-export QUACK_CACHE_AUTOTUNING=1
-if [[ -f .sonic/quack-cache.tar.gz ]]; then
-  mkdir -p "$QUACK_CACHE_DIR" && tar xzf .sonic/quack-cache.tar.gz -C "$QUACK_CACHE_DIR"
-fi
 # QuACK prints each autotuning step (configs pre-compiled, timed, chosen): where a long first call goes
 export QUACK_PRINT_AUTOTUNING=${QUACK_PRINT_AUTOTUNING:-1}
 LOG=$OUT/logs
@@ -123,10 +116,7 @@ if [[ $STEPS == *profile* ]]; then
   done
 fi
 tar czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOG"
-if [[ -d $QUACK_CACHE_DIR ]]; then
-  tar czf "$OUT/quack-cache.tar.gz" -C "$QUACK_CACHE_DIR" . && echo "QuACK cache: $(du -sh "$QUACK_CACHE_DIR" | cut -f1)" \
-    "-> $OUT/quack-cache.tar.gz ($(du -h "$OUT/quack-cache.tar.gz" | cut -f1))"
-fi
+bash scripts/sonicmoe_wheels.sh pack-cache "$OUT"
 
 python3 - "$rows_dir" "$OUT/rows.json" <<'EOF'
 import json

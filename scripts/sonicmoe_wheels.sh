@@ -9,7 +9,16 @@
 #                                            on the GPU machine: extract .sonic/sonic.tar.xz into .sonic/site and
 #                                            export PYTHONPATH (the folder, then its nvidia_cutlass_dsl/
 #                                            python_packages, which the wheel's .pth file would add in a
-#                                            site-packages but not on PYTHONPATH); messages go to stderr
+#                                            site-packages but not on PYTHONPATH) and QuACK's caches (below);
+#                                            messages go to stderr
+#   bash scripts/sonicmoe_wheels.sh pack-cache DIR
+#                                            on the GPU machine, after SonicMoE ran: QuACK's cache into
+#                                            DIR/quack-cache.tar.gz (carry it back as .sonic/quack-cache.tar.gz)
+#
+# QuACK keeps each GEMM's autotuning result and compiled objects in QUACK_CACHE_DIR (QUACK_CACHE_AUTOTUNING=1).
+# On a fresh machine every GEMM of each SonicMoE pass compiles its candidates and times them on its first call,
+# which is where the first calls' minutes go; unpack fills the cache from a carried .sonic/quack-cache.tar.gz
+# (the same GPU model and versions: QuACK's cache keys hold its version and each config).
 #
 # Pinned: sonic-moe 0.1.2.post1 (kittenmoe.baselines_sonic is written against it), quack-kernels 0.3.11,
 # nvidia-cutlass-dsl and nvidia-cutlass-dsl-libs-base 4.4.2, cuda-python and cuda-bindings 13.0.3, cuda-pathfinder,
@@ -84,10 +93,26 @@ unpack() {
     echo "unpacked $ARCHIVE into $site" >&2
   fi
   echo "export PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages\${PYTHONPATH:+:\$PYTHONPATH}"
+  local cache=${QUACK_CACHE_DIR:-/tmp/quack-cache}
+  mkdir -p "$cache"
+  if [[ -f $DIR/quack-cache.tar.gz ]]; then
+    tar xzf "$DIR/quack-cache.tar.gz" -C "$cache"
+    echo "QuACK's cache from $DIR/quack-cache.tar.gz into $cache" >&2
+  fi
+  echo "export QUACK_CACHE_DIR=$cache TVM_FFI_CACHE_DIR=\${TVM_FFI_CACHE_DIR:-/tmp/tvm-ffi-cache} QUACK_CACHE_AUTOTUNING=1"
+}
+
+pack_cache() {
+  local out=${1:?usage: sonicmoe_wheels.sh pack-cache DIR}
+  local cache=${QUACK_CACHE_DIR:-/tmp/quack-cache}
+  [[ -d $cache ]] || return 0
+  tar czf "$out/quack-cache.tar.gz" -C "$cache" .
+  echo "QuACK cache: $(du -sh "$cache" | cut -f1) -> $out/quack-cache.tar.gz ($(du -h "$out/quack-cache.tar.gz" | cut -f1))"
 }
 
 case ${1:-} in
   pack) pack ;;
   unpack) unpack ;;
+  pack-cache) pack_cache "${2:-}" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; [[ -z ${1:-} ]] || exit 2 ;;
 esac
