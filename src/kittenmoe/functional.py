@@ -34,6 +34,13 @@ def check_backend(backend: str) -> str:
     return backend
 
 
+def check_config(config: KernelConfig | None, name: str = "config") -> KernelConfig | None:
+    """``config`` if it is a ``KernelConfig`` or None, else TypeError naming the argument ``name``."""
+    if config is not None and not isinstance(config, KernelConfig):
+        raise TypeError(f"{name} must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+    return config
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The backend ``backend`` means for tensors on ``device`` ("auto" resolved)."""
     check_backend(backend)
@@ -99,8 +106,7 @@ def moe(
     and data gradients; weight gradients reach the bf16 weights passed here). Needs H and I multiples of 128.
     """
     check_backend(backend)
-    if config is not None and not isinstance(config, KernelConfig):
-        raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+    check_config(config)
     if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
                                      or not swiglu_limit > 0):
         raise ValueError(f"swiglu_limit must be a positive number or None, got {swiglu_limit!r}")

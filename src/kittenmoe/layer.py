@@ -29,7 +29,7 @@ from torch import nn
 from kittenmoe import launch_common
 from kittenmoe.autoconfig import auto_config
 from kittenmoe.config import KernelConfig, ModelShape
-from kittenmoe.functional import Backend, moe, resolve_backend
+from kittenmoe.functional import Backend, check_config, moe, resolve_backend
 from kittenmoe.checks import canonical_device
 from kittenmoe.reference import route
 
@@ -96,8 +96,7 @@ class MoELayer(nn.Module):
             if shape.h % 128 or shape.i % 128:
                 raise ValueError(f"MoELayer: fp8 needs H and I multiples of 128 (the scale block), got H={shape.h}, "
                                  f"I={shape.i}")
-        if config is not None and not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a kittenmoe.KernelConfig or None, got {type(config).__name__}")
+        check_config(config)
         device = torch.device("cpu") if device is None else canonical_device(device)
         check_backend_runs(backend, device)
         self.shape = shape

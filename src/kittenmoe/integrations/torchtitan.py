@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from kittenmoe.config import KernelConfig
-from kittenmoe.functional import Backend, check_backend, moe
+from kittenmoe.functional import Backend, check_backend, check_config, moe
 
 try:
     import spmd_types as _spmd
@@ -80,9 +80,7 @@ class Options:
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
-        if self.config is not None and not isinstance(self.config, KernelConfig):
-            raise TypeError(f"Options.config must be a kittenmoe.KernelConfig or None, got "
-                            f"{type(self.config).__name__}")
+        check_config(self.config, "Options.config")
 
 
 def _refuse(routed: nn.Module, missing: list[str]) -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config
-from kittenmoe.functional import Backend, check_backend, moe, resolve_backend
+from kittenmoe.functional import Backend, check_backend, check_config, moe, resolve_backend
 from kittenmoe.autoconfig import auto_config
 
 IMPLEMENTATION_NAME = "kittenmoe"
@@ -49,9 +49,7 @@ class Options:
 
     def __post_init__(self) -> None:
         check_backend(self.backend)
-        if self.config is not None and not isinstance(self.config, KernelConfig):
-            raise TypeError(f"Options.config must be a kittenmoe.KernelConfig or None, got "
-                            f"{type(self.config).__name__}")
+        check_config(self.config, "Options.config")
         if not isinstance(self.knobs, tuple) or not all(isinstance(k, tuple) and len(k) == 2 for k in self.knobs):
             raise TypeError(f"Options.knobs must be a tuple of (KernelConfig field, value) pairs, got {self.knobs!r}")
         KernelConfig().with_(**dict(self.knobs))  # unknown fields and bad values fail here, not at the first call
