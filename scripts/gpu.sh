@@ -164,7 +164,7 @@ gluon)
   touch "$stamp"
   step gluon-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd_gluon.py
   step gluon-fwd 400 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b,32768x4096x512x128x8}" \
-    --config ";forward_kernel=gluon;forward_kernel=gluon-gather" --skip-check --reps 20 --out "$RESULTS"
+    --config ";forward_kernel=gluon;forward_kernel=gluon-gather;forward_kernel=gluon-stagger" --skip-check --reps 20 --out "$RESULTS"
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;
