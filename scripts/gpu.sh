@@ -165,9 +165,14 @@ gluon)
   touch "$stamp"
   # each form's bit tests apart (a form that hangs its GPU is stopped by its own limit), then the timing of the
   # Triton forward against the forms whose tests passed, in the same rounds
+  # (FORMS: test id:forward_kernel pairs; TIMING_ONLY=1 skips the tests and times every form, for a second call)
   configs=""
-  for form in pull:gluon gather:gluon-gather stagger:gluon-stagger; do
-    step "gluon-tests-${form%%:*}" 150 python3 -m pytest -v -p no:cacheprovider -m gpu \
+  for form in ${FORMS:-pull:gluon gather:gluon-gather stagger:gluon-stagger}; do
+    if [[ ${TIMING_ONLY:-0} == 1 ]]; then
+      configs+=";forward_kernel=${form#*:}"
+      continue
+    fi
+    step "gluon-tests-${form%%:*}" 170 python3 -m pytest -v -p no:cacheprovider -m gpu \
       tests/test_megakernel_fwd_gluon.py -k "${form%%:*}"
     grep -q " passed" "$OUT/gluon-tests-${form%%:*}.log" && ! grep -q " failed\|(stopped by" \
       "$OUT/gluon-tests-${form%%:*}.log" && configs+=";forward_kernel=${form#*:}"
