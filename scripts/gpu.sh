@@ -9,8 +9,9 @@
 #                                         examples/ep_layer.py, then kittenmoe bench --ep 8 --mode both; one process
 #                                         a GPU, or with a single GPU two processes sharing it
 #                                         (KITTENMOE_EP_SHARE_GPU=1: a smoke test of the path, not a measurement)
-#   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward (KernelConfig.forward_kernel="gluon"): its GPU tests
-#                                         (the Triton forward's bits), then benchmarks/fwd_round.py timing it
+#   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward's forms (KernelConfig.forward_kernel "gluon",
+#                                         "gluon-gather", "gluon-stagger"): each one's GPU tests (the Triton
+#                                         forward's bits), then benchmarks/fwd_round.py timing those that passed
 #                                         against the Triton forward in the same rounds (MODELS comma-separated,
 #                                         default kimi-k2.7, qwen3.5-397b-a17b and the fine-grained
 #                                         32768x4096x512x128x8, fwd_round's T x H x I x E x K form, no shared
@@ -162,9 +163,22 @@ ep)
 gluon)
   stamp="$OUT/.gluon-start"
   touch "$stamp"
-  step gluon-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_fwd_gluon.py
-  step gluon-fwd 400 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b,32768x4096x512x128x8}" \
-    --config ";forward_kernel=gluon" --skip-check --reps 20 --out "$RESULTS"
+  # each form's bit tests apart (a form that hangs its GPU is stopped by its own limit), then the timing of the
+  # Triton forward against the forms whose tests passed, in the same rounds
+  # (FORMS: test id:forward_kernel pairs; TIMING_ONLY=1 skips the tests and times every form, for a second call)
+  configs=""
+  for form in ${FORMS:-pull:gluon gather:gluon-gather stagger:gluon-stagger}; do
+    if [[ ${TIMING_ONLY:-0} == 1 ]]; then
+      configs+=";forward_kernel=${form#*:}"
+      continue
+    fi
+    step "gluon-tests-${form%%:*}" 170 python3 -m pytest -v -p no:cacheprovider -m gpu \
+      tests/test_megakernel_fwd_gluon.py -k "${form%%:*}"
+    grep -q " passed" "$OUT/gluon-tests-${form%%:*}.log" && ! grep -q " failed\|(stopped by" \
+      "$OUT/gluon-tests-${form%%:*}.log" && configs+=";forward_kernel=${form#*:}"
+  done
+  step gluon-fwd 300 python3 benchmarks/fwd_round.py --shapes "${arg:-kimi-k2.7,qwen3.5-397b-a17b,32768x4096x512x128x8}" \
+    --config "$configs" --skip-check --reps 20 --out "$RESULTS"
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;

@@ -17,11 +17,12 @@ from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, 
 # the one-rank default the Gluon kernel runs (default_config's on an H200), Triton and Gluon
 ONE_RANK = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, tile_group_m=-1)
 GLUON = ONE_RANK.with_(forward_kernel="gluon")
+GATHER = ONE_RANK.with_(forward_kernel="gluon-gather")
 
 
 def test_config_names_the_forward_kernel():
     assert KernelConfig().forward_kernel == "triton"
-    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon'"):
+    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon', 'gluon-gather', 'gluon-stagger'"):
         KernelConfig(forward_kernel="cuda")
 
 
@@ -32,6 +33,7 @@ def test_config_names_the_forward_kernel():
     (dict(trace=True), "no trace"),  # the profiling build
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
+    (dict(config=GATHER.with_(num_stages=2)), "3-4 stages"),  # the gathering form's late signal needs 3 stages
     (dict(i=192), "multiples of 128"),  # an expert width off the 128-column tile
     (dict(h=384), "H of 256"),  # a hidden width off the 256-column down tile
     (dict(s=64), "multiples of 128"),  # a shared width off the tile
@@ -82,9 +84,15 @@ GPU_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward needs a Hopper GPU")
+@pytest.mark.parametrize("config", [
+    GLUON,  # every program pulls its share of the routed rows first, a 1-warp TMA producer, 3 stages
+    GATHER,  # the producer gathers each tile's rows from x (4 warps, cp.async), 4 stages and one store buffer
+    GATHER.with_(num_stages=3),  # the gathering form's shallowest ring, two store buffers a group
+    GATHER.with_(forward_kernel="gluon-stagger"),  # math group 1 two ring uses behind group 0
+], ids=["pull", "gather", "gather-3-stages", "stagger"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_gluon_forward_matches_triton_bits(case, keep, cuda_cleanup, monkeypatch):
+def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup, monkeypatch):
     """The output, and with kept activations the fp32 gate|up and routed x rows, equal the Triton megakernel's bit
     for bit; the output is within the bf16 tolerance of the fp32 reference; two Gluon runs give the same bits.
     Scratch starts NaN (``nan_scratch``), so a row the kernel leaves unwritten shows."""
@@ -104,7 +112,7 @@ def test_gpu_gluon_forward_matches_triton_bits(case, keep, cuda_cleanup, monkeyp
     tri.check_errors()
     runs = []
     for _ in range(2):
-        glu = megakernel_forward_multirank(*args, config=GLUON, save_for_backward=keep)
+        glu = megakernel_forward_multirank(*args, config=config, save_for_backward=keep)
         glu.check_errors()
         runs.append(glu)
     ref = moe_reference(x, ids, wts.float(), w13, w2, sw13, sw2, sh.swiglu_limit, compute_dtype=torch.float32)

@@ -95,6 +95,11 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
         return "it records no trace"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
         return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
+    if config.forward_kernel in ("gluon-gather", "gluon-stagger") and config.num_stages < 3:
+        # the producer signals a stage's gathered rows one K step late, after it has waited for the stage it
+        # fills next: with 2 stages that stage is the one the math groups release only once they have the late
+        # signal, and the ring deadlocks
+        return f"its ring is 3-4 stages deep (num_stages={config.num_stages})"
     if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
         return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
                 f"{config.block_k})")
@@ -275,15 +280,16 @@ def launch_rank_forward(
             **meta,
         )
 
-    if config.forward_kernel == "gluon":
+    if config.forward_kernel in ("gluon", "gluon-gather", "gluon-stagger"):
+        knob = f"forward_kernel={config.forward_kernel!r}"
         why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace)
         if interp:
             why = "Gluon kernels do not run under the Triton interpreter"
         if why is not None:
-            raise NotImplementedError(f"KernelConfig.forward_kernel='gluon': {why}; set forward_kernel='triton'")
-        lc.check_gluon_device(dev, "forward_kernel='gluon'", "forward_kernel='triton'")
+            raise NotImplementedError(f"KernelConfig.{knob}: {why}; set forward_kernel='triton'")
+        lc.check_gluon_device(dev, knob, "forward_kernel='triton'")
         if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
-            raise NotImplementedError("KernelConfig.forward_kernel='gluon' runs every role in one launch")
+            raise NotImplementedError(f"KernelConfig.{knob} runs every role in one launch")
         st.compiled = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2, has_shared,
                                     swiglu_limit, config, max_spin, T, H, I, S, K, L)
         return st
@@ -333,6 +339,8 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     sw13_d = desc(sw13, [bn, bk]) if has_shared else w13
     sw2_d = desc(sw2, [bn, bk]) if has_shared else w2
     save_gu = st.gate_up is not None
+    gather = config.forward_kernel in ("gluon-gather", "gluon-stagger")
+    stagger = 2 if config.forward_kernel == "gluon-stagger" else 0
     grid = (lc.num_programs(x_TH.device, 0),)
     return mkg.forward_kernel[grid](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
@@ -346,6 +354,10 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
         ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
+        # gather: the ring's depth is num_stages (3 or 4); 4 x 48 KB leave room for one 16 KB store buffer a math
+        # group. The pull form keeps its 3 stages and two buffers a group.
+        **(dict(STAGES=min(config.num_stages, 4), ONE_BUF=config.num_stages >= 4, GATHER=True) if gather
+           else dict(STAGES=3, ONE_BUF=False, GATHER=False)), STAGGER=stagger,
         num_warps=4, maxnreg=168,
     )
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
 from kittenmoe.kernels.megakernel_fwd import _mb_rows, _tile_rc
 
 HALF = gl.constexpr(64)  # rows of a tile one math group owns (one m64 wgmma); a tile is 2 * HALF = 128 rows
-STAGES = gl.constexpr(3)  # 3 x 48 KB of operands + 4 x 16 KB of store buffers = 208 KB of the 227 KB (4 stages would not fit)
 BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)  # the tile: 128 rows x (128 gate + 128 up) or x 256 down columns, 64-deep K steps
 
 # tile kinds, as _decode returns them
@@ -153,8 +153,11 @@ def _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr, expert_offs
 
 
 @gluon.jit
-def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty):
-    """Producer: the tile's K steps into the ring, ``it`` counting ring uses over the whole launch."""
+def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER: gl.constexpr):
+    """Producer: the tile's K steps into the ring, ``it`` counting ring uses over the whole launch. With GATHER
+    the ring's ``ready`` barriers count two arrivals (the TMA bytes' and the gathered rows'): a tile loaded
+    whole through TMA gives the second at once."""
+    STAGES: gl.constexpr = a_s.shape[0]
     for k in range(ks):
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -162,27 +165,82 @@ def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, em
         tma.async_copy_global_to_shared(a_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
         tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
         tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
+        if GATHER:
+            mbarrier.arrive(ready.index(st), count=1)
         it += 1
     return it
 
 
 @gluon.jit
-def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr):
+def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_row, b0, b1, ks, it,
+                 a_s, b0_s, b1_s, ready, empty):
+    """Producer (4 warps), a routed gate|up tile with GATHER: its A rows straight from x (row t of route
+    t*K + j; padding rows zero) by cp.async, 16-byte vectors, one K step in flight behind the one issued; the
+    weight tiles through TMA. Each stage's second ``ready`` arrival comes once every producer thread's copies
+    of it are complete and fenced for the async proxy (the wgmmas read shared memory through it)."""
+    STAGES: gl.constexpr = a_s.shape[0]
+    # [32, 32] a pass with 4 warps, 8 vectors a thread. (The warps are the context's: the 1-warp producer of the
+    # pull form traces this too, never running it.)
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+    rows = a_row + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    pr = gl.load(peer_rank_ptr + rows, mask=rows < num_rows, other=-1)
+    pt = gl.load(peer_tok_ptr + rows, mask=rows < num_rows, other=0)
+    ok = (pr >= 0)[:, None]
+    base = x_ptr + ((pt // K).to(gl.int64) * H)[:, None] + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))[None, :]
+    for k in range(ks):
+        st = it % STAGES
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), 2 * b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
+        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
+        async_copy.async_copy_global_to_shared(a_s.index(st), base + k * BK, mask=ok)
+        async_copy.commit_group()
+        if k > 0:
+            async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
+            fence_async_shared()
+            gl.thread_barrier()  # ... and every producer thread's
+            mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
+        it += 1
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+    return it
+
+
+@gluon.jit
+def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, go, ARRIVE_AT,
+              store_a=False, xr_desc=None, a_row=0):
     """One math group's two accumulators over the tile's K steps: rows ROWS0.. of A against both weight tiles,
     one step's wgmmas in flight; a stage goes back to the producer (``empty``, count 2: both groups read it) once
-    the wgmmas that read it are done."""
+    the wgmmas that read it are done. ``store_a`` (GATHER, kept activations, the row tile's first column tile):
+    each step's whole A block also goes to x_routed by a TMA store, which must have read the stage before it
+    goes back. ``ARRIVE_AT`` > 0 (stagger, math group 0): ``go`` gets its one arrival as the group reaches that
+    ring use, which lets math group 1 start."""
+    STAGES: gl.constexpr = a_s.shape[0]
     acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     for k in range(ks):
         st = it % STAGES
+        if ARRIVE_AT > 0:
+            mbarrier.arrive(go, count=1, pred=it == ARRIVE_AT)
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if xr_desc is not None:
+            if store_a:
+                tma.async_copy_shared_to_global(xr_desc, [a_row, k * BK], a_s.index(st))
         a = a_s.index(st).slice(ROWS0, HALF)
         acc0 = warpgroup_mma(a, b0_s.index(st).permute((1, 0)), acc0, is_async=True)
         acc1 = warpgroup_mma(a, b1_s.index(st).permute((1, 0)), acc1, is_async=True)
         acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+        if xr_desc is not None:
+            if store_a:
+                tma.store_wait(pendings=1)  # the previous step's A store has read its stage
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
         it += 1
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    if xr_desc is not None:
+        if store_a:
+            tma.store_wait(pendings=0)
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
     return acc0, acc1, it
 
@@ -214,61 +272,85 @@ def _gateup_epilogue(acc_g, acc_u, hid_ptr, gu_ptr, row0, n_rows, col0, width, s
 
 
 @gluon.jit
-def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0):
+def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.constexpr):
     """A down tile's rows through shared memory and two TMA stores, which drain under the next tile; the previous
-    tile's stores must have read the buffers first."""
+    tile's stores must have read the buffers first. ONE_BUF: c0_s is c1_s, so the second half waits for the
+    first half's store to have read it."""
     tma.store_wait(pendings=0)
     gl.thread_barrier()  # every thread past the wait before any writes the buffers
     c0_s.store(acc0.to(out_desc.dtype))
+    if ONE_BUF:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(out_desc, [row0, col0], c0_s)
+        tma.store_wait(pendings=0)
+        gl.thread_barrier()
     c1_s.store(acc1.to(out_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [row0, col0], c0_s)
+    if not ONE_BUF:
+        tma.async_copy_shared_to_global(out_desc, [row0, col0], c0_s)
     tma.async_copy_shared_to_global(out_desc, [row0, col0 + BN], c1_s)
 
 
 @gluon.jit
-def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
+def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty, go,
           tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr,
-          hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, yr_desc, ys_desc,
+          hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc,
           T, H, I, S, NMB, NSLOT, swiglu_limit, total,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
-          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU):
-    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
+          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr,
+          STAGGER: gl.constexpr):
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. STAGGER > 0: group 1 starts once
+    group 0 reaches its STAGGER-th ring use, and the lag stays: one group's epilogue then runs beside the other's
+    wgmmas instead of both idling the tensor cores together."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_rows = gl.load(num_rows_ptr)
     hid_ready = cnt_ptr + NMB
     shared_ready = cnt_ptr + 4 * NMB
+    arrive_at = 0
+    if STAGGER > 0:
+        if ROWS0 == 0:
+            arrive_at = STAGGER
+        else:
+            mbarrier.wait(go, 0)
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
         if kind == SH_GU:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
             _gateup_epilogue(acc0, acc1, sh_hid_ptr, sgu_ptr, a_row + ROWS0, T - a_row - ROWS0, col, S,
                              swiglu_limit, HAS_LIMIT, SAVE_GU, layout)
             _signal(shared_ready)
         elif kind == GU:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            if GATHER:  # math group 0 keeps the gathered rows (x_routed) from the row tile's first column tile
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at,
+                                           (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
+            else:
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
             _gateup_epilogue(acc0, acc1, hid_ptr, gu_ptr, a_row + ROWS0, HALF, col, I, swiglu_limit, HAS_LIMIT,
                              SAVE_GU, layout)
             _signal(hid_ready + p)
         elif kind == GU_EMPTY:
             _signal(hid_ready + p)
         elif kind == DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
-            _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+            _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
         elif kind == SH_DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
-            _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+            _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
+    if arrive_at > 0:  # fewer ring uses than STAGGER in all: group 1 must not wait for an arrival never made
+        mbarrier.arrive(go, count=1, pred=it <= arrive_at)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+          peer_rank_ptr, peer_tok_ptr, x_ptr,
           xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
-          T, H, I, S, NMB, NSLOT, total, max_spin,
-          LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_SHARED: gl.constexpr):
-    """The producer warp: every tile's wait, then its K steps into the ring."""
+          T, H, I, S, K, NMB, NSLOT, total, max_spin,
+          LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_SHARED: gl.constexpr,
+          GATHER: gl.constexpr):
+    """The producer: every tile's wait, then its K steps into the ring."""
     num_rows = gl.load(num_rows_ptr)
     nprog = gl.num_programs(0)
     n_sh_gu = 0
@@ -280,39 +362,48 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
         if kind == SH_GU:
-            it = _load_tile(xl_desc, sw13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty)
+            it = _load_tile(xl_desc, sw13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == GU:
-            _wait_geq(cnt_ptr + p, nprog, err_ptr, max_spin)  # x_ready: every program pulled its share
-            it = _load_tile(xr_desc, w13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty)
+            if GATHER:  # a_row is the schedule row: the Gluon forward's ring is resident
+                it = _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w13_desc, a_row, b0, b1, ks,
+                                  it, a_s, b0_s, b1_s, ready, empty)
+            else:
+                _wait_geq(cnt_ptr + p, nprog, err_ptr, max_spin)  # x_ready: every program pulled its share
+                it = _load_tile(xr_desc, w13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == DN:
             _wait_geq(cnt_ptr + NMB + p, 2 * per_mb_gu, err_ptr, max_spin)  # hid_ready: both groups of each tile
-            it = _load_tile(hid_desc, w2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty)
+            it = _load_tile(hid_desc, w2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == SH_DN:
             _wait_geq(cnt_ptr + 4 * NMB, 2 * n_sh_gu, err_ptr, max_spin)  # shared_ready
-            it = _load_tile(shid_desc, sw2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty)
+            it = _load_tile(shid_desc, sw2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
-               tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
-               hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
+def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty, go,
+               tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
+               x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-               T, H, I, S, NMB, NSLOT, swiglu_limit, total, max_spin,
+               T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
                LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
-               HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU):
-    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer warp."""
+               HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr,
+               GATHER: gl.constexpr, STAGGER: gl.constexpr):
+    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (one warp, or four
+    with GATHER)."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+              peer_rank_ptr, peer_tok_ptr, x_ptr,
               xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
-              T, H, I, S, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED)
+              T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER)
     elif ROLE == 0:
-        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
-              cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
-              swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU)
+        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, go, tile_expert_ptr, expert_offsets_ptr,
+              num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
+              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER,
+              STAGGER)
     else:
-        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-              num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, yr_desc, ys_desc, T, H, I, S, NMB,
-              NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU)
+        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, go, tile_expert_ptr, expert_offsets_ptr,
+              num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
+              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER,
+              STAGGER)
 
 
 @gluon.jit
@@ -371,20 +462,25 @@ def forward_kernel(
     LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_H: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ZERO_PADDING: gl.constexpr,
+    STAGES: gl.constexpr = 3, ONE_BUF: gl.constexpr = False, GATHER: gl.constexpr = False,
+    STAGGER: gl.constexpr = 0,
 ):
     """Launched with num_warps=4 (the default partition is math group 0; the pull runs on it first) and
-    maxnreg=168, as wgrad_gluon.gluon_wgrad_kernel: the partitions then take 256 / 224 / 24 registers."""
+    maxnreg=168, as wgrad_gluon.gluon_wgrad_kernel: the partitions then take 256 / 224 / 24 registers.
+    Shared memory: STAGES x 48 KB of operands and 4 x 16 KB of store buffers (3 stages: 208 KB of the 227 KB),
+    or with ONE_BUF one 16 KB buffer a math group (4 stages: 224 KB)."""
     num_rows = gl.load(num_rows_ptr)
     if gl.program_id(0) == 0:
         if gl.load(num_invalid_ptr) > 0:
             gl.atomic_or(err_ptr, 2)  # megakernel_fwd.ERR_BAD_EXPERT_ID
-    # the pull: this program's share of every minibatch, then x_ready[p]
-    for p in range(0, NMB):
-        row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
-        if live:
-            _pull_share(peer_rank_ptr, peer_tok_ptr, x_ptr, xr_ptr, row0, (p % NSLOT) * MB, num_rows, K, H, MB,
-                        ROWS, BLOCK_H, ZERO_PADDING)
-            _signal(cnt_ptr + p)
+    # the pull: this program's share of every minibatch, then x_ready[p] (GATHER: none, the producer gathers)
+    if not GATHER:
+        for p in range(0, NMB):
+            row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+            if live:
+                _pull_share(peer_rank_ptr, peer_tok_ptr, x_ptr, xr_ptr, row0, (p % NSLOT) * MB, num_rows, K, H,
+                            MB, ROWS, BLOCK_H, ZERO_PADDING)
+                _signal(cnt_ptr + p)
     n_sh_rt = (T + BM - 1) // BM
     n_sh = 0
     if HAS_SHARED:
@@ -395,19 +491,29 @@ def forward_kernel(
     b0_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BN, BK], w13_desc.layout)
     b1_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BN, BK], w13_desc.layout)
     c00_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
-    c01_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
     c10_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
-    c11_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
+    if ONE_BUF:
+        c01_s = c00_s
+        c11_s = c10_s
+    else:
+        c01_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
+        c11_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2 if GATHER else 1)
         mbarrier.init(empty.index(i), count=2)
-    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
-            tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
-            hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
+    mbarrier.init(go, count=1)
+    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty, go,
+            tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
+            x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-            T, H, I, S, NMB, NSLOT, swiglu_limit, total, max_spin,
-            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU)
-    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
-                       [4, 1], [224, 24])
+            T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
+            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER, STAGGER)
+    if GATHER:  # a 4-warp producer: its gather holds 8 row pointers a thread
+        gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
+                           [4, 4], [208, 48])
+    else:
+        gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
+                           [4, 1], [224, 24])

@@ -1,0 +1,121 @@
+"""Can the Gluon forward's operand ring deadlock? A model of its barrier protocol, run on CPU.
+
+    python3 benchmarks/probes/ring_protocol.py [--trials 3000]
+
+The model follows kernels/megakernel_fwd_gluon.py: a producer fills a ring of STAGES stages, tile after tile;
+two math groups consume every stage (``empty`` counts two arrivals) and release a step's stage one step later.
+A routed gate|up tile in the gathering form signals each stage's gathered rows one K step late (after waiting
+for the stage it fills next), so its ``ready`` barriers count two arrivals, which a tile loaded whole through
+TMA gives at once. With the stagger, math group 1 starts once group 0 reaches its second ring use. The mbarrier
+model: a count of completed phases c and the arrivals of the current phase; ``wait(p)`` passes while
+``c % 2 != p`` (a fresh barrier passes parity 1). The actors run in random interleavings over random tile
+sequences (kinds, K steps 0-8); a state where every live actor waits is a deadlock.
+
+Answer: the pull form runs at any depth; the gathering form deadlocks at 2 stages (the late signal waits on a
+release that needs it) and runs at 3 and 4, staggered or not; hence the launcher's 3-4 stage refusal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+
+class Barrier:
+    def __init__(self, count: int):
+        self.count, self.arrivals, self.phases = count, 0, 0
+
+    def arrive(self) -> None:
+        self.arrivals += 1
+        if self.arrivals == self.count:
+            self.arrivals = 0
+            self.phases += 1
+
+    def passes(self, parity: int) -> bool:
+        return self.phases % 2 != parity
+
+
+def producer(tiles, S, ready, empty, gather):
+    it = 0
+    for kind, ks in tiles:
+        for k in range(ks):
+            st = it % S
+            while not empty[st].passes(((it // S) & 1) ^ 1):
+                yield "wait empty"
+            ready[st].arrive()  # expect + the TMA bytes (their completion modelled at once)
+            if gather and kind != "gu":
+                ready[st].arrive()  # a whole-TMA tile's second arrival, at once
+            if gather and kind == "gu" and k > 0:
+                ready[(it + S - 1) % S].arrive()  # the previous step's gathered rows
+            it += 1
+        if gather and kind == "gu" and ks > 0:
+            ready[(it + S - 1) % S].arrive()
+        yield "tile done"
+
+
+def math_group(g, tiles, S, ready, empty, go, stagger):
+    it = 0
+    arrive_at = stagger if stagger and g == 0 else 0
+    if stagger and g == 1:
+        while not go.passes(0):
+            yield "wait go"
+    for _, ks in tiles:
+        for k in range(ks):
+            st = it % S
+            if arrive_at > 0 and it == arrive_at:
+                go.arrive()
+            while not ready[st].passes((it // S) & 1):
+                yield "wait ready"
+            if k > 0:
+                empty[(it + S - 1) % S].arrive()
+            it += 1
+        if ks > 0:
+            empty[(it + S - 1) % S].arrive()
+        yield "tile done"
+    if arrive_at > 0 and it <= arrive_at:
+        go.arrive()
+
+
+def run(tiles, S: int, gather: bool, stagger: int, seed: int) -> bool:
+    """True when every actor finishes; False on a deadlock."""
+    rng = random.Random(seed)
+    ready = [Barrier(2 if gather else 1) for _ in range(S)]
+    empty = [Barrier(2) for _ in range(S)]
+    go = Barrier(1)
+    actors = {"producer": producer(tiles, S, ready, empty, gather),
+              "group 0": math_group(0, tiles, S, ready, empty, go, stagger),
+              "group 1": math_group(1, tiles, S, ready, empty, go, stagger)}
+    idle = 0
+    while actors:
+        name = rng.choice(list(actors))
+        try:
+            what = next(actors[name])
+        except StopIteration:
+            del actors[name]
+            idle = 0
+            continue
+        idle = idle + 1 if what.startswith("wait") else 0
+        if idle > 2000:  # far more than the actors' count of consecutive waits without progress
+            return False
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=3000)
+    args = ap.parse_args()
+    print(f"{'form':<10}{'stages':>7}{'stagger':>8}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
+    for gather, stagger in ((False, 0), (True, 0), (True, 2)):
+        for S in (2, 3, 4):
+            bad = 0
+            for trial in range(args.trials):
+                rng = random.Random(trial)
+                tiles = [(rng.choice(["gu", "dn", "sh"]), rng.choice([0, 1, 2, 3, 4, 8]))
+                         for _ in range(rng.randint(0, 6))]
+                bad += not run(tiles, S, gather, stagger, trial)
+            print(f"{'gather' if gather else 'pull':<10}{S:>7}{stagger:>8}{bad:>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
