@@ -10,7 +10,7 @@
 #                                         a GPU, or with a single GPU two processes sharing it
 #                                         (KITTENMOE_EP_SHARE_GPU=1: a smoke test of the path, not a measurement)
 #   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward's forms (KernelConfig.forward_kernel "gluon",
-#                                         "gluon-gather", "gluon-stagger"): each one's GPU tests (the Triton
+#                                         "gluon-gather"): each one's GPU tests (the Triton
 #                                         forward's bits), then benchmarks/fwd_round.py timing those that passed
 #                                         against the Triton forward in the same rounds (MODELS comma-separated,
 #                                         default kimi-k2.7, qwen3.5-397b-a17b and the fine-grained
@@ -167,7 +167,7 @@ gluon)
   # Triton forward against the forms whose tests passed, in the same rounds
   # (FORMS: test id:forward_kernel pairs; TIMING_ONLY=1 skips the tests and times every form, for a second call)
   configs=""
-  for form in ${FORMS:-pull:gluon gather:gluon-gather stagger:gluon-stagger}; do
+  for form in ${FORMS:-pull:gluon gather:gluon-gather}; do
     if [[ ${TIMING_ONLY:-0} == 1 ]]; then
       configs+=";forward_kernel=${form#*:}"
       continue

@@ -22,7 +22,7 @@ GATHER = ONE_RANK.with_(forward_kernel="gluon-gather")
 
 def test_config_names_the_forward_kernel():
     assert KernelConfig().forward_kernel == "triton"
-    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon', 'gluon-gather', 'gluon-stagger'"):
+    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon', 'gluon-gather'"):
         KernelConfig(forward_kernel="cuda")
 
 
@@ -88,8 +88,7 @@ GPU_CASES = {
     GLUON,  # every program pulls its share of the routed rows first, a 1-warp TMA producer, 3 stages
     GATHER,  # the producer gathers each tile's rows from x (4 warps, cp.async), 4 stages and one store buffer
     GATHER.with_(num_stages=3),  # the gathering form's shallowest ring, two store buffers a group
-    GATHER.with_(forward_kernel="gluon-stagger"),  # math group 1 two ring uses behind group 0
-], ids=["pull", "gather", "gather-3-stages", "stagger"])
+], ids=["pull", "gather", "gather-3-stages"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup, monkeypatch):

@@ -114,8 +114,6 @@ GLUON_ONE_RANK = dict(num_comm_programs_fwd=0, combine_gather=True, tile_group_m
     # group (229,784 B), and not keeping at 3 stages
     (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")), FWD_GLUON),
     (dict(which="fwd", config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=3)), FWD_GLUON),
-    # and staggered: math group 1 two ring uses behind group 0 (a one-arrival mbarrier)
-    (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-stagger")), FWD_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),

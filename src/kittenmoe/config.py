@@ -18,8 +18,8 @@ ScoreFunc = Literal["softmax", "sigmoid"]
 WgradKernel = Literal["triton", "persistent", "gluon"]
 WGRAD_KERNELS: tuple[str, ...] = ("triton", "persistent", "gluon")
 # KernelConfig.forward_kernel: the forward megakernel's implementation
-ForwardKernel = Literal["triton", "gluon", "gluon-gather", "gluon-stagger"]
-FORWARD_KERNELS: tuple[str, ...] = ("triton", "gluon", "gluon-gather", "gluon-stagger")
+ForwardKernel = Literal["triton", "gluon", "gluon-gather"]
+FORWARD_KERNELS: tuple[str, ...] = ("triton", "gluon", "gluon-gather")
 
 
 @dataclass(frozen=True)
@@ -193,9 +193,7 @@ class KernelConfig:
         tiles (its TMA ring is 3 stages deep whatever ``num_stages``), I and S multiples of 128 and H of 256;
         ``launch_forward.forward_gluon_refusal`` says what a launch lacks, and the launch raises
         NotImplementedError then), or "gluon-gather" (the same kernel without the pull: a 4-warp producer
-        gathers each gate|up tile's rows from x by cp.async, the ring ``num_stages`` deep, 3-4), or
-        "gluon-stagger" (gluon-gather with math group 1 started two ring uses after group 0, so that one group's
-        epilogue runs beside the other's wgmmas). The same bits.
+        gathers each gate|up tile's rows from x by cp.async, the ring ``num_stages`` deep, 3-4). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
         column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%
         slower at G = 4 and 8: fixed groups split an expert's row tiles, whose weight tiles are then read once

@@ -95,7 +95,7 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
         return "it records no trace"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
         return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
-    if config.forward_kernel in ("gluon-gather", "gluon-stagger") and config.num_stages < 3:
+    if config.forward_kernel == "gluon-gather" and config.num_stages < 3:
         # the producer signals a stage's gathered rows one K step late, after it has waited for the stage it
         # fills next: with 2 stages that stage is the one the math groups release only once they have the late
         # signal, and the ring deadlocks
@@ -280,7 +280,7 @@ def launch_rank_forward(
             **meta,
         )
 
-    if config.forward_kernel in ("gluon", "gluon-gather", "gluon-stagger"):
+    if config.forward_kernel in ("gluon", "gluon-gather"):
         knob = f"forward_kernel={config.forward_kernel!r}"
         why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace)
         if interp:
@@ -339,8 +339,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     sw13_d = desc(sw13, [bn, bk]) if has_shared else w13
     sw2_d = desc(sw2, [bn, bk]) if has_shared else w2
     save_gu = st.gate_up is not None
-    gather = config.forward_kernel in ("gluon-gather", "gluon-stagger")
-    stagger = 2 if config.forward_kernel == "gluon-stagger" else 0
+    gather = config.forward_kernel == "gluon-gather"
     grid = (lc.num_programs(x_TH.device, 0),)
     return mkg.forward_kernel[grid](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
@@ -357,7 +356,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         # gather: the ring's depth is num_stages (3 or 4); 4 x 48 KB leave room for one 16 KB store buffer a math
         # group. The pull form keeps its 3 stages and two buffers a group.
         **(dict(STAGES=min(config.num_stages, 4), ONE_BUF=config.num_stages >= 4, GATHER=True) if gather
-           else dict(STAGES=3, ONE_BUF=False, GATHER=False)), STAGGER=stagger,
+           else dict(STAGES=3, ONE_BUF=False, GATHER=False)),
         num_warps=4, maxnreg=168,
     )
 

@@ -209,21 +209,18 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
 
 
 @gluon.jit
-def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, go, ARRIVE_AT,
+def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr,
               store_a=False, xr_desc=None, a_row=0):
     """One math group's two accumulators over the tile's K steps: rows ROWS0.. of A against both weight tiles,
     one step's wgmmas in flight; a stage goes back to the producer (``empty``, count 2: both groups read it) once
     the wgmmas that read it are done. ``store_a`` (GATHER, kept activations, the row tile's first column tile):
     each step's whole A block also goes to x_routed by a TMA store, which must have read the stage before it
-    goes back. ``ARRIVE_AT`` > 0 (stagger, math group 0): ``go`` gets its one arrival as the group reaches that
-    ring use, which lets math group 1 start."""
+    goes back."""
     STAGES: gl.constexpr = a_s.shape[0]
     acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     for k in range(ks):
         st = it % STAGES
-        if ARRIVE_AT > 0:
-            mbarrier.arrive(go, count=1, pred=it == ARRIVE_AT)
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         if xr_desc is not None:
             if store_a:
@@ -292,54 +289,43 @@ def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.con
 
 
 @gluon.jit
-def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty, go,
+def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
           tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr,
           hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc,
           T, H, I, S, NMB, NSLOT, swiglu_limit, total,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
-          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr,
-          STAGGER: gl.constexpr):
-    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. STAGGER > 0: group 1 starts once
-    group 0 reaches its STAGGER-th ring use, and the lag stays: one group's epilogue then runs beside the other's
-    wgmmas instead of both idling the tensor cores together."""
+          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr):
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_rows = gl.load(num_rows_ptr)
     hid_ready = cnt_ptr + NMB
     shared_ready = cnt_ptr + 4 * NMB
-    arrive_at = 0
-    if STAGGER > 0:
-        if ROWS0 == 0:
-            arrive_at = STAGGER
-        else:
-            mbarrier.wait(go, 0)
     it = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
         if kind == SH_GU:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
             _gateup_epilogue(acc0, acc1, sh_hid_ptr, sgu_ptr, a_row + ROWS0, T - a_row - ROWS0, col, S,
                              swiglu_limit, HAS_LIMIT, SAVE_GU, layout)
             _signal(shared_ready)
         elif kind == GU:
             if GATHER:  # math group 0 keeps the gathered rows (x_routed) from the row tile's first column tile
-                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at,
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
                                            (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
             else:
-                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
             _gateup_epilogue(acc0, acc1, hid_ptr, gu_ptr, a_row + ROWS0, HALF, col, I, swiglu_limit, HAS_LIMIT,
                              SAVE_GU, layout)
             _signal(hid_ready + p)
         elif kind == GU_EMPTY:
             _signal(hid_ready + p)
         elif kind == DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
             _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
         elif kind == SH_DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, go, arrive_at)
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
             _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
-    if arrive_at > 0:  # fewer ring uses than STAGGER in all: group 1 must not wait for an arrival never made
-        mbarrier.arrive(go, count=1, pred=it <= arrive_at)
     tma.store_wait(pendings=0)
 
 
@@ -379,14 +365,14 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty, go,
+def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
                T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
                LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
                HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr,
-               GATHER: gl.constexpr, STAGGER: gl.constexpr):
+               GATHER: gl.constexpr):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (one warp, or four
     with GATHER)."""
     if ROLE == 2:
@@ -395,15 +381,13 @@ def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, 
               xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
               T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER)
     elif ROLE == 0:
-        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, go, tile_expert_ptr, expert_offsets_ptr,
-              num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
-              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER,
-              STAGGER)
+        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
+              cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
+              swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
     else:
-        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, go, tile_expert_ptr, expert_offsets_ptr,
+        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
               num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
-              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER,
-              STAGGER)
+              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
 
 
 @gluon.jit
@@ -463,7 +447,6 @@ def forward_kernel(
     ROWS: gl.constexpr, BLOCK_H: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ZERO_PADDING: gl.constexpr,
     STAGES: gl.constexpr = 3, ONE_BUF: gl.constexpr = False, GATHER: gl.constexpr = False,
-    STAGGER: gl.constexpr = 0,
 ):
     """Launched with num_warps=4 (the default partition is math group 0; the pull runs on it first) and
     maxnreg=168, as wgrad_gluon.gluon_wgrad_kernel: the partitions then take 256 / 224 / 24 registers.
@@ -500,17 +483,15 @@ def forward_kernel(
         c11_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2 if GATHER else 1)
         mbarrier.init(empty.index(i), count=2)
-    mbarrier.init(go, count=1)
-    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty, go,
+    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
             T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
-            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER, STAGGER)
+            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
     if GATHER:  # a 4-warp producer: its gather holds 8 row pointers a thread
         gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
                            [4, 4], [208, 48])
