@@ -172,7 +172,7 @@ gluon)
       configs+=";forward_kernel=${form#*:}"
       continue
     fi
-    step "gluon-tests-${form%%:*}" 170 python3 -m pytest -v -p no:cacheprovider -m gpu \
+    step "gluon-tests-${form%%:*}" 240 python3 -m pytest -v -p no:cacheprovider -m gpu \
       tests/test_megakernel_fwd_gluon.py -k "${form%%:*}"
     grep -q " passed" "$OUT/gluon-tests-${form%%:*}.log" && ! grep -q " failed\|(stopped by" \
       "$OUT/gluon-tests-${form%%:*}.log" && configs+=";forward_kernel=${form#*:}"

@@ -3,6 +3,7 @@ the Triton megakernel's bits (output, kept gate|up, routed x rows) and the fp32 
 
 from __future__ import annotations
 
+import functools
 import gc
 
 import pytest
@@ -82,6 +83,34 @@ GPU_CASES = {
 }
 
 
+@functools.cache
+def _case_inputs(case: str):
+    """A case's launch arguments on the GPU and its fp32 reference output, made once a session: the slices' fp32
+    weights (1.4-2.1 G values) take seconds to draw on the CPU, and every form and keep of the case shares them."""
+    sh, t, routing, shared = GPU_CASES[case]
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    w = make_weights(sh, dtype=torch.float32, generator=g, shared=shared)
+    w13, w2 = w.w13_E2IH.to(dev, torch.bfloat16), w.w2_EHI.to(dev, torch.bfloat16)
+    sw13 = w.shared_w13_2SH.to(dev, torch.bfloat16) if shared else None
+    sw2 = w.shared_w2_HS.to(dev, torch.bfloat16) if shared else None
+    x = torch.randn(t, sh.h, generator=g).to(dev, torch.bfloat16)
+    gen = routing_uniform if routing == "uniform" else routing_zipf
+    ids, wts = gen(t, sh.e, sh.k, generator=g, device=dev)
+    args = ([x], [ids], [wts.float()], w13, w2, sw13, sw2, sh.swiglu_limit)
+    ref = moe_reference(x, ids, wts.float(), w13, w2, sw13, sw2, sh.swiglu_limit, compute_dtype=torch.float32)
+    return args, ref
+
+
+@functools.cache
+def _triton_forward(case: str, keep: bool):
+    """The Triton megakernel's run of the case (the bits every Gluon form must give), once a session; the first
+    caller runs it under ``nan_scratch``."""
+    tri = megakernel_forward_multirank(*_case_inputs(case)[0], config=ONE_RANK, save_for_backward=keep)
+    tri.check_errors()
+    return tri
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward needs a Hopper GPU")
 @pytest.mark.parametrize("config", [
@@ -95,26 +124,15 @@ def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup,
     """The output, and with kept activations the fp32 gate|up and routed x rows, equal the Triton megakernel's bit
     for bit; the output is within the bf16 tolerance of the fp32 reference; two Gluon runs give the same bits.
     Scratch starts NaN (``nan_scratch``), so a row the kernel leaves unwritten shows."""
-    sh, t, routing, shared = GPU_CASES[case]
-    dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(1)
-    w = make_weights(sh, dtype=torch.float32, generator=g, shared=shared)
-    w13, w2 = w.w13_E2IH.to(dev, torch.bfloat16), w.w2_EHI.to(dev, torch.bfloat16)
-    sw13 = w.shared_w13_2SH.to(dev, torch.bfloat16) if shared else None
-    sw2 = w.shared_w2_HS.to(dev, torch.bfloat16) if shared else None
-    x = torch.randn(t, sh.h, generator=g).to(dev, torch.bfloat16)
-    gen = routing_uniform if routing == "uniform" else routing_zipf
-    ids, wts = gen(t, sh.e, sh.k, generator=g, device=dev)
-    args = ([x], [ids], [wts.float()], w13, w2, sw13, sw2, sh.swiglu_limit)
+    args, ref = _case_inputs(case)
+    shared = GPU_CASES[case][3]
     nan_scratch(monkeypatch)
-    tri = megakernel_forward_multirank(*args, config=ONE_RANK, save_for_backward=keep)
-    tri.check_errors()
+    tri = _triton_forward(case, keep)
     runs = []
     for _ in range(2):
         glu = megakernel_forward_multirank(*args, config=config, save_for_backward=keep)
         glu.check_errors()
         runs.append(glu)
-    ref = moe_reference(x, ids, wts.float(), w13, w2, sw13, sw2, sh.swiglu_limit, compute_dtype=torch.float32)
     err = rel_l1(runs[0].outputs[0], ref)
     assert err <= tolerance_for("bf16").rel_l1, f"{case}: relative L1 {err:.3e}"
     assert_bitwise_equal(runs[0].outputs[0], tri.outputs[0], f"{case}: out, Gluon vs Triton")
