@@ -112,8 +112,9 @@ def render(rows: list[dict]) -> str:
 
 
 def render_train() -> str:
-    """Training steps of published models (benchmarks/train_step.py): the newest run of each (stack, model,
-    sequence, depth, batch), one line per provider and compile mode."""
+    """Training steps of published models (benchmarks/train_step.py): for each (stack, model, sequence, depth,
+    batch), the newest run that has each provider, whole (a run's ratios are within that run), one line per
+    provider and compile mode."""
     runs: dict[tuple, dict[str, list[dict]]] = {}
     for name, r in _result_rows():
         if r.get("kind") == "train-step" and r.get("device") == "cuda":
@@ -122,30 +123,39 @@ def render_train() -> str:
     if not runs:
         return ""
     lines = ["", "", "Whole training steps of published models at full width, truncated in depth (bf16, AdamW, every "
-             "provider from the same weights on the same batches, one after another in one run; median step after "
+             "provider of a run from the same weights on the same batches, one after another; median step after "
              "warm-up; routed share = (step - the step whose routed experts compute nothing) / step; loss diff = the "
-             "largest difference from the reference provider's loss over the run's steps; `benchmarks/train_step.py`, "
-             "each file's `command`):", "",
+             "largest difference from the reference provider's loss over the run's steps; ratios are within one run "
+             "(its file); `benchmarks/train_step.py`, each file's `command`):", "",
              "| model | stack | layers | batch x seq | provider | compiled | ms / step | tokens/s | x reference "
-             "| peak GiB | host syncs / step | routed share | loss diff | GPU | date | file |",
-             "| --- " * 16 + "|"]
+             "| kittenmoe x best other | peak GiB | host syncs / step | routed share | loss diff | GPU | date | file |",
+             "| --- " * 17 + "|"]
     for key in sorted(runs):
         files = runs[key]
-        rows = files[max(files, key=lambda n: max(r["date"] for r in files[n]))]
+        newest: dict[str, str] = {}  # provider -> the newest file that ran it
+        for name in sorted(files, key=lambda n: max(r["date"] for r in files[n])):
+            for r in files[name]:
+                newest[r["provider"]] = name
         ref = "grouped_mm" if key[0] == "hf" else "torchtitan"
-        for r in rows:
-            tag = r["provider"] + ("" if r["provider"] != "no-routed-experts" else " (the floor)")
-            head = (f"| {r['model']} | {r['stack']} | {r['layers']} | {r['batch']} x {r['seq']} | {tag} | "
-                    f"{'yes' if r['compiled'] else 'no'} |")
-            if r["status"] != "ok":
-                lines.append(head + f" {r['status']} |" + " |" * 6 + f" {r['gpu']} | {r['date'][:10]} | `{r['_file']}` |")
-                continue
-            share = r.get("routed_share")
-            lines.append(head + f" {r['ms_median']:.2f} | {r['tokens_per_s']:.0f} | "
-                         f"{r.get('speedup_vs_' + ref, math.nan):.2f}x | {r.get('peak_mem_gib', math.nan):.1f} | "
-                         f"{r.get('host_syncs_per_step', '-')} | {'' if share is None else f'{100 * share:.0f}%'} | "
-                         f"{r.get('loss_max_abs_diff_vs_' + ref, math.nan):.3f} | {r['gpu']} | {r['date'][:10]} | "
-                         f"`{r['_file']}` |")
+        for name in sorted(set(newest.values()), key=lambda n: max(r["date"] for r in files[n])):
+            for r in files[name]:
+                tag = r["provider"] + ("" if r["provider"] != "no-routed-experts" else " (the floor)")
+                head = (f"| {r['model']} | {r['stack']} | {r['layers']} | {r['batch']} x {r['seq']} | {tag} | "
+                        f"{'yes' if r['compiled'] else 'no'} |")
+                tail = f" {r['gpu']} | {r['date'][:10]} | `{r['_file']}` |"
+                if r["status"] != "ok":
+                    lines.append(head + f" {r['status']} |" + " |" * 7 + tail)
+                    continue
+                share = r.get("routed_share")
+                best = (f"{r['speedup_vs_best_other']:.2f}x ({r['best_other']})" if "speedup_vs_best_other" in r
+                        else "")
+                ratio = r.get("speedup_vs_" + ref)  # (none where the run had no reference provider)
+                loss = r.get("loss_max_abs_diff_vs_" + ref) if r["provider"] != "no-routed-experts" else None
+                lines.append(head + f" {r['ms_median']:.2f} | {r['tokens_per_s']:.0f} | "
+                             f"{'' if ratio is None or ratio != ratio else f'{ratio:.2f}x'} | {best} | "
+                             f"{r.get('peak_mem_gib', math.nan):.1f} | {r.get('host_syncs_per_step', '-')} | "
+                             f"{'' if share is None else f'{100 * share:.0f}%'} | "
+                             f"{'' if loss is None or loss != loss else f'{loss:.3f}'} |" + tail)
     return "\n".join(lines)
 
 
