@@ -10,8 +10,8 @@
 #                                         a GPU, or with a single GPU two processes sharing it
 #                                         (KITTENMOE_EP_SHARE_GPU=1: a smoke test of the path, not a measurement)
 #   bash scripts/gpu.sh gluon [MODELS]    the Gluon forward's forms (KernelConfig.forward_kernel "gluon",
-#                                         "gluon-gather"): each one's GPU tests (the Triton
-#                                         forward's bits), then benchmarks/fwd_round.py timing those that passed
+#                                         "gluon-gather"): each one's GPU tests (the Triton forward's bits),
+#                                         then benchmarks/fwd_round.py timing those that passed
 #                                         against the Triton forward in the same rounds (MODELS comma-separated,
 #                                         default kimi-k2.7, qwen3.5-397b-a17b and the fine-grained
 #                                         32768x4096x512x128x8, fwd_round's T x H x I x E x K form, no shared

@@ -132,12 +132,10 @@ def render_train() -> str:
              "| --- " * 17 + "|"]
     for key in sorted(runs):
         files = runs[key]
-        newest: dict[str, str] = {}  # provider -> the newest file that ran it
-        for name in sorted(files, key=lambda n: max(r["date"] for r in files[n])):
-            for r in files[name]:
-                newest[r["provider"]] = name
+        order = sorted(files, key=lambda n: max(r["date"] for r in files[n]))  # oldest run first
+        newest = {r["provider"]: name for name in order for r in files[name]}  # provider -> its newest run
         ref = "grouped_mm" if key[0] == "hf" else "torchtitan"
-        for name in sorted(set(newest.values()), key=lambda n: max(r["date"] for r in files[n])):
+        for name in (n for n in order if n in newest.values()):
             for r in files[name]:
                 tag = r["provider"] + ("" if r["provider"] != "no-routed-experts" else " (the floor)")
                 head = (f"| {r['model']} | {r['stack']} | {r['layers']} | {r['batch']} x {r['seq']} | {tag} | "

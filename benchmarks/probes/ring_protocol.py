@@ -6,8 +6,8 @@ The model follows kernels/megakernel_fwd_gluon.py: a producer fills a ring of ST
 two math groups consume every stage (``empty`` counts two arrivals) and release a step's stage one step later.
 A routed gate|up tile in the gathering form signals each stage's gathered rows one K step late (after waiting
 for the stage it fills next), so its ``ready`` barriers count two arrivals, which a tile loaded whole through
-TMA gives at once. The mbarrier model: a count of completed phases c and the arrivals of the current phase; ``wait(p)`` passes while
-``c % 2 != p`` (a fresh barrier passes parity 1). The actors run in random interleavings over random tile
+TMA gives at once. The mbarrier model: a count of completed phases c and the arrivals of the current phase;
+``wait(p)`` passes while ``c % 2 != p`` (a fresh barrier passes parity 1). The actors run in random interleavings over random tile
 sequences (kinds, K steps 0-8); a state where every live actor waits is a deadlock.
 
 Answer: the pull form runs at any depth; the gathering form deadlocks at 2 stages (the late signal waits on a
