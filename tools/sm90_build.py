@@ -246,20 +246,22 @@ def compile_only_sm90():
 
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
                       fp8_block: int | None = None, replay: bool = False, resident: bool = False,
-                      trace: bool = False, fp8_dx_high: bool = False, fp8_down_high: bool = False) -> list[Build]:
+                      trace: bool = False, fp8_dx_high: bool = False, fp8_down_high: bool = False,
+                      shared: bool = True) -> list[Build]:
     """Compile the forward (``which="fwd"``) or backward (``"bwd"``) launch's kernels for sm_90.
 
     ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales), with
     ``FP8Config.dx_high`` / ``down_high`` as ``fp8_dx_high`` / ``fp8_down_high`` say; ``replay``: the FP8
     backward without the forward's kept activations; ``resident``: the variants that keep the forward's
-    activations for the backward (SAVE_GU / RESIDENT); ``trace``: the profiling build (TRACE)."""
+    activations for the backward (SAVE_GU / RESIDENT); ``trace``: the profiling build (TRACE); ``shared``: the
+    shape's shared expert (False: none)."""
     if which not in ("fwd", "bwd"):
         raise ValueError(f"which must be 'fwd' or 'bwd', got {which!r}")
     sh = {**SEED_SHAPES, **TEST_SHAPES}[shape]
     sh = sh.with_(e=4, k=2)  # widths as the shape has them; experts and tokens are runtime values
     T = 64
     g = torch.Generator().manual_seed(0)
-    w = make_weights(sh, dtype=torch.bfloat16, device="cpu", generator=g)
+    w = make_weights(sh, dtype=torch.bfloat16, device="cpu", generator=g, shared=shared)
     x = [torch.randn(T, sh.h, generator=g).to(torch.bfloat16)]
     ids, wts = routing_uniform(T, sh.e, sh.k, generator=g, device="cpu")
     d_out = [torch.randn(T, sh.h, generator=g).to(torch.bfloat16)]

@@ -20,6 +20,9 @@ WGRAD_KERNELS: tuple[str, ...] = ("triton", "persistent", "gluon")
 # KernelConfig.forward_kernel: the forward megakernel's implementation
 ForwardKernel = Literal["triton", "gluon", "gluon-gather"]
 FORWARD_KERNELS: tuple[str, ...] = ("triton", "gluon", "gluon-gather")
+# KernelConfig.backward_kernel: the backward megakernel's implementation
+BackwardKernel = Literal["triton", "gluon"]
+BACKWARD_KERNELS: tuple[str, ...] = ("triton", "gluon")
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,14 @@ class KernelConfig:
         ``launch_forward.forward_gluon_refusal`` says what a launch lacks, and the launch raises
         NotImplementedError then), or "gluon-gather" (the same kernel without the pull: a 4-warp producer
         gathers each gate|up tile's rows from x by cp.async, the ring ``num_stages`` deep, 3-4). The same bits.
+    backward_kernel: the backward megakernel (the data gradients; the weight gradients are ``wgrad``'s), "triton"
+        (``kernels/megakernel_bwd.py``: every role, rank count, ring, FP8, the interpreter) or "gluon"
+        (``kernels/megakernel_bwd_gluon.py``: the same tiles, order and counters, a 4-warp producer that gathers
+        each phase-A tile's d_out rows by cp.async and keeps a TMA ring ``num_stages`` (3-4) deep across tiles,
+        two math warpgroups; one rank with ``combine_gather`` and no communication programs, every routed row's
+        gate|up kept by the forward, 2-byte operands on Hopper, 128 x 128 x 64 tiles, I a multiple of 128 and
+        H of 256, no shared expert; ``launch_backward.backward_gluon_refusal`` says what a launch lacks, and the
+        launch raises NotImplementedError then). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
         column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%
         slower at G = 4 and 8: fixed groups split an expert's row tiles, whose weight tiles are then read once
@@ -221,6 +232,7 @@ class KernelConfig:
     keep_activations: bool = True
     wgrad: WgradKernel = "triton"
     forward_kernel: ForwardKernel = "triton"
+    backward_kernel: BackwardKernel = "triton"
     tile_group_m: int = 0
     bwd_num_stages: int = 0
 
@@ -234,10 +246,11 @@ class KernelConfig:
                     raise ValueError(f"KernelConfig.wgrad must be one of {', '.join(map(repr, WGRAD_KERNELS))}, "
                                      f"got {v!r}")
                 continue
-            if field.name == "forward_kernel":
-                if not isinstance(v, str) or v not in FORWARD_KERNELS:
-                    raise ValueError(f"KernelConfig.forward_kernel must be one of "
-                                     f"{', '.join(map(repr, FORWARD_KERNELS))}, got {v!r}")
+            if field.name in ("forward_kernel", "backward_kernel"):
+                names = FORWARD_KERNELS if field.name == "forward_kernel" else BACKWARD_KERNELS
+                if not isinstance(v, str) or v not in names:
+                    raise ValueError(f"KernelConfig.{field.name} must be one of {', '.join(map(repr, names))}, "
+                                     f"got {v!r}")
                 continue
             if field.name in _BOOL_KNOBS:
                 if not isinstance(v, bool):

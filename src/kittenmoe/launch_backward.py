@@ -67,6 +67,73 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
                 f"M % 8 == 0 and a contiguous gradient); set wgrad='persistent'")
 
 
+def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
+                           s: int, gu_mode: int, fp8, trace: bool, phases: int) -> str | None:
+    """Why ``KernelConfig.backward_kernel="gluon"`` cannot run this launch (one line), or None. The Gluon backward
+    (``kernels/megakernel_bwd_gluon.py``) is the one-rank default path only: one rank with ``combine_gather`` and no
+    communication programs, every routed row's gate|up kept by the forward (a resident ring, ``saved``), no
+    shared expert, 2-byte operands through TMA, no FP8, no trace, every phase, the 128 x 128 x 64 tile with a
+    3-4 stage ring, and widths that divide into it. The device (Hopper) is checked apart."""
+    from kittenmoe.kernels import megakernel_bwd as mb
+
+    if ranks != 1 or not config.combine_gather or config.num_comm_programs_bwd != 0:
+        return (f"it runs one rank with combine_gather and num_comm_programs_bwd=0 (got {ranks} ranks, "
+                f"combine_gather={config.combine_gather}, num_comm_programs_bwd={config.num_comm_programs_bwd})")
+    if gu_mode != 1:
+        return ("it reads every routed row's gate|up as the forward kept them (a forward with "
+                "keep_activations and a ring that holds every routed row, passed as saved)")
+    if s:
+        return f"it has no shared expert (got shared width {s})"
+    if fp8 is not None:
+        return "it has no FP8 path"
+    if trace:
+        return "it records no trace"
+    if phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD) != mb.PB_ALL & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD):
+        return f"it runs every phase of the megakernel (got phases={phases:#x})"
+    if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
+        return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
+    if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
+        return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
+                f"{config.block_k})")
+    if config.num_stages < 3:
+        # the producer signals a stage's gathered rows one K step late (the Gluon forward's gathering form's rule)
+        return f"its ring is 3-4 stages deep (num_stages={config.num_stages})"
+    if i % 128 or h % 256:
+        return f"it needs I a multiple of 128 and H of 256 (got H={h}, I={i})"
+    return None
+
+
+def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torch.Tensor, w13_L2IH: torch.Tensor,
+                  w2_LHI: torch.Tensor, swiglu_limit: float | None, config: KernelConfig, max_spin: int, err,
+                  NMB: int, NI: int, T: int, H: int, I: int, K: int, L: int):
+    """``kernels.megakernel_bwd_gluon.backward_kernel`` over the backward's buffers (``backward_gluon_refusal``
+    passed): d(gate|up), w h, the d_w partials, the routed d_x rows and the gathered d_out rows (``dor``, for the
+    weight gradients) land where the Triton kernel puts them."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kittenmoe.kernels import megakernel_bwd_gluon as mbg
+
+    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[w13_L2IH.dtype]
+    bm, bn, bk, half = (int(v.value) for v in (mbg.BM, mbg.BN, mbg.BK, mbg.HALF))
+
+    def desc(t: torch.Tensor, block: list[int]):
+        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    cnt = torch.zeros(max(NMB, 1), dtype=torch.int32, device=w13_L2IH.device)  # a_ready[p]
+    stages = min(config.num_stages, 4)
+    return mbg.backward_kernel[(lc.num_programs(w13_L2IH.device, 0),)](
+        sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
+        peers.buffer("d_out", rank), peers.buffer("w", rank), gate_up, bufs["dgu"], bufs["hw"], bufs["dwp"],
+        desc(bufs["dor"], [bm, bk]), desc(bufs["dgu"], [bm, bk]), desc(w13_L2IH.view(L * 2 * I, H), [bk, bn]),
+        desc(w2_LHI.view(L * H, I), [bk, bn]), desc(bufs["dxr"], [half, bn]), cnt, err,
+        H, I, K, NMB, NI, float(swiglu_limit) if swiglu_limit is not None else 0.0, max_spin,
+        LAG=1, MB=config.minibatch_size, TGM=config.tile_group_m, HAS_LIMIT=swiglu_limit is not None,
+        # 4 x 48 KB leave room for one 16 KB d_x store buffer a math group; 3 stages keep two a group
+        STAGES=stages, ONE_BUF=stages >= 4, num_warps=4, maxnreg=168,
+    )
+
+
 @dataclass
 class MultirankBackward:
     d_x: list[torch.Tensor]  # [R] x [T, H], x's dtype
@@ -193,6 +260,15 @@ def launch_rank_backward(
         check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
         gu_mode, gu_rows = _check_saved(saved, NR, bm, T, H, I, S, dtype, dev)
+    if config.backward_kernel == "gluon":
+        knob = "backward_kernel='gluon'"
+        if lc.interpreting():
+            raise NotImplementedError(f"KernelConfig.{knob}: Gluon kernels do not run under the Triton interpreter; "
+                                      f"set backward_kernel='triton'")
+        why = backward_gluon_refusal(config, dev, dtype, R, H, I, S, gu_mode, fp8, trace, phases)
+        if why is not None:
+            raise NotImplementedError(f"KernelConfig.{knob}: {why}; set backward_kernel='triton'")
+        lc.check_gluon_device(dev, knob, "backward_kernel='triton'")
     # Routed phase A with every row kept holds one accumulator (the down dgrad; g and u are loaded), so its
     # GEMM takes tiles of 2 bn (the epilogue still works bn columns at a time): at bn its K loop over H read
     # each d_out row tile from L2 once per 64 columns of I (Kimi: 32 times) and ran at 1.8 TFLOP/s a program
@@ -367,7 +443,10 @@ def launch_rank_backward(
         mk_phases &= ~mb.PB_PUSH
         out["route_row"] = route_rows(sched, T * K)
         out["dxr"], out["dwp"] = bufs["dxr"], bufs["dwp"]
-    if not interp:
+    if config.backward_kernel == "gluon":  # (its conditions were checked before any launch, below the buffers)
+        out["compiled"] = _launch_gluon(sched, peers, rank, bufs, saved[1], w13_L2IH, w2_LHI, swiglu_limit, config,
+                                        max_spin, out["err"], NMB, NI, T, H, I, K, L)
+    elif not interp:
         # No ring in the backward: pulls never wait, so pull everything first
         # (compute starts on the first minibatch) and push while the last tiles run.
         out["compiled"] = launch(mk_phases, 0, NMB, NMB)

@@ -1,0 +1,359 @@
+"""The backward megakernel on Hopper in Gluon (``KernelConfig.backward_kernel="gluon"``): one rank, kept activations.
+
+The same schedule, tile sequence, counters and bits as ``megakernel_bwd.combine_mlp_swiglu_dispatch_bwd_kernel`` run
+as the one-rank default runs it (no communication programs, ``combine_gather``, every routed row's gate|up kept by
+the forward, 128 x 128 x 64 tiles, no shared expert): rounds of [phase A of minibatch p, phase B of minibatch
+p - 1] walked round-robin, where
+
+- phase A (d_out rows x W2[e], K over H) is a 128 x 128 tile of d_hidden whose epilogue is the SwiGLU backward:
+  g and u as the forward kept them (fp32), d(gate|up) and w * h out as bf16 rows, the router-weight gradient's
+  partial sums one per 64 columns, each 64-column half exactly as the Triton kernel's kept tile computes it;
+- phase B (d(gate|up) rows x W13[e], K over 2I) is a 128 x 256 tile of the routed d_x rows, stored through
+  shared memory and TMA.
+
+What differs is who waits, as in ``megakernel_fwd_gluon``: a 4-warp producer walks the program's tiles ahead of the
+math, keeps a ``STAGES``-deep ring of [A rows, two weight tiles] full across tile boundaries, and gathers each
+phase-A tile's d_out rows straight from d_out (row t of route t*K + j, padding rows zero) by cp.async, so no
+pull runs first; the first column tile of each row tile also leaves its gathered rows in ``dor`` (TMA stores),
+where the weight gradients read them. Before a phase-B tile it polls ``a_ready`` of the tile's minibatch. Two
+4-warp math groups own 64 of a tile's 128 rows each. The weights are read as they are stored (W2 [H, I],
+W13 [2I, H]): the K dimension of both GEMMs is the weights' row dimension, so B is N-major in shared memory,
+which wgmma takes for 2-byte operands.
+
+Gluon kernels do not run under the Triton interpreter; the CPU suite runs the Triton kernel, and the GPU tests
+hold this one to its bits.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+
+from kittenmoe.kernels.megakernel_fwd import _tile_rc
+from kittenmoe.kernels.megakernel_fwd_gluon import BK, BM, BN, HALF, _down_epilogue, _signal, _wait_geq
+
+QN = gl.constexpr(64)  # columns of a d_w partial: the Triton kernel's phase-A half tile (block_n / 2)
+
+# tile kinds, as _decode returns them
+NONE = gl.constexpr(0)  # past the last minibatch, a minibatch with no rows, or a phase-B tile past the rows
+A = gl.constexpr(1)  # a phase-A tile (down dgrad + SwiGLU backward)
+A_EMPTY = gl.constexpr(2)  # a phase-A tile past the routed rows: no math, still counted in a_ready
+B = gl.constexpr(3)  # a phase-B tile (gate|up dgrad)
+
+
+@gluon.jit
+def _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr, LAG: gl.constexpr, MB: gl.constexpr,
+            TGM: gl.constexpr):
+    """What tile ``tile`` of the global sequence is: (kind, minibatch p, schedule row, first weight row, output
+    column, K steps). The order is the Triton backward's over every minibatch (no shared expert)."""
+    per_a = (MB // BM) * (I // BN)
+    per_b = (MB // BM) * (H // (2 * BN))
+    per_mb = per_a + per_b
+    rnd = tile // per_mb
+    i = tile % per_mb
+    kind = NONE
+    p = 0
+    a_row = 0
+    b_row = 0
+    col = 0
+    ks = 0
+    if i < per_a:
+        p = rnd
+        if (p < NMB) & (p * MB < num_rows):
+            rt, nt = _tile_rc(i, I // BN, MB // BM, TGM, p * (MB // BM), tile_expert_ptr, expert_offsets_ptr,
+                              num_rows // BM, BM)
+            a_row = p * MB + rt * BM
+            e = gl.load(tile_expert_ptr + a_row // BM, mask=a_row < num_rows, other=-1)
+            kind = A_EMPTY
+            if e >= 0:
+                kind = A
+                b_row = e * H
+                col = nt * BN
+                ks = H // BK
+    else:
+        p = rnd - LAG
+        if (p >= 0) & (p < NMB):
+            if p * MB < num_rows:
+                rt, nt = _tile_rc(i - per_a, H // (2 * BN), MB // BM, TGM, p * (MB // BM), tile_expert_ptr,
+                                  expert_offsets_ptr, num_rows // BM, BM)
+                a_row = p * MB + rt * BM
+                e = gl.load(tile_expert_ptr + a_row // BM, mask=a_row < num_rows, other=-1)
+                if e >= 0:
+                    kind = B
+                    b_row = e * (2 * I)
+                    col = nt * (2 * BN)
+                    ks = (2 * I) // BK
+    return kind, p, a_row, b_row, col, ks
+
+
+@gluon.jit
+def _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks, it,
+              a_s, b0_s, ready, empty):
+    """Producer, a phase-A tile: its A rows straight from d_out (row t of route t*K + j; padding rows zero) by
+    cp.async, 16-byte vectors, one K step in flight behind the one issued; the W2 tile [BK, BN] (rows of H,
+    columns of I) through TMA. Each stage's ``ready`` takes two arrivals: the TMA bytes', and the producer's
+    once every producer thread's copies of the stage are complete and fenced for the async proxy."""
+    STAGES: gl.constexpr = a_s.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])  # [32, 32] a pass
+    rows = a_row + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+    pr = gl.load(peer_rank_ptr + rows, mask=rows < num_rows, other=-1)
+    pt = gl.load(peer_tok_ptr + rows, mask=rows < num_rows, other=0)
+    ok = (pr >= 0)[:, None]
+    base = (dout_ptr + ((pt // K).to(gl.int64) * H)[:, None]
+            + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))[None, :])
+    for k in range(ks):
+        st = it % STAGES
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(ready.index(st), w2_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w2_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
+        async_copy.async_copy_global_to_shared(a_s.index(st), base + k * BK, mask=ok)
+        async_copy.commit_group()
+        if k > 0:
+            async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
+            fence_async_shared()
+            gl.thread_barrier()  # ... and every producer thread's
+            mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
+        it += 1
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+    return it
+
+
+@gluon.jit
+def _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, ready, empty):
+    """Producer, a phase-B tile: d(gate|up) rows [BM, BK] and two W13 tiles [BK, BN] (rows of 2I, columns of H)
+    a K step through TMA; the second ``ready`` arrival at once."""
+    STAGES: gl.constexpr = a_s.shape[0]
+    for k in range(ks):
+        st = it % STAGES
+        mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(st), dgu_desc.block_type.nbytes + 2 * w13_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dgu_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
+        tma.async_copy_global_to_shared(w13_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
+        tma.async_copy_global_to_shared(w13_desc, [b_row + k * BK, col + BN], ready.index(st), b1_s.index(st))
+        mbarrier.arrive(ready.index(st), count=1)
+        it += 1
+    return it
+
+
+@gluon.jit
+def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, store_a, dor_desc, a_row):
+    """A math group's phase-A accumulator (rows ROWS0.. x BN columns of I) over the tile's K steps, one step's
+    wgmma in flight; a stage goes back to the producer (``empty``, count 2) once the wgmma that read it is done.
+    ``store_a`` (math group 0 of a row tile's first column tile): each step's whole A block also goes to ``dor`` by
+    a TMA store, which must have read the stage before it goes back."""
+    STAGES: gl.constexpr = a_s.shape[0]
+    acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    for k in range(ks):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if store_a:
+            tma.async_copy_shared_to_global(dor_desc, [a_row, k * BK], a_s.index(st))
+        acc = warpgroup_mma(a_s.index(st).slice(ROWS0, HALF), b0_s.index(st), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        if store_a:
+            tma.store_wait(pendings=1)  # the previous step's store has read its stage
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+        it += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    if store_a:
+        tma.store_wait(pendings=0)
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+    return acc, it
+
+
+@gluon.jit
+def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr):
+    """A math group's two phase-B accumulators (rows ROWS0.. x 2 BN columns of H), as ``_mma_a`` without the
+    store."""
+    STAGES: gl.constexpr = a_s.shape[0]
+    acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    for k in range(ks):
+        st = it % STAGES
+        mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        a = a_s.index(st).slice(ROWS0, HALF)
+        acc0 = warpgroup_mma(a, b0_s.index(st), acc0, is_async=True)
+        acc1 = warpgroup_mma(a, b1_s.index(st), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
+        mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
+        it += 1
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
+    mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+    return acc0, acc1, it
+
+
+@gluon.jit
+def _swiglu_bwd_half(acc_dh, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, q, I, NI, swiglu_limit,
+                     HAS_LIMIT: gl.constexpr):
+    """One HALF x QN quarter of a phase-A tile, as ``megakernel_bwd._bwd_a_epilogue`` computes a kept tile's half:
+    g and u of columns col0.. from the forward's fp32 gate|up, d(gate|up) and w * h into their bf16 rows, and
+    the d_w partial sum(d_hidden * h) of the row over these QN columns into dw_part[row, q]. ``w_row``: the
+    rows' router weights, in the row slice of ``acc_dh``'s layout."""
+    layout: gl.constexpr = acc_dh.type.layout
+    rows = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))).to(gl.int64)
+    cols = col0 + gl.arange(0, QN, layout=gl.SliceLayout(0, layout))
+    g_at = gu_ptr + rows[:, None] * (2 * I) + cols[None, :]
+    g = gl.load(g_at)
+    u = gl.load(g_at + I)
+    if HAS_LIMIT:
+        gc = gl.minimum(g, swiglu_limit)
+        uc = gl.minimum(gl.maximum(u, -swiglu_limit), swiglu_limit)
+    else:
+        gc = g
+        uc = u
+    s = 1 / (1 + gl.exp(-gc))  # tl.sigmoid's expression: the same bits
+    h = gc * s * uc
+    dh = acc_dh * w_row[:, None]
+    dgc = dh * uc * s * (1.0 + gc * (1.0 - s))
+    duc = dh * gc * s
+    if HAS_LIMIT:
+        dgc = gl.where(g <= swiglu_limit, dgc, 0.0)
+        duc = gl.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
+    d_at = dgu_ptr + rows[:, None] * (2 * I) + cols[None, :]
+    gl.store(d_at, dgc.to(dgu_ptr.dtype.element_ty))
+    gl.store(d_at + I, duc.to(dgu_ptr.dtype.element_ty))
+    gl.store(hw_ptr + rows[:, None] * I + cols[None, :], (h * w_row[:, None]).to(hw_ptr.dtype.element_ty))
+    # the Triton epilogue's select (columns < I, always true here) kept, so that the products are summed as there
+    gl.store(dwp_ptr + rows * NI + q, gl.sum(gl.where((cols < I)[None, :], acc_dh * h, 0.0), axis=1))
+
+
+@gluon.jit
+def _a_epilogue(acc, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, I, NI,
+                swiglu_limit, HAS_LIMIT: gl.constexpr):
+    """A phase-A accumulator's SwiGLU backward, split into its two QN-column halves as the Triton kernel splits
+    its kept tile (reshape, permute, split: no data moves), each half exactly as there."""
+    lo, hi = acc.reshape([HALF, 2, QN]).permute((0, 2, 1)).split()
+    layout: gl.constexpr = lo.type.layout
+    rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
+    pr = gl.load(peer_rank_ptr + rows)
+    pt = gl.load(peer_tok_ptr + rows)
+    w_row = gl.load(w_ptr + pt, mask=pr >= 0, other=0.0)  # padding rows: 0, as the Triton kernel's pulled rows
+    q = col0 // QN
+    _swiglu_bwd_half(lo, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, q, I, NI, swiglu_limit, HAS_LIMIT)
+    _swiglu_bwd_half(hi, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0 + QN, q + 1, I, NI, swiglu_limit,
+                     HAS_LIMIT)
+
+
+@gluon.jit
+def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
+          num_rows_ptr, cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr,
+          dor_desc, dxr_desc, H, I, NMB, NI, swiglu_limit, total,
+          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr, ONE_BUF: gl.constexpr):
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    num_rows = gl.load(num_rows_ptr)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
+                                                 LAG, MB, TGM)
+        if kind == A:
+            acc, it = _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0, layout, (ROWS0 == 0) & (col == 0), dor_desc,
+                             a_row)
+            _a_epilogue(acc, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, a_row + ROWS0,
+                        col, I, NI, swiglu_limit, HAS_LIMIT)
+            _signal(cnt_ptr + p)  # a_ready[p]; phase B reads d(gate|up) through TMA (the signal fences for it)
+        elif kind == A_EMPTY:
+            _signal(cnt_ptr + p)
+        elif kind == B:
+            acc0, acc1, it = _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            _down_epilogue(acc0, acc1, dxr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+          peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, H, I, K, NMB, total, max_spin,
+          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr):
+    """The producer: every tile's wait (phase B: its minibatch's a_ready), then its K steps into the ring."""
+    num_rows = gl.load(num_rows_ptr)
+    per_a = (MB // BM) * (I // BN)
+    it = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
+                                                 LAG, MB, TGM)
+        if kind == A:
+            it = _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks,
+                           it, a_s, b0_s, ready, empty)
+        elif kind == B:
+            _wait_geq(cnt_ptr + p, 2 * per_a, err_ptr, max_spin)  # a_ready: both groups of each phase-A tile
+            it = _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, ready, empty)
+
+
+@gluon.jit
+def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
+               tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
+               dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
+               H, I, K, NMB, NI, swiglu_limit, total, max_spin,
+               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
+               ONE_BUF: gl.constexpr):
+    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (four warps)."""
+    if ROLE == 2:
+        _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+              peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, H, I, K, NMB, total, max_spin,
+              LAG, MB, TGM)
+    elif ROLE == 0:
+        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
+              cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dxr_desc,
+              H, I, NMB, NI, swiglu_limit, total, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
+    else:
+        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
+              num_rows_ptr, cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc,
+              dxr_desc, H, I, NMB, NI, swiglu_limit, total, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
+
+
+@gluon.jit
+def backward_kernel(
+    peer_rank_ptr,  # [C] int32, -1 = padding (the schedule's)
+    peer_tok_ptr,  # [C] int32, t*K + j
+    tile_expert_ptr,  # [C // BM] int32, local expert per row tile, -1 past num_rows
+    expert_offsets_ptr,  # [L + 1] int32, first row of each expert's padded segment
+    num_rows_ptr,  # [1] int32
+    dout_ptr,  # [T, H] this rank's d_out
+    w_ptr,  # [T * K] fp32 router weights
+    gu_ptr,  # [NR, 2I] fp32, the forward's kept gate|up pre-activations
+    dgu_ptr,  # [NR, 2I] d(gate|up) rows (written)
+    hw_ptr,  # [NR, I] w * hidden rows (written)
+    dwp_ptr,  # [NR, NI] fp32 d_w partials, one per QN columns of I (written)
+    dor_desc,  # dor [NR, H], blocks [BM, BK] (stores: the gathered d_out rows, for the weight gradients)
+    dgu_desc,  # dgu [NR, 2I], blocks [BM, BK] (phase B's A)
+    w13_desc,  # w13 viewed [L * 2I, H], blocks [BK, BN] (phase B's B, N-major)
+    w2_desc,  # w2 viewed [L * H, I], blocks [BK, BN] (phase A's B, N-major)
+    dxr_desc,  # d_x rows [NR, H], blocks [HALF, BN] (stores)
+    cnt_ptr,  # [NMB] int32 a_ready counters, zeroed before launch
+    err_ptr,  # [1] int32 error flag
+    H, I, K, NMB, NI, swiglu_limit, max_spin,
+    LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
+    STAGES: gl.constexpr = 4, ONE_BUF: gl.constexpr = True,
+):
+    """Launched with num_warps=4 (the default partition is math group 0) and maxnreg=168, as the Gluon forward's
+    gathering form. Shared memory: STAGES x 48 KB of operands (phase A fills 32 KB of a stage) and the d_x store
+    buffers, 4 x 16 KB, or with ONE_BUF one a math group (4 stages: 224 KB of the 227 KB)."""
+    total = (NMB + LAG) * ((MB // BM) * (I // BN + H // (2 * BN)))
+    a_s = gl.allocate_shared_memory(dgu_desc.dtype, [STAGES, BM, BK], dgu_desc.layout)
+    b0_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BK, BN], w13_desc.layout)
+    b1_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BK, BN], w13_desc.layout)
+    c00_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    c10_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    if ONE_BUF:
+        c01_s = c00_s
+        c11_s = c10_s
+    else:
+        c01_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+        c11_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)
+    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
+            tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
+            dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
+            H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
+    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
+                       [4, 4], [208, 48])
