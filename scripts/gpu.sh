@@ -16,6 +16,12 @@
 #                                         default kimi-k2.7, qwen3.5-397b-a17b and the fine-grained
 #                                         32768x4096x512x128x8, fwd_round's T x H x I x E x K form, no shared
 #                                         expert); about 2 + 1 a shape minutes
+#   bash scripts/gpu.sh gluon-bwd [SHAPES]  the Gluon backward (KernelConfig.backward_kernel "gluon"): its GPU tests
+#                                         (the Triton backward's bits), then kittenmoe bench forward+backward
+#                                         without a shared expert, per shape (T,H,I,E,K, ';'-separated; default the
+#                                         fine-grained 32768,4096,512,128,8 and Qwen3-30B-A3B's 8192,2048,768,128,8)
+#                                         the one-rank default config (BWD_BASE overrides), with the Triton
+#                                         and then the Gluon backward; about 3 + 2 a shape minutes
 #   bash scripts/gpu.sh train [MODEL]     benchmarks/train_step.py: whole training steps of MODEL (qwen3-30b-a3b,
 #                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
 #                                         implementation, BATCH sequences (default 1) of SEQ tokens (default
@@ -47,7 +53,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|train)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -182,6 +188,22 @@ gluon)
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;
+gluon-bwd)
+  stamp="$OUT/.gluon-bwd-start"
+  touch "$stamp"
+  if [[ ${TIMING_ONLY:-0} != 1 ]]; then
+    step gluon-bwd-tests 240 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_megakernel_bwd_gluon.py
+  fi
+  base=${BWD_BASE:-num_comm_programs_fwd=0,num_comm_programs_bwd=0,combine_gather=True,tile_group_m=-1}
+  IFS=';' read -ra shapes <<< "${arg:-32768,4096,512,128,8;8192,2048,768,128,8}"
+  for sh in "${shapes[@]}"; do
+    for bk in triton gluon; do
+      step "bwd-$bk-${sh//,/x}" 150 python3 -m kittenmoe.cli bench --shape "$sh" --no-shared --mode backward \
+        --config "$base,backward_kernel=$bk" --out "$RESULTS"
+    done
+  done
+  keep_rows "$stamp"
+  ;;
 train)
   stamp="$OUT/.train-start"
   touch "$stamp"
@@ -220,7 +242,7 @@ esac
 
 [[ $target == ncu ]] && cat "$OUT/ncu-summary.log"
 [[ $target == train ]] && sed -n '/^provider /,$p' "$OUT"/train-*-*.log
-if [[ $target == bench || $target == tune || $target == ep ]] && compgen -G "$OUT/results/*.json" > /dev/null; then
+if [[ $target =~ ^(bench|tune|ep|gluon-bwd)$ ]] && compgen -G "$OUT/results/*.json" > /dev/null; then
   echo
   rows_table "$OUT"/results/*.json
 fi

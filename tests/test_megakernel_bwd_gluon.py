@@ -1,0 +1,142 @@
+"""The Gluon backward megakernel (``KernelConfig.backward_kernel="gluon"``): its refusals on CPU, and on a Hopper GPU
+the Triton backward's bits (every gradient) and the fp32 reference's accuracy."""
+
+from __future__ import annotations
+
+import functools
+import gc
+
+import pytest
+import torch
+
+from kittenmoe.config import KernelConfig, ModelShape
+from kittenmoe.kernels import megakernel_bwd as mb
+from kittenmoe.launch_backward import backward_gluon_refusal, megakernel_backward_multirank
+from kittenmoe.launch_forward import megakernel_forward_multirank
+from kittenmoe.reference import moe_reference
+from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, rel_l1, routing_uniform, routing_zipf,
+                               tolerance_for)
+
+# the one-rank default the Gluon kernel runs (default_config's on an H200), Triton and Gluon
+ONE_RANK = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, tile_group_m=-1)
+GLUON = ONE_RANK.with_(backward_kernel="gluon")
+
+
+def test_config_names_the_backward_kernel():
+    assert KernelConfig().backward_kernel == "triton"
+    with pytest.raises(ValueError, match="backward_kernel must be one of 'triton', 'gluon'"):
+        KernelConfig(backward_kernel="cuda")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(ranks=2), "one rank"),  # several ranks push their d_x rows: the Gluon kernel has no communication programs
+    (dict(config=GLUON.with_(num_comm_programs_bwd=4)), "num_comm_programs_bwd=0"),  # communication programs
+    (dict(gu_mode=0), "kept"),  # a forward that kept no activations: the gate|up replay
+    (dict(gu_mode=2), "kept"),  # a wrapping ring's forward kept macrobatch 0 only
+    (dict(s=256), "shared expert"),  # a shared expert's phases
+    (dict(fp8=object()), "no FP8"),  # e4m3 operands
+    (dict(trace=True), "no trace"),  # the profiling build
+    (dict(phases=mb.PB_A | mb.PB_PULL), "every phase"),  # a phase subset, for timing one phase
+    (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
+    (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
+    (dict(config=GLUON.with_(num_stages=2)), "3-4 stages"),  # the gather's late signal needs 3 stages
+    (dict(i=192), "I a multiple of 128"),  # an expert width off the 128-column phase-A tile
+    (dict(h=384), "H of 256"),  # a hidden width off the 256-column phase-B tile
+])
+def test_gluon_refusals_say_what_is_missing(change, match):
+    args = dict(config=GLUON, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=0, gu_mode=1,
+                fp8=None, trace=False, phases=mb.PB_ALL)
+    why = backward_gluon_refusal(**{**args, **change})
+    assert why is not None and match in why, why
+    assert backward_gluon_refusal(**args) is None
+
+
+def test_gluon_refused_under_the_interpreter():
+    """The CPU path (the interpreter) cannot run Gluon: the launch says so instead of running something else."""
+    sh = ModelShape("t", e=4, h=256, i=128, k=2)
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(sh, dtype=torch.bfloat16, generator=g, shared=False)
+    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    d_out = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    with pytest.raises(NotImplementedError, match="backward_kernel='gluon'.*interpreter"):
+        megakernel_backward_multirank([d_out], [x], [ids], [wts], w.w13_E2IH, w.w2_EHI, None, None, None,
+                                      config=GLUON)
+
+
+@pytest.fixture
+def cuda_cleanup():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+# (shape, tokens, routing): each case names the edge it covers; no shared expert (the Gluon backward has none)
+GPU_CASES = {
+    # fine-grained experts (I = 512, 4 phase-A column tiles; K of phase B = 1024), T not a multiple of 128
+    "fine": (ModelShape("fine", e=64, h=2048, i=512, k=8), 3000, "uniform"),
+    # Qwen3-30B-A3B's layer: I = 768, an odd number of 128-column tiles; 16 minibatches
+    "qwen3-30b": (ModelShape("qwen3", e=128, h=2048, i=768, k=8), 4096, "uniform"),
+    # Moonlight's width I = 1408 (11 column tiles), top-6
+    "moonlight": (ModelShape("moonlight", e=64, h=2048, i=1408, k=6), 2048, "uniform"),
+    # skewed routing (empty experts, long ones), the SwiGLU clamp's masks, several minibatches, H = 1024
+    "zipf-clamp": (ModelShape("zipf", e=32, h=1024, i=256, k=4, swiglu_limit=7.0), 1500, "zipf"),
+}
+
+
+@functools.cache
+def _case(case: str):
+    """A case's inputs on the GPU, its kept forward and the Triton backward's gradients, once a session."""
+    sh, t, routing = GPU_CASES[case]
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(2)
+    w = make_weights(sh, dtype=torch.float32, generator=g, shared=False)
+    w13, w2 = w.w13_E2IH.to(dev, torch.bfloat16), w.w2_EHI.to(dev, torch.bfloat16)
+    x = torch.randn(t, sh.h, generator=g).to(dev, torch.bfloat16)
+    d_out = torch.randn(t, sh.h, generator=g).to(dev, torch.bfloat16)
+    gen = routing_uniform if routing == "uniform" else routing_zipf
+    ids, wts = gen(t, sh.e, sh.k, generator=g, device=dev)
+    args = ([x], [ids], [wts.float()], w13, w2, None, None, sh.swiglu_limit)
+    fwd = megakernel_forward_multirank(*args, config=ONE_RANK, save_for_backward=True)
+    fwd.check_errors()
+    tri = megakernel_backward_multirank([d_out], *args, config=ONE_RANK, saved=fwd.saved())
+    tri.check_errors()
+    return args, d_out, fwd, tri
+
+
+def _grads(res) -> dict[str, torch.Tensor]:
+    return dict(d_x=res.d_x[0], d_topk_weights=res.d_topk_weights[0], d_w13=res.d_w13, d_w2=res.d_w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
+@pytest.mark.parametrize("stages", [4, 3], ids=["4-stages", "3-stages"])  # one store buffer a group, or two
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_gluon_backward_matches_triton_bits(case, stages, cuda_cleanup, monkeypatch):
+    """Every gradient equals the Triton backward's bit for bit (same kept forward); two Gluon runs give the same
+    bits; d_x is within the bf16 tolerance of the fp32 reference's. Scratch starts NaN (``nan_scratch``), so a
+    row the kernel leaves unwritten shows."""
+    args, d_out, fwd, tri = _case(case)
+    nan_scratch(monkeypatch)
+    runs = []
+    for _ in range(2):
+        glu = megakernel_backward_multirank([d_out], *args, config=GLUON.with_(num_stages=stages),
+                                            saved=fwd.saved())
+        glu.check_errors()
+        runs.append(_grads(glu))
+    want = _grads(tri)
+    for name, g in runs[0].items():
+        assert_bitwise_equal(g, want[name], f"{case}: {name}, Gluon vs Triton")
+        assert_bitwise_equal(runs[1][name], g, f"{case}: {name}, Gluon run to run")
+    monkeypatch.undo()
+    x, ids, wts = args[0][0], args[1][0], args[2][0]
+    xl = x.float().requires_grad_(True)
+    ref = moe_reference(xl, ids, wts, args[3].float(), args[4].float(), None, None, args[7],
+                        compute_dtype=torch.float32)
+    (ref * d_out.float()).sum().backward()
+    err = rel_l1(runs[0]["d_x"], xl.grad)
+    assert err <= tolerance_for("bf16").rel_l1, f"{case}: d_x relative L1 {err:.3e}"
