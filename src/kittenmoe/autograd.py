@@ -66,7 +66,8 @@ ErrorCheck = Literal["sync", "deferred"]
 # ----------------------------------------------------------------------------- schema
 
 _FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
-                       "float | None": "float?", "WgradKernel": "str", "ForwardKernel": "str"}
+                       "float | None": "float?", "WgradKernel": "str", "ForwardKernel": "str",
+                       "BackwardKernel": "str"}
 
 
 def _config_schema() -> str:
