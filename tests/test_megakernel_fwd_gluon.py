@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kittenmoe.config import SEED_SHAPES, KernelConfig, ModelShape
-from kittenmoe.launch_forward import forward_gluon_refusal, megakernel_forward_multirank
+from kittenmoe.kernels import megakernel_fwd as mk
+from kittenmoe.launch_forward import forward_gluon_refusal, megakernel_forward_multirank, resolve_forward_kernel
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, rel_l1, routing_uniform, routing_zipf,
                                tolerance_for)
@@ -21,10 +22,39 @@ GLUON = ONE_RANK.with_(forward_kernel="gluon")
 GATHER = ONE_RANK.with_(forward_kernel="gluon-gather")
 
 
+AUTO = ONE_RANK.with_(forward_kernel="auto")
+
+
 def test_config_names_the_forward_kernel():
     assert KernelConfig().forward_kernel == "triton"
-    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon', 'gluon-gather'"):
+    with pytest.raises(ValueError, match="forward_kernel must be one of 'triton', 'gluon', 'gluon-gather', 'auto'"):
         KernelConfig(forward_kernel="cuda")
+
+
+@pytest.mark.parametrize("change,want", [
+    (dict(), "triton"),  # a CPU device (the interpreter's): no Gluon
+    (dict(config=GATHER), "gluon-gather"),  # a named kernel is never resolved away (its launch refuses instead)
+    (dict(config=ONE_RANK), "triton"),
+])
+def test_auto_forward_kernel_off_hopper(change, want):
+    args = dict(config=AUTO, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=256,
+                resident=True, fp8=None, trace=False, phases=mk.PH_ALL)
+    assert resolve_forward_kernel(**{**args, **change}) == want
+
+
+def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
+    """"auto" on the CPU path runs the Triton kernel: the same bits as forward_kernel="triton"."""
+    sh = ModelShape("t", e=4, h=256, i=128, k=2)
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(sh, dtype=torch.bfloat16, generator=g)
+    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    cfg = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, minibatch_size=64,
+                       block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
+    args = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    got = megakernel_forward_multirank(*args, config=cfg.with_(forward_kernel="auto"))
+    want = megakernel_forward_multirank(*args, config=cfg)
+    assert_bitwise_equal(got.outputs[0], want.outputs[0], "auto vs triton")
 
 
 @pytest.mark.parametrize("change,match", [
@@ -117,7 +147,8 @@ def _triton_forward(case: str, keep: bool):
     GLUON,  # every program pulls its share of the routed rows first, a 1-warp TMA producer, 3 stages
     GATHER,  # the producer gathers each tile's rows from x (4 warps, cp.async), 4 stages and one store buffer
     GATHER.with_(num_stages=3),  # the gathering form's shallowest ring, two store buffers a group
-], ids=["pull", "gather", "gather-3-stages"])
+    AUTO,  # "auto" on Hopper: the gathering form (resolve_forward_kernel asserted below)
+], ids=["pull", "gather", "gather-3-stages", "auto"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup, monkeypatch):
@@ -126,6 +157,10 @@ def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup,
     Scratch starts NaN (``nan_scratch``), so a row the kernel leaves unwritten shows."""
     args, ref = _case_inputs(case)
     shared = GPU_CASES[case][3]
+    if config is AUTO:
+        sh = GPU_CASES[case][0]
+        assert resolve_forward_kernel(AUTO, torch.device("cuda"), torch.bfloat16, 1, sh.h, sh.i,
+                                      sh.shared_width if shared else 0, True, None, False, mk.PH_ALL) == "gluon-gather"
     nan_scratch(monkeypatch)
     tri = _triton_forward(case, keep)
     runs = []

@@ -108,6 +108,27 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
     return None
 
 
+def resolve_forward_kernel(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
+                           s: int, resident: bool, fp8, trace: bool, phases: int) -> str:
+    """The forward kernel a launch runs: ``config.forward_kernel``, or for "auto" "gluon-gather" where this launch
+    can run it (a Hopper GPU, no interpreter, Gluon's Hopper API importable, ``forward_gluon_refusal`` None and
+    every role in the one launch), else "triton"."""
+    if config.forward_kernel != "auto":
+        return config.forward_kernel
+    if lc.interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return "triton"
+    if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
+        return "triton"
+    if forward_gluon_refusal(config.with_(forward_kernel="gluon-gather"), dev, dtype, ranks, h, i, s, resident, fp8,
+                             trace) is not None:
+        return "triton"
+    try:
+        from kittenmoe.kernels import megakernel_fwd_gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return "triton"
+    return "gluon-gather"
+
+
 def launch_rank_forward(
     rank: int,
     peers: LocalPeers,
@@ -280,7 +301,9 @@ def launch_rank_forward(
             **meta,
         )
 
-    if config.forward_kernel in ("gluon", "gluon-gather"):
+    kernel = resolve_forward_kernel(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace, phases)
+    if kernel in ("gluon", "gluon-gather"):
+        config = config.with_(forward_kernel=kernel)  # ("auto" resolved: the launch below reads the form)
         knob = f"forward_kernel={config.forward_kernel!r}"
         why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace)
         if interp:
