@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.compile the model: off, on, or every provider both ways")
     ap.add_argument("--providers", default=None, help="comma list (default: every one registered here)")
     ap.add_argument("--profile", action="store_true", help="keep each provider's heaviest GPU kernels")
+    ap.add_argument("--knobs", default="",
+                    help="KernelConfig fields set on kittenmoe's per-call config, k=v,... (hf stack; "
+                         "kittenmoe.integrations.transformers.Options.knobs), e.g. backward_kernel=gluon")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
@@ -204,6 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "torchtitan":
         titan_flavor(spec)  # (a model torchtitan has no configuration of fails here, before any row)
     providers = hf_providers() if args.stack == "hf" else titan_providers()
+    if args.knobs:
+        if args.stack != "hf":
+            ap.error("--knobs sets the transformers integration's options: the hf stack only")
+        from kittenmoe.bench.problems import parse_config_overrides
+        from kittenmoe.integrations.transformers import Options, register
+
+        register(Options(knobs=tuple(parse_config_overrides(args.knobs).items())))
     if args.providers:
         asked = args.providers.split(",")
         unknown = sorted(set(asked) - set(providers))
@@ -218,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dict(kind="train-step", stack=args.stack, model=args.model, layers=args.layers, batch=args.batch,
                  seq=args.seq, tokens_per_step=args.batch * args.seq, dtype=str(dtype).removeprefix("torch."),
                  h=spec.hidden, i=spec.moe_inter, e=spec.experts, k=spec.top_k, shared=spec.shared,
-                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, **environment(device),
+                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, knobs=args.knobs,
+                 **environment(device),
                  date=now_iso(), command=command_line(sys.argv if argv is None else ["benchmarks/train_step.py", *argv]))
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"train-{args.stack}-{args.model}-s{args.seq}-{time.strftime('%Y%m%d-%H%M%S')}.json")

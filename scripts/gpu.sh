@@ -27,7 +27,8 @@
 #                                         implementation, BATCH sequences (default 1) of SEQ tokens (default
 #                                         8192), STACK hf or torchtitan
 #                                         (default hf), COMPILE off, on or both (default off), PROVIDERS (comma list,
-#                                         default all); SonicMoE from a carried .sonic/sonic.tar.xz
+#                                         default all), KNOBS (KernelConfig fields k=v,... on kittenmoe's
+#                                         config); SonicMoE from a carried .sonic/sonic.tar.xz
 #                                         (scripts/sonicmoe_wheels.sh)
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
@@ -214,7 +215,8 @@ train)
   fi
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
-    --batch "${BATCH:-1}" --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} --profile \
+    --batch "${BATCH:-1}" --stack "${STACK:-hf}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} \
+    ${KNOBS:+--knobs "$KNOBS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"
   [[ -n ${QUACK_CACHE_DIR:-} ]] && bash scripts/sonicmoe_wheels.sh pack-cache "$OUT"
