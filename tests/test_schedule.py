@@ -394,6 +394,70 @@ def test_triton_schedule_matches_torch_bitwise(name):
             assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
 
 
+# Routes split over chunk programs (kernels/schedule.py): (R, L, T, K, block_m, programs, routing). ``programs``
+# is the launcher's target R*NCH; small ones give several BLOCK steps (128 routes at R = 1, 64 otherwise) a chunk.
+CHUNK_CASES = {
+    # one source, 700 routes in 2 chunks of 3 BLOCK steps, the last one short: the running count per expert
+    # carried across steps and the earlier chunk's prefix
+    "R1-steps": (1, 6, 175, 4, 16, 2, "uniform"),
+    # three sources, 2 chunks of 3 steps each: per-source ordinals interleave over the ranks (cnt[e, r'] differ),
+    # ids -1 and E mixed in, counted once over all chunks
+    "R3-interleave": (3, 4, 96, 4, 4, 6, "invalid"),
+    # 384 local experts (512 histogram bins, few repeats in a step), two sources of 2 chunks (2 steps, 1)
+    "R2-L384": (2, 384, 24, 8, 16, 4, "uniform"),
+    # skewed: ~70% of routes to experts 0-2 (long runs inside a step, segments over many tiles), NO_ROUTE tail
+    "R2-skew": (2, 8, 150, 4, 8, 3, "skew"),
+    # one BLOCK step a chunk: the default target (1024 programs) exceeds the 3 BLOCKs of each of the 2 sources
+    "R2-one-step": (2, 5, 40, 4, 4, 1024, "invalid"),
+    # no tokens (T = 0): one empty chunk a source; every row and tile -1, nothing counted
+    "R2-T0": (2, 3, 0, 2, 4, 1024, "invalid"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNK_CASES))
+def test_triton_schedule_chunks_match_torch_bitwise(name):
+    from kittenmoe.schedule import _build_schedule_triton
+
+    R, L, T, K, bm, programs, kind = CHUNK_CASES[name]
+    E = R * L
+    g = torch.Generator().manual_seed(3)
+    if kind == "invalid":
+        ids = torch.randint(-1, E + 1, (R, T, K), generator=g)
+    elif kind == "skew":
+        ids = torch.randint(0, E, (R, T, K), generator=g)
+        ids = torch.where(torch.rand(R, T, K, generator=g) < 0.7, torch.randint(0, 3, (R, T, K), generator=g), ids)
+        ids[:, T - 20:] = NO_ROUTE
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)]).reshape(R, T, K)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ids = ids.to(dev)
+    for rank in range(R):
+        a = build_schedule(ids, rank, L, bm, impl="torch")
+        b = _build_schedule_triton(ids, rank, L, bm, programs=programs)
+        for f in INT32_FIELDS:
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
+
+
+def test_schedule_scan_kernel_several_steps():
+    """The scan over chunks in [NB, EB] steps, NB = 2 < NCH = 5 chunks: the carry between steps, experts past L
+    in the last expert block, and the invalid ids summed over every (source, chunk)."""
+    from kittenmoe.kernels import schedule as ks
+
+    R, NCH, L = 2, 5, 6
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    hist = torch.randint(0, 9, (R, NCH, L), generator=g, dtype=torch.int32).to(dev)
+    bad = torch.randint(0, 3, (R, NCH), generator=g, dtype=torch.int32).to(dev)
+    pre = torch.full_like(hist, -7)
+    cnt = torch.full((L, R), -7, dtype=torch.int32, device=dev)
+    invalid = torch.full((1,), -7, dtype=torch.int32, device=dev)
+    ks.schedule_scan_kernel[(2, R)](hist, bad, pre, cnt, invalid, R, L, NCH, EB=4, NB=2)
+    assert torch.equal(pre, (hist.cumsum(1) - hist).to(torch.int32))
+    assert torch.equal(cnt, hist.sum(1).T.to(torch.int32))
+    assert invalid.item() == bad.sum().item()
+
+
 def test_triton_schedule_refuses_cpu_tensors_uninterpreted(monkeypatch):
     """impl='triton' on CPU tensors without the interpreter: a clear error naming the fix, before any launch
     (Triton's own, on a machine with a GPU, is "Pointer argument (at 0) cannot be accessed")."""

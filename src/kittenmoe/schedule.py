@@ -80,7 +80,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
                    impl: str | None = None) -> Schedule:
     """Schedule of destination ``rank`` from every rank's routing ``[R, T, K]`` (global expert ids).
 
-    ``impl``: "torch" (torch ops, the model) or "triton" (two Triton launches,
+    ``impl``: "torch" (torch ops, the model) or "triton" (three Triton launches,
     kernels/schedule.py; same tables bit for bit, checked under the
     interpreter and on the H200). Default: "triton" for CUDA tensors (Kimi
     slice on the H200: 0.057 ms against 1.023 ms for the ~30
@@ -168,7 +168,10 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
     )
 
 
-def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int) -> Schedule:
+def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int,
+                           programs: int = 1024) -> Schedule:
+    """``programs``: how many chunk programs the launches aim at (R*NCH; at most one a BLOCK of routes). Tests
+    pass a few, to get several BLOCKs a chunk from a routing small enough for the interpreter."""
     import triton
 
     from kittenmoe.kernels import schedule as ks
@@ -182,20 +185,42 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     C = routed_capacity(R, T, K, L, block_m)
     i32 = torch.int32
     ids = topk_ids_RTK.reshape(R, P).to(i32).contiguous()
+    # NCH chunks a source of CH routes each (a multiple of BLOCK), one program each in the count and placement
+    # launches: ~1024 programs where there are enough BLOCKs (~8 a Hopper SM), at least one chunk a source, also
+    # at P = 0. T = 32768, K = 8: R = 1, 1024 chunks of 256 routes; R = 8, 128 chunks of 2048 routes a source.
+    # BLOCK, the placement's step: 128 routes on 4 warps for one source, 64 on 2 warps for several, where most
+    # routes are other ranks' and its [BLOCK, BLOCK] comparison is most of the work (H100, R = 8, T = 4096,
+    # L = 48: 21 us with 64 against 27 with 128; R = 1, T = 8192, L = 128: 15 us with 128 against 17 with 64).
+    rb = triton.next_power_of_2(R)
+    lb = max(32, triton.next_power_of_2(L))  # tl.histogram takes at least a bin a lane of the warp
+    block = 128 if R == 1 else 64
+    nblk = triton.cdiv(P, block)
+    nch = max(1, min(nblk, triton.cdiv(programs, R)))
+    ch = triton.cdiv(nblk, nch) * block if nblk else block
+    nch = max(1, triton.cdiv(P, ch))
+    hist = torch.empty(R, nch, L, dtype=i32, device=dev)
+    bad = torch.empty(R, nch, dtype=i32, device=dev)
+    # the count takes a chunk in one step up to 1024 routes: a histogram step costs two barriers and L/32 shared
+    # atomics a thread whatever its width
+    ks.schedule_count_kernel[(nch, R)](ids, hist, bad, P, rank, L, R * L, nch, ch, LB=lb,
+                                       BLOCK=min(1024, triton.next_power_of_2(ch)), NO_ROUTE=NO_ROUTE)
+    # the scan: 4 experts a program, one [NB, 4] step up to 1024 chunks on 8 warps (100 registers on sm_90;
+    # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
+    pre = torch.empty(R, nch, L, dtype=i32, device=dev)
     cnt = torch.empty(L, R, dtype=i32, device=dev)
     num_invalid = torch.empty(1, dtype=i32, device=dev)
-    rb, lb = triton.next_power_of_2(R), triton.next_power_of_2(L)
-    block = 256 if R <= 16 else 64  # the placement tile is [BLOCK, RB]
-    ks.schedule_count_kernel[(L,)](ids, cnt, num_invalid, P, R, rank, L, R * L, RB=rb, BLOCK=1024,
-                                   NO_ROUTE=NO_ROUTE)
+    ks.schedule_scan_kernel[(triton.cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
+                                                    NB=min(triton.next_power_of_2(nch), 1024), num_warps=8)
     peer_rank = torch.empty(C, dtype=i32, device=dev)
     peer_tok = torch.empty(C, dtype=i32, device=dev)
     offsets = torch.empty(L + 1, dtype=i32, device=dev)
     counts = torch.empty(L, dtype=i32, device=dev)
     num_rows = torch.empty(1, dtype=i32, device=dev)
     tile_expert = torch.empty(C // block_m, dtype=i32, device=dev)
-    ks.schedule_place_kernel[(L,)](ids, cnt, peer_rank, peer_tok, offsets, counts, num_rows, tile_expert,
-                                   P, R, rank, L, C, BM=block_m, RB=rb, LB=lb, BLOCK=block)
+    ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
+                                         tile_expert, P, R, rank, L, C, nch, ch, BM=block_m,
+                                         BMB=triton.next_power_of_2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
+                                         num_warps=block // 32)
     return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
                     num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, rank=rank, num_ranks=R,
                     experts_per_rank=L, tokens=T, topk=K, block_m=block_m)
