@@ -95,13 +95,11 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
         return "it records no trace"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
         return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
-    if config.num_stages > 6:
-        return f"its ring is at most 6 stages of 32 KB deep (num_stages={config.num_stages})"
     if config.forward_kernel == "gluon-gather" and config.num_stages < 3:
         # the producer signals a stage's gathered rows one K step late, after it has waited for the stage it
         # fills next: with 2 stages that stage is the one the math groups release only once they have the late
         # signal, and the ring deadlocks
-        return f"its ring is 3-6 stages deep (num_stages={config.num_stages})"
+        return f"its ring is 3-4 stages deep (num_stages={config.num_stages})"
     if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
         return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
                 f"{config.block_k})")
@@ -350,7 +348,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     from kittenmoe.kernels import megakernel_fwd_gluon as mkg
 
     gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x_TH.dtype]
-    bm, bn, bk = (int(v.value) for v in (mkg.BM, mkg.BN, mkg.BK))
+    bm, bn, bk, half = (int(v.value) for v in (mkg.BM, mkg.BN, mkg.BK, mkg.HALF))
 
     def desc(t: torch.Tensor, block: list[int]):
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
@@ -371,16 +369,17 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         sched.num_invalid, x_TH, st.x_routed, st.hidden, st.gate_up if save_gu else st.y_routed,
         st.shared_hidden, st.y_shared if st.shared_gate_up is None else st.shared_gate_up,
         xl, desc(st.x_routed, [bm, bk]), desc(st.hidden, [bm, bk]), shid, w13, w2, sw13_d, sw2_d,
-        desc(st.y_routed, [bm, bn]), desc(st.y_shared, [bm, bn]),
+        desc(st.y_routed, [half, bn]), desc(st.y_shared, [half, bn]),
         st.counters, st.err,
         T, H, I, S, K, ring.num_minibatches, ring.slots, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         max_spin, int(save_gu),
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
         ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
-        # the ring is num_stages x 32 KB deep; up to 5 stages leave room for two 16 KB store buffers a math group,
-        # 6 for one
-        STAGES=min(config.num_stages, 6), ONE_BUF=config.num_stages >= 6, GATHER=gather,
+        # gather: the ring's depth is num_stages (3 or 4); 4 x 48 KB leave room for one 16 KB store buffer a math
+        # group. The pull form keeps its 3 stages and two buffers a group.
+        **(dict(STAGES=min(config.num_stages, 4), ONE_BUF=config.num_stages >= 4, GATHER=True) if gather
+           else dict(STAGES=3, ONE_BUF=False, GATHER=False)),
         num_warps=4, maxnreg=168,
     )
 

@@ -33,12 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kittenmoe.kernels.megakernel_fwd import _mb_rows, _tile_rc
 
-# A math group's tile: 128 rows x 128 columns, 64-deep K steps; every stage is [A 128 x 64, B 128 x 64] = 32 KB,
-# B filled by two 64-row TMA loads: 64 gate and the matching 64 up weight rows of a gate|up tile, 128 down weight
-# rows of a down tile. One m64n128 wgmma a 64-row half covers both halves of B (two m64n64 would read A from shared
-# memory twice: at the tensor cores' rate, 128 B a clock, all the bandwidth shared memory has). The fp32 128 x 128
-# accumulator is 128 registers a thread: a group holds one tile's and still has room for its epilogue.
-BM, BN, BK = gl.constexpr(128), gl.constexpr(64), gl.constexpr(64)  # BN: half the tile's columns
+HALF = gl.constexpr(64)  # rows of a tile one math group owns (one m64 wgmma); a tile is 2 * HALF = 128 rows
+BM, BN, BK = gl.constexpr(128), gl.constexpr(128), gl.constexpr(64)  # the tile: 128 rows x (128 gate + 128 up) or x 256 down columns, 64-deep K steps
 
 # tile kinds, as _decode returns them
 NONE = gl.constexpr(0)  # past the last minibatch, or a minibatch with no rows: nothing to do
@@ -157,7 +153,7 @@ def _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr, expert_offs
 
 
 @gluon.jit
-def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GATHER: gl.constexpr):
+def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER: gl.constexpr):
     """Producer: the tile's K steps into the ring, ``it`` counting ring uses over the whole launch. With GATHER
     the ring's ``ready`` barriers count two arrivals (the TMA bytes' and the gathered rows'): a tile loaded
     whole through TMA gives the second at once."""
@@ -167,8 +163,8 @@ def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GA
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
-        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b_s.index(st).slice(0, BN))
-        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b_s.index(st).slice(BN, BN))
+        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
+        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
         if GATHER:
             mbarrier.arrive(ready.index(st), count=1)
         it += 1
@@ -177,7 +173,7 @@ def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GA
 
 @gluon.jit
 def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_row, b0, b1, ks, it,
-                 a_s, b_s, ready, empty):
+                 a_s, b0_s, b1_s, ready, empty):
     """Producer (4 warps), a routed gate|up tile with GATHER: its A rows straight from x (row t of route
     t*K + j; padding rows zero) by cp.async, 16-byte vectors, one K step in flight behind the one issued; the
     weight tiles through TMA. Each stage's second ``ready`` arrival comes once every producer thread's copies
@@ -195,8 +191,8 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(st), 2 * b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b_s.index(st).slice(0, BN))
-        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b_s.index(st).slice(BN, BN))
+        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
+        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
         async_copy.async_copy_global_to_shared(a_s.index(st), base + k * BK, mask=ok)
         async_copy.commit_group()
         if k > 0:
@@ -213,43 +209,43 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
 
 
 @gluon.jit
-def _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout: gl.constexpr, store_a=False, xr_desc=None, a_row=0):
-    """The owning math group's accumulator over the tile's K steps, one step's wgmmas in flight; a stage goes back
-    to the producer (``empty``) once the wgmmas that read it are done. Once the last step's wgmmas are issued,
-    ``done`` hands the ring to the other group. Returns the accumulator's two 64-column halves (the gate and the
-    up of a gate|up tile; reshape, permute, split: no data moves). ``store_a`` (GATHER, kept activations, the row
-    tile's first column tile): each step's A block also goes to x_routed by a TMA store, which must have read the
-    stage before it goes back."""
+def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr,
+              store_a=False, xr_desc=None, a_row=0):
+    """One math group's two accumulators over the tile's K steps: rows ROWS0.. of A against both weight tiles,
+    one step's wgmmas in flight; a stage goes back to the producer (``empty``, count 2: both groups read it) once
+    the wgmmas that read it are done. ``store_a`` (GATHER, kept activations, the row tile's first column tile):
+    each step's whole A block also goes to x_routed by a TMA store, which must have read the stage before it
+    goes back."""
     STAGES: gl.constexpr = a_s.shape[0]
-    acc = gl.zeros((BM, 2 * BN), dtype=gl.float32, layout=layout)
+    acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     for k in range(ks):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         if xr_desc is not None:
             if store_a:
                 tma.async_copy_shared_to_global(xr_desc, [a_row, k * BK], a_s.index(st))
-        acc = warpgroup_mma(a_s.index(st), b_s.index(st).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        a = a_s.index(st).slice(ROWS0, HALF)
+        acc0 = warpgroup_mma(a, b0_s.index(st).permute((1, 0)), acc0, is_async=True)
+        acc1 = warpgroup_mma(a, b1_s.index(st).permute((1, 0)), acc1, is_async=True)
+        acc0, acc1 = warpgroup_mma_wait(num_outstanding=2, deps=(acc0, acc1))
         if xr_desc is not None:
             if store_a:
                 tma.store_wait(pendings=1)  # the previous step's A store has read its stage
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=k > 0)
         it += 1
-    mbarrier.arrive(done, count=1)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     if xr_desc is not None:
         if store_a:
             tma.store_wait(pendings=0)
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
-    lo, hi = acc.reshape([BM, 2, BN]).permute((0, 2, 1)).split()
-    return lo, hi, it
+    return acc0, acc1, it
 
 
 @gluon.jit
-def _store_block(ptr, ld, row0, n_rows, col0, v):
-    """ptr[row0 + m, col0 + n] = v[m, n] (row stride ``ld``) for rows m < n_rows; v is BM x BN."""
-    layout: gl.constexpr = v.type.layout
-    rm = gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
+def _store_block(ptr, ld, row0, n_rows, col0, v, layout: gl.constexpr):
+    """ptr[row0 + m, col0 + n] = v[m, n] (row stride ``ld``) for rows m < n_rows; v is HALF x BN in ``layout``."""
+    rm = gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
     rn = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
     offs = (row0 + rm).to(gl.int64)[:, None] * ld + (col0 + rn)[None, :]
     gl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=(rm < n_rows)[:, None] & (rn >= 0)[None, :])
@@ -257,19 +253,19 @@ def _store_block(ptr, ld, row0, n_rows, col0, v):
 
 @gluon.jit
 def _gateup_epilogue(acc_g, acc_u, hid_ptr, gu_ptr, row0, n_rows, col0, width, swiglu_limit,
-                     HAS_LIMIT: gl.constexpr, SAVE_GU):
+                     HAS_LIMIT: gl.constexpr, SAVE_GU, layout: gl.constexpr):
     """hidden[row0 + m, col0 + n] = silu(g) * u (clamped with HAS_LIMIT), as megakernel_fwd._swiglu_store
     computes it; SAVE_GU (nonzero): the fp32 gate and up into the kept [*, 2 * width] rows too. A runtime
     flag: as a constexpr, the build without the stores failed in Triton 3.6's LLVM lowering (an assertion in the
     warp-specialized partitions, whose pointer arguments were then unused)."""
     if SAVE_GU != 0:
-        _store_block(gu_ptr, 2 * width, row0, n_rows, col0, acc_g)
-        _store_block(gu_ptr, 2 * width, row0, n_rows, width + col0, acc_u)
+        _store_block(gu_ptr, 2 * width, row0, n_rows, col0, acc_g, layout)
+        _store_block(gu_ptr, 2 * width, row0, n_rows, width + col0, acc_u, layout)
     if HAS_LIMIT:
         acc_g = gl.minimum(acc_g, swiglu_limit)
         acc_u = gl.minimum(gl.maximum(acc_u, -swiglu_limit), swiglu_limit)
     hid = acc_g * (1 / (1 + gl.exp(-acc_g))) * acc_u
-    _store_block(hid_ptr, width, row0, n_rows, col0, hid)
+    _store_block(hid_ptr, width, row0, n_rows, col0, hid, layout)
 
 
 @gluon.jit
@@ -293,63 +289,48 @@ def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.con
 
 
 @gluon.jit
-def _math(ROLE: gl.constexpr, a_s, b_s, c0_s, c1_s, ready, empty, order,
+def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
           tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr,
           hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc,
           T, H, I, S, NMB, NSLOT, swiglu_limit, total,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
           HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr):
-    """A math group: the program's tiles 2n + ROLE (ping-pong). It walks the other group's tiles too, to count
-    their K steps: the ring's stages are used in tile order whoever reads them. The groups' K loops take turns
-    (``order[g]`` completes a phase each time group g has issued a tile's last wgmmas): a group waiting on the
-    ring for a tile more than one lap ahead of the producer would take an earlier lap's phase for its own, and
-    the turn is what puts one group's epilogue under the other's K loop."""
-    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, 2 * BN, 16])
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_rows = gl.load(num_rows_ptr)
     hid_ready = cnt_ptr + NMB
     shared_ready = cnt_ptr + 4 * NMB
-    done = order.index(ROLE)
     it = 0
-    j = 0  # the tile's place in this program's list: this group's when j % 2 == ROLE
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
-        if j % 2 != ROLE:
-            it += ks
-        else:
-            # the other group's previous tile (j - 1, its ((j - 1) // 2)-th) has issued its last wgmmas
-            mbarrier.wait(order.index(1 - ROLE), ((j - 1) // 2) & 1, pred=j > 0)
-            if kind == SH_GU:
-                acc0, acc1, it = _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout)
-                _gateup_epilogue(acc0, acc1, sh_hid_ptr, sgu_ptr, a_row, T - a_row, col, S, swiglu_limit,
-                                 HAS_LIMIT, SAVE_GU)
-                _signal(shared_ready)
-            elif kind == GU:
-                if GATHER:  # the row tile's first column tile keeps the gathered rows (x_routed)
-                    acc0, acc1, it = _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout,
-                                               (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
-                else:
-                    acc0, acc1, it = _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout)
-                _gateup_epilogue(acc0, acc1, hid_ptr, gu_ptr, a_row, BM, col, I, swiglu_limit, HAS_LIMIT,
-                                 SAVE_GU)
-                _signal(hid_ready + p)
-            elif kind == DN:
-                acc0, acc1, it = _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout)
-                _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row, col, ONE_BUF)
-            elif kind == SH_DN:
-                acc0, acc1, it = _mma_tile(a_s, b_s, ready, empty, done, ks, it, layout)
-                _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row, col, ONE_BUF)
-            else:  # no K loop: hand the turn on at once
-                mbarrier.arrive(done, count=1)
-                if kind == GU_EMPTY:
-                    _signal(hid_ready + p)
-        j += 1
+        if kind == SH_GU:
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            _gateup_epilogue(acc0, acc1, sh_hid_ptr, sgu_ptr, a_row + ROWS0, T - a_row - ROWS0, col, S,
+                             swiglu_limit, HAS_LIMIT, SAVE_GU, layout)
+            _signal(shared_ready)
+        elif kind == GU:
+            if GATHER:  # math group 0 keeps the gathered rows (x_routed) from the row tile's first column tile
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
+                                           (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
+            else:
+                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            _gateup_epilogue(acc0, acc1, hid_ptr, gu_ptr, a_row + ROWS0, HALF, col, I, swiglu_limit, HAS_LIMIT,
+                             SAVE_GU, layout)
+            _signal(hid_ready + p)
+        elif kind == GU_EMPTY:
+            _signal(hid_ready + p)
+        elif kind == DN:
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
+        elif kind == SH_DN:
+            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _load(a_s, b_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
           peer_rank_ptr, peer_tok_ptr, x_ptr,
           xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
           T, H, I, S, K, NMB, NSLOT, total, max_spin,
@@ -367,24 +348,24 @@ def _load(a_s, b_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
         if kind == SH_GU:
-            it = _load_tile(xl_desc, sw13_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GATHER)
+            it = _load_tile(xl_desc, sw13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == GU:
             if GATHER:  # a_row is the schedule row: the Gluon forward's ring is resident
                 it = _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w13_desc, a_row, b0, b1, ks,
-                                  it, a_s, b_s, ready, empty)
+                                  it, a_s, b0_s, b1_s, ready, empty)
             else:
                 _wait_geq(cnt_ptr + p, nprog, err_ptr, max_spin)  # x_ready: every program pulled its share
-                it = _load_tile(xr_desc, w13_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GATHER)
+                it = _load_tile(xr_desc, w13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == DN:
-            _wait_geq(cnt_ptr + NMB + p, per_mb_gu, err_ptr, max_spin)  # hid_ready: one a gate|up tile
-            it = _load_tile(hid_desc, w2_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GATHER)
+            _wait_geq(cnt_ptr + NMB + p, 2 * per_mb_gu, err_ptr, max_spin)  # hid_ready: both groups of each tile
+            it = _load_tile(hid_desc, w2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == SH_DN:
-            _wait_geq(cnt_ptr + 4 * NMB, n_sh_gu, err_ptr, max_spin)  # shared_ready
-            it = _load_tile(shid_desc, sw2_desc, a_row, b0, b1, ks, it, a_s, b_s, ready, empty, GATHER)
+            _wait_geq(cnt_ptr + 4 * NMB, 2 * n_sh_gu, err_ptr, max_spin)  # shared_ready
+            it = _load_tile(shid_desc, sw2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b_s, c00_s, c01_s, c10_s, c11_s, ready, empty, order,
+def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
@@ -392,19 +373,19 @@ def _partition(ROLE: gl.constexpr, a_s, b_s, c00_s, c01_s, c10_s, c11_s, ready, 
                LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
                HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr,
                GATHER: gl.constexpr):
-    """ROLE 0 / 1: the math groups of the program's even / odd tiles; ROLE 2: the producer (one warp, or four
+    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (one warp, or four
     with GATHER)."""
     if ROLE == 2:
-        _load(a_s, b_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
+        _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
               peer_rank_ptr, peer_tok_ptr, x_ptr,
               xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
               T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER)
     elif ROLE == 0:
-        _math(ROLE, a_s, b_s, c00_s, c01_s, ready, empty, order, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
+        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
               cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
               swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
     else:
-        _math(ROLE, a_s, b_s, c10_s, c11_s, ready, empty, order, tile_expert_ptr, expert_offsets_ptr,
+        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
               num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
               NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
 
@@ -456,8 +437,8 @@ def forward_kernel(
     w2_desc,  # w2 viewed [L*H, I], blocks [BN, BK]
     sw13_desc,  # shared w13 [2S, H], blocks [BN, BK] (a stand-in without a shared expert)
     sw2_desc,  # shared w2 [H, S], blocks [BN, BK] (a stand-in without a shared expert)
-    yr_desc,  # y_routed [MAC, H], blocks [BM, BN] (stores)
-    ys_desc,  # y_shared [T, H], blocks [BM, BN] (stores; rows past T are dropped by TMA)
+    yr_desc,  # y_routed [MAC, H], blocks [HALF, BN] (stores)
+    ys_desc,  # y_shared [T, H], blocks [HALF, BN] (stores; rows past T are dropped by TMA)
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch (megakernel_fwd's layout)
     err_ptr,  # [1] int32 error flag
     T, H, I, S, K, NMB, NSLOT, swiglu_limit, max_spin,
@@ -490,24 +471,22 @@ def forward_kernel(
     total = n_sh + (NMB + LAG) * ((MB // BM) * (I // BN + H // (2 * BN)))
 
     a_s = gl.allocate_shared_memory(xr_desc.dtype, [STAGES, BM, BK], xr_desc.layout)
-    b_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, 2 * BN, BK], w13_desc.layout)
-    c00_s = gl.allocate_shared_memory(yr_desc.dtype, [BM, BN], yr_desc.layout)
-    c10_s = gl.allocate_shared_memory(yr_desc.dtype, [BM, BN], yr_desc.layout)
+    b0_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BN, BK], w13_desc.layout)
+    b1_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BN, BK], w13_desc.layout)
+    c00_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
+    c10_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
     if ONE_BUF:
         c01_s = c00_s
         c11_s = c10_s
     else:
-        c01_s = gl.allocate_shared_memory(yr_desc.dtype, [BM, BN], yr_desc.layout)
-        c11_s = gl.allocate_shared_memory(yr_desc.dtype, [BM, BN], yr_desc.layout)
+        c01_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
+        c11_s = gl.allocate_shared_memory(yr_desc.dtype, [HALF, BN], yr_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2 if GATHER else 1)
-        mbarrier.init(empty.index(i), count=1)  # one math group reads a stage
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(order.index(i), count=1)
-    args = (a_s, b_s, c00_s, c01_s, c10_s, c11_s, ready, empty, order,
+        mbarrier.init(empty.index(i), count=2)
+    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
