@@ -45,8 +45,10 @@ from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, adamw
                                           titan_providers, zipf_batches)
 
 
-def count_syncs(step: Callable[[], None]) -> int:
-    """Host syncs one call of ``step`` makes, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them."""
+def host_syncs(step: Callable[[], None]) -> list[str]:
+    """The host syncs one call of ``step`` makes, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them: one
+    "file:line" a sync, the Python line that made it (where a row shows more syncs than another, this says where
+    they come from)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -55,7 +57,7 @@ def count_syncs(step: Callable[[], None]) -> int:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 15) -> list[dict]:
@@ -125,7 +127,9 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
         if cuda:
             row["peak_mem_gib"] = (torch.cuda.max_memory_allocated(device) - mem_before) / 2**30
             ids = batches[0].to(device)
-            row["host_syncs_per_step"] = count_syncs(lambda: step(ids))
+            sites = host_syncs(lambda: step(ids))
+            row["host_syncs_per_step"] = len(sites)
+            row["host_sync_sites"] = sorted(set(sites))
             if args.profile:  # a profiler failure is the row's to report, not the run's to end
                 try:
                     row["kernels"] = top_kernels(lambda: step(ids))

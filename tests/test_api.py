@@ -127,6 +127,19 @@ def test_views_and_router_dtypes_match_the_reference(backend, view):
     assert x.grad.shape == x.shape and wts.grad.dtype == wts.dtype and torch.isfinite(wts.grad.float()).all()
 
 
+def test_forward_and_backward_leave_the_callers_tensors_alone():
+    """With one rank the megakernels read x, the output gradient and the router weights where the caller holds
+    them (``LocalPeers.stage``, no copy): a forward+backward must leave every one of them, and the weights,
+    unchanged bit for bit."""
+    x, ids, wts, w = _inputs(37, seed=5, requires_grad=True)
+    g = torch.randn(37, SHAPE.h)
+    before = [t.detach().clone() for t in (x, ids, wts, g, w.w13_E2IH, w.w2_EHI)]
+    out = _call(x, ids, wts, w, backend="megakernel")
+    out.backward(g)
+    for was, now in zip(before, (x, ids, wts, g, w.w13_E2IH, w.w2_EHI), strict=True):
+        assert torch.equal(was, now.detach())
+
+
 # --------------------------------------------------------------------------- refused inputs
 
 

@@ -104,3 +104,44 @@ def test_destroy_clears():
         peers.buffer("b", 0)
     bufs = peers.alloc("a", (2,), torch.float32, fill=3)  # usable again afterwards
     assert peers.ptrs("a").tolist() == [b.data_ptr() for b in bufs]
+
+
+def test_stage_takes_the_callers_tensors_without_a_copy():
+    """Tensors that already are such buffers become them: same storage, and the table holds their addresses."""
+    peers = LocalPeers(2)
+    xs = [torch.randn(6, 4), torch.randn(6, 4)]
+    bufs = peers.stage("x", xs, (6, 4), torch.float32)
+    assert [b.data_ptr() for b in bufs] == [t.data_ptr() for t in xs]
+    assert peers.ptrs("x").tolist() == [t.data_ptr() for t in xs]
+    ws = [torch.rand(3, 2), torch.rand(3, 2)]  # [T, K] router weights staged flat as [T*K]
+    flat = peers.stage("w", ws, (6,), torch.float32)
+    assert flat[1].shape == (6,) and flat[1].data_ptr() == ws[1].data_ptr()
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(4, 6).t(),  # not contiguous: a transposed view
+    lambda: torch.randn(6, 4).double(),  # another dtype: converted in the copy
+    lambda: torch.randn(6 * 4 + 1)[1:].view(6, 4),  # contiguous but 4 bytes past a 16-byte boundary
+])
+def test_stage_copies_what_cannot_be_a_buffer(make):
+    peers = LocalPeers(1)
+    t = make()
+    bufs = peers.stage("x", [t], (6, 4), torch.float32)
+    assert bufs[0].data_ptr() != t.data_ptr() and bufs[0].is_contiguous()
+    assert torch.equal(bufs[0], t.float()) and peers.ptrs("x").tolist() == [bufs[0].data_ptr()]
+
+
+def test_a_staged_callers_tensor_is_never_handed_out_again():
+    """After a call that took the caller's tensor, a call that must copy (or an alloc) gets fresh storage: the
+    copy would otherwise land in the earlier caller's tensor."""
+    peers = LocalPeers(1)
+    mine = torch.randn(6, 4)
+    keep = mine.clone()
+    peers.stage("x", [mine], (6, 4), torch.float32)
+    other = torch.randn(4, 6).t()  # must be copied
+    bufs = peers.stage("x", [other], (6, 4), torch.float32)
+    assert bufs[0].data_ptr() != mine.data_ptr() and torch.equal(mine, keep)
+    assert torch.equal(bufs[0], other)
+    again = peers.stage("x", [mine], (6, 4), torch.float32)  # taken again: a new table for the new address
+    assert again[0].data_ptr() == mine.data_ptr() and peers.ptrs("x").tolist() == [mine.data_ptr()]
+    assert peers.alloc("x", (6, 4), torch.float32)[0].data_ptr() != mine.data_ptr()

@@ -572,17 +572,13 @@ def megakernel_backward_multirank(
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
     if len(d_out_RTH) != R or any(tuple(g.shape) != (T, H) for g in d_out_RTH):
         raise ValueError(f"d_out must be {R} tensors of shape {(T, H)}")
-    xb = peers.alloc("x", (T, H), dtype)
-    db = peers.alloc("d_out", (T, H), dtype)
-    wb = peers.alloc("w", (T * K,), torch.float32)
+    peers.stage("x", list(x_RTH), (T, H), dtype)
+    peers.stage("d_out", list(d_out_RTH), (T, H), dtype)
+    peers.stage("w", list(topk_weights_RTK), (T * K,), torch.float32)
     dx_comb, dw_comb = [None] * R, [None] * R  # under combine_gather rank_backward_epilogue reads dxr / dwp
     if not config.combine_gather:  # which pushes nothing: no d_x / d_w combine buffers (as the forward's)
         dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)
         dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)
-    for r in range(R):
-        xb[r].copy_(x_RTH[r])
-        db[r].copy_(d_out_RTH[r])
-        wb[r].copy_(topk_weights_RTK[r].reshape(-1))
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])
     # each rank writes its experts' slice
     d_w13 = torch.empty(w13_E2IH.shape, dtype=dtype, device=dev)

@@ -468,14 +468,12 @@ def megakernel_forward_multirank(
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
     R, T, K, H, L = dims.r, dims.t, dims.k, dims.h, dims.experts_per_rank
-    xb = peers.alloc("x", (T, H), dtype)
+    peers.stage("x", list(x_RTH), (T, H), dtype)
     # combine_gather pushes nothing: no [T*K, H] combine buffer (235 MB on the Kimi slice) is allocated. (Not a
     # smaller one either: buffers keyed by name are re-allocated whenever their shape changes, which a workspace
     # shared by layers of different configs would then do on every call.)
     # (A None per rank then: rank_forward_epilogue reads y_routed instead.)
     cb = [None] * R if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
-    for r in range(R):
-        xb[r].copy_(x_RTH[r])
     ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
