@@ -30,6 +30,12 @@
 #                                         default all), KNOBS (KernelConfig fields k=v,... on kittenmoe's
 #                                         config); SonicMoE from a carried .sonic/sonic.tar.xz
 #                                         (scripts/sonicmoe_wheels.sh)
+#   bash scripts/gpu.sh kernels [SHAPES]  benchmarks/probes/kernel_times.py: GPU ms of each kernel of one forward+backward
+#                                         through kittenmoe.moe per shape (T,H,I,E,K, ';'-separated; default Qwen3-30B-A3B's
+#                                         8192,2048,768,128,8 and the fine-grained 32768,4096,512,128,8), for each of
+#                                         CONFIGS ('|'-separated KernelConfig overrides, default the heuristic config
+#                                         and forward_kernel=triton); GPU_TESTS=1 first runs the public path's and
+#                                         the Gluon kernels' GPU tests; about 1 minute a shape
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
@@ -54,7 +60,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train|kernels)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -188,6 +194,18 @@ gluon)
     --config "$configs" --skip-check --reps 20 --out "$RESULTS"
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
+  ;;
+kernels)
+  if [[ ${GPU_TESTS:-0} == 1 ]]; then
+    step kernels-tests 420 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_api.py \
+      tests/test_megakernel_fwd_gluon.py tests/test_megakernel_bwd_gluon.py
+  fi
+  IFS=';' read -ra shapes <<< "${arg:-8192,2048,768,128,8;32768,4096,512,128,8}"
+  for sh in "${shapes[@]}"; do
+    step "kernels-${sh//,/x}" 240 python3 benchmarks/probes/kernel_times.py --shape "$sh" \
+      --config "$(tr '|' ';' <<< "${CONFIGS:-|forward_kernel=triton}")"
+    grep -h "^\[\|^ " "$OUT/kernels-${sh//,/x}.log" | head -40
+  done
   ;;
 gluon-bwd)
   stamp="$OUT/.gluon-bwd-start"
