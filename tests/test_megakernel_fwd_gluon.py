@@ -42,16 +42,22 @@ def test_auto_forward_kernel_off_hopper(change, want):
     assert resolve_forward_kernel(**{**args, **change}) == want
 
 
-def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
-    """"auto" on the CPU path runs the Triton kernel: the same bits as forward_kernel="triton"."""
+def _small_forward_args():
+    """megakernel_forward_multirank's arguments for one rank, 64 tokens of a small bf16 shape (widths the Gluon
+    tiles divide)."""
     sh = ModelShape("t", e=4, h=256, i=128, k=2)
     g = torch.Generator().manual_seed(0)
     w = make_weights(sh, dtype=torch.bfloat16, generator=g)
     x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
     ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    return [x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None
+
+
+def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
+    """"auto" on the CPU path runs the Triton kernel: the same bits as forward_kernel="triton"."""
     cfg = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, minibatch_size=64,
                        block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
-    args = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, None)
+    args = _small_forward_args()
     got = megakernel_forward_multirank(*args, config=cfg.with_(forward_kernel="auto"))
     want = megakernel_forward_multirank(*args, config=cfg)
     assert_bitwise_equal(got.outputs[0], want.outputs[0], "auto vs triton")
@@ -79,14 +85,8 @@ def test_gluon_refusals_say_what_is_missing(change, match):
 
 def test_gluon_refused_under_the_interpreter():
     """The CPU path (the interpreter) cannot run Gluon: the launch says so instead of running something else."""
-    sh = ModelShape("t", e=4, h=256, i=128, k=2)
-    g = torch.Generator().manual_seed(0)
-    w = make_weights(sh, dtype=torch.bfloat16, generator=g)
-    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
-    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
     with pytest.raises(NotImplementedError, match="forward_kernel='gluon'.*interpreter"):
-        megakernel_forward_multirank([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
-                                     None, config=GLUON)
+        megakernel_forward_multirank(*_small_forward_args(), config=GLUON)
 
 
 @pytest.fixture

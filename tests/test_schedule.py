@@ -72,6 +72,13 @@ INT32_FIELDS = ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts"
                 "num_invalid")
 
 
+def assert_same_tables(a: Schedule, b: Schedule, what: str) -> None:
+    """Every int32 table of ``b`` equals ``a``'s, dtype and bits."""
+    for f in INT32_FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        assert x.dtype == y.dtype and torch.equal(x, y), f"{what}: {f} differs: {x} vs {y}"
+
+
 def check_schedule(ids_RTK: torch.Tensor, rank: int, L: int, bm: int) -> Schedule:
     """Build the schedule and check every property against the naive model; returns it."""
     ids = ids_RTK.tolist()
@@ -388,10 +395,7 @@ def test_triton_schedule_matches_torch_bitwise(name):
     for rank in range(R):
         a = build_schedule(ids, rank, L, bm, impl="torch")
         b = build_schedule(ids, rank, L, bm, impl="triton")
-        for f in ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
-                  "num_invalid"):
-            x, y = getattr(a, f), getattr(b, f)
-            assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
+        assert_same_tables(a, b, f"{name} rank {rank}")
 
 
 # Routes split over chunk programs (kernels/schedule.py): (R, L, T, K, block_m, programs, routing). ``programs``
@@ -434,9 +438,7 @@ def test_triton_schedule_chunks_match_torch_bitwise(name):
     for rank in range(R):
         a = build_schedule(ids, rank, L, bm, impl="torch")
         b = _build_schedule_triton(ids, rank, L, bm, programs=programs)
-        for f in INT32_FIELDS:
-            x, y = getattr(a, f), getattr(b, f)
-            assert x.dtype == y.dtype and torch.equal(x, y), f"{name} rank {rank}: {f} differs: {x} vs {y}"
+        assert_same_tables(a, b, f"{name} rank {rank}")
 
 
 def test_schedule_scan_kernel_several_steps():

@@ -14,6 +14,7 @@ every device); the bits are the same and kernels cast them to pointers.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -82,9 +83,7 @@ class LocalPeers:
         a graph capture copies instead, so that no table is captured reading host memory that is gone by
         replay."""
         shape = tuple(int(v) for v in shape)
-        numel = 1
-        for v in shape:
-            numel *= v
+        numel = math.prod(shape)
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing and len(tensors) == self.num_ranks and all(
                 t.dtype == dtype and t.device == self.device and t.is_contiguous() and t.numel() == numel
