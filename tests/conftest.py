@@ -52,5 +52,33 @@ def _interpreter_dot_in_fp64() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def _interpreter_bf16_round_to_nearest() -> None:
+    """Make the interpreter's fp32 -> bf16 casts round to nearest even, as the GPU's (``cvt.rn.bf16.f32``).
+
+    The interpreter (Triton 3.6-3.9) converts fp32 to bf16 by dropping the low 16 bits when no rounding mode is
+    given (``x.to(tl.bfloat16)``): round toward zero, twice the error of rounding to nearest and always toward
+    zero, so the errors add up in a sum instead of cancelling. On the tiny test shapes that put a bf16 backward
+    that rounds one more tensor (the kept gate|up) at rel L1 1.2e-2 against the fp64 reference where rounding
+    to nearest gives about half that: the test measured the interpreter, not the kernel. torch's conversion
+    rounds to nearest even (NaN and inf kept)."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+    if getattr(original, "_kittenmoe_rne", False):
+        return
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(bits.view(np.uint16), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    cast_impl._kittenmoe_rne = True
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
+
+
 if not HAS_CUDA:
     _interpreter_dot_in_fp64()
+    _interpreter_bf16_round_to_nearest()

@@ -11,9 +11,9 @@ Ops (namespace ``kittenmoe``):
   <KernelConfig fields>)
   -> (out_TH, x_routed, gate_up, shared_gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their
   128 x 128 scales and transposes; None for x's dtype). With
-  ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and fp32 gate|up
-  pre-activations ``[MAC, 2I]`` for the backward (every routed row when the ring does not wrap, else
-  macrobatch 0) and the shared expert's fp32 gate|up ``[T, 2S]``; otherwise ``[0, H]`` / ``[0, 2I]`` /
+  ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and gate|up
+  pre-activations ``[MAC, 2I]`` (x's dtype) for the backward (every routed row when the ring does not wrap, else
+  macrobatch 0) and the shared expert's gate|up ``[T, 2S]``; otherwise ``[0, H]`` / ``[0, 2I]`` /
   ``[0, 2S]`` (``moe_megakernel`` turns the knob off when no gradient is needed).
 - ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, shared_gate_up, <KernelConfig fields>) ->
   (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
@@ -104,7 +104,7 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
          "Tensor d_shared_w13_2SH, Tensor d_shared_w2_HS)"
 
 # The forward also returns what it kept for the backward (KernelConfig.keep_activations): its ring's x_routed
-# [MAC, H] and fp32 gate_up [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S], or [0, H] / [0, 2I] /
+# [MAC, H], gate_up [MAC, 2I] and the shared expert's gate|up [T, 2S] (all in x's dtype), or [0, H] / [0, 2I] /
 # [0, 2S] when it kept nothing (the backward replays; [0, 0] for the last without a shared expert).
 # FP8: the routed experts' e4m3 weights and 128 x 128 scales (kittenmoe.fp8.FP8ExpertWeights, None for
 # bf16), whether the activation scales are powers of two, and FP8Config's dx_high / down_high (which GEMMs stay
@@ -258,10 +258,10 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
     if kept is None:  # the fake impl's dtypes (an FP8 forward keeps its rows in x's dtype too)
         H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
         kept = (x_TH.new_empty(0, H, dtype=x_TH.dtype),
-                x_TH.new_empty(0, two_i, dtype=torch.float32), None)
+                x_TH.new_empty(0, two_i, dtype=x_TH.dtype), None)
     shared_gu = kept[2]
     if shared_gu is None:
-        shared_gu = x_TH.new_empty(0, _shared_width(shared_w13_2SH), dtype=torch.float32)
+        shared_gu = x_TH.new_empty(0, _shared_width(shared_w13_2SH), dtype=x_TH.dtype)
     return res.outputs[0], kept[0], kept[1], shared_gu
 
 
@@ -309,11 +309,11 @@ def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w
                   swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high,
                   *config_args):
     n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
-    # (an FP8 forward keeps its routed rows in x's dtype, beside the e4m3 ring its GEMMs read)
+    # (an FP8 forward keeps its routed rows and gate|up in x's dtype, beside the e4m3 ring its GEMMs read)
     two_s = _shared_width(shared_w13_2SH)
     return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype),
-            x_TH.new_empty(n, w13_E2IH.shape[1], dtype=torch.float32),
-            x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=torch.float32))
+            x_TH.new_empty(n, w13_E2IH.shape[1], dtype=x_TH.dtype),
+            x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=x_TH.dtype))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,

@@ -173,14 +173,14 @@ def _check_saved(saved: Saved, NR: int, bm: int, T: int, H: int, I: int, S: int,
                          f"multiple of block_m={bm} (same routing and config), got {tuple(saved[0].shape)}")
     # (an FP8 forward keeps its rows in x's dtype beside the e4m3 ring its GEMMs read)
     for name, t, shape, dt in (("saved x_routed", saved[0], (mac, H), dtype),
-                               ("saved gate_up", saved[1], (mac, 2 * I), torch.float32)):
+                               ("saved gate_up", saved[1], (mac, 2 * I), dtype)):
         if tuple(t.shape) != shape or not t.is_contiguous() or t.dtype != dt or t.device != dev:
             raise ValueError(f"{name} must be a contiguous {dt} tensor of shape {shape} on {dev} (the "
                              f"forward's, same routing and config), got {tuple(t.shape)} {t.dtype} on {t.device}")
     sgu = saved[2]
     if sgu is not None and (S == 0 or tuple(sgu.shape) != (T, 2 * S) or not sgu.is_contiguous()
-                            or sgu.dtype != torch.float32 or sgu.device != dev):
-        want = (f"None or a contiguous float32 tensor of shape {(T, 2 * S)} on {dev}" if S > 0
+                            or sgu.dtype != dtype or sgu.device != dev):
+        want = (f"None or a contiguous {dtype} tensor of shape {(T, 2 * S)} on {dev}" if S > 0
                 else "None without a shared expert")
         raise ValueError(f"saved shared_gate_up must be {want} (the forward's, same inputs), got "
                          f"{tuple(sgu.shape)} {sgu.dtype} on {sgu.device}")
@@ -211,10 +211,10 @@ def launch_rank_backward(
     ``dw13_out`` / ``dw2_out`` ([L, 2I, H] / [L, H, I], contiguous): where to write this rank's expert weight
     gradients (a slice of the all-expert gradient, sparing a 4 GB concatenation on the Kimi slice).
     ``saved``: ``(x_routed, gate_up, shared_gate_up)`` of this rank's forward with the same routing and config
-    (``launch_rank_forward(save_for_backward=True)``). From a resident ring (``[NR, H]``, ``[NR, 2I]`` fp32)
+    (``launch_rank_forward(save_for_backward=True)``). From a resident ring (``[NR, H]``, ``[NR, 2I]`` in x's dtype)
     phase A runs the down dgrad only (no gate|up replay, 4 of its 6 FLOPs per element) and the pull skips
     x rows; from a wrapping ring (``[MAC, H]``, ``[MAC, 2I]``: macrobatch 0) the rows below MAC skip the
-    replay and the others replay it. ``shared_gate_up`` (``[T, 2S]`` fp32; always None without a shared
+    replay and the others replay it. ``shared_gate_up`` (``[T, 2S]`` in x's dtype; always None without a shared
     expert): the shared phase A runs its down dgrad alone, on tiles twice as wide; None replays it.
 
     ``fp8``: the forward's ``FP8ExpertWeights`` (this rank's experts): the data-gradient GEMMs (down dgrad,
@@ -412,7 +412,8 @@ def launch_rank_backward(
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
-            saved[2] if shared_kept else bufs["dwp"], *fp8_bufs,
+            saved[2] if shared_kept else bufs["sh"], *fp8_bufs,  # (placeholders in x's dtype: a replay
+            # rounds g and u to the kept buffers' dtype)
             w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)

@@ -42,10 +42,10 @@ class ForwardState:
     y_shared: torch.Tensor  # [T, H]
     counters: torch.Tensor  # [4 * NMB + 1] int32
     err: torch.Tensor  # [1] int32
-    # [MAC, 2I] fp32 gate|up pre-activations of the rows the ring holds at the end, kept for the backward
+    # [MAC, 2I] gate|up pre-activations (x's dtype) of the rows the ring holds at the end, kept for the backward
     # (save_for_backward), else None
     gate_up: torch.Tensor | None = None
-    # [T, 2S] fp32 the shared expert's gate|up pre-activations, kept beside them (save_for_backward with a
+    # [T, 2S] the shared expert's gate|up pre-activations (x's dtype), kept beside them (save_for_backward with a
     # shared expert), else None
     shared_gate_up: torch.Tensor | None = None
     x_scale: torch.Tensor | None = None  # [MAC, H / B] fp32 under FP8 (x_routed then holds e4m3 bits)
@@ -148,11 +148,11 @@ def launch_rank_forward(
     """Build rank ``rank``'s schedule and run its megakernel (pull, experts, push into the peers' combine).
 
     ``save_for_backward``: also keep the gate|up pre-activations of the rows in the ring (``state.gate_up``,
-    fp32) and write padding rows of ``state.x_routed`` as zeros (under FP8, whose ring holds e4m3 bits: the
+    in x's dtype) and write padding rows of ``state.x_routed`` as zeros (under FP8, whose ring holds e4m3 bits: the
     rows in x's dtype, padding zeroed, into ``state.x_kept``), for ``launch_rank_backward(saved=...)``. A
     resident ring (``macrobatch_size`` None or at least the capacity) then holds every routed row: the
     backward skips the gate|up replay and the x pull. A wrapping ring ends holding macrobatch 0 (processed
-    last): the backward reads those rows' gate|up and replays the others. The shared expert's fp32 gate|up
+    last): the backward reads those rows' gate|up and replays the others. The shared expert's gate|up
     (``state.shared_gate_up``, every token's) is kept either way: the backward's shared phase A then runs its
     down dgrad alone.
 
@@ -190,11 +190,12 @@ def launch_rank_forward(
     )
     save_gu = save_for_backward
     if save_gu:
-        # fp32, as the accumulators hold them: the backward then computes exactly what a replay would
-        # (bf16 storage moved bf16 gradients past their tolerance at small widths; 2x the bytes).
-        st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=torch.float32, device=dev)
-        if S > 0:  # every token's, whatever the ring (34 MB on the Kimi slice)
-            st.shared_gate_up = torch.empty(T, 2 * S, dtype=torch.float32, device=dev)
+        # In x's dtype (bf16: half of fp32's bytes, 0.2 GB a layer at Qwen3-30B-A3B's 8192 tokens), as a bf16
+        # autograd graph keeps its matmul outputs; the hidden rows are still computed from the fp32
+        # accumulators. A replay rounds g and u the same way, so kept and replayed gradients agree bit for bit.
+        st.gate_up = torch.empty(ring.macrobatch, 2 * I, dtype=dtype, device=dev)
+        if S > 0:  # every token's, whatever the ring (17 MB on the Kimi slice)
+            st.shared_gate_up = torch.empty(T, 2 * S, dtype=dtype, device=dev)
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     if fp8 is not None:
         st.x_scale = torch.empty(ring.macrobatch, H // sb, dtype=torch.float32, device=dev)

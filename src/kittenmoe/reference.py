@@ -210,7 +210,8 @@ def moe_backward_reference_fp8(
     ``dx_w13_E2IH``, the master weights (required then, refused otherwise), with d(gate|up) unquantised, instead
     of the e4m3 product below.
 
-    The forward as ``moe_reference_fp8`` (g, u from e4m3 x and weights, kept unquantised). Data gradients on
+    The forward as ``moe_reference_fp8`` (g, u from e4m3 x and weights, kept unquantised in x's dtype: the
+    backward's g and u are rounded to it). Data gradients on
     e4m3 operands: ``dh_u = q(d_out) W2[e]`` with d_out quantised 1 x B along H, and the route's d_x row
     ``q(d_gu) W13[e]`` with d(gate|up) quantised 1 x ``dgu_block`` along 2I (the backward's phase-A tile
     width). The router-weight gradient ``<dh_u, h>``; weight gradients from unquantised operands
@@ -235,22 +236,11 @@ def moe_backward_reference_fp8(
         tok, slot = (topk_ids_TK == e).nonzero(as_tuple=True)
         if not tok.numel():
             continue
-        gu = xq[tok] @ w13[e].t()
-        g, u = gu[:, :i], gu[:, i:]
-        gc, uc = (g, u) if swiglu_limit is None else (g.clamp(max=swiglu_limit),
-                                                       u.clamp(min=-swiglu_limit, max=swiglu_limit))
-        sg = torch.sigmoid(gc)
-        h = gc * sg * uc
+        gu = (xq[tok] @ w13[e].t()).to(x_TH.dtype).to(cd)  # kept (or replayed) rounded to x's dtype
         dh_u = dq[tok] @ w2[e]
-        d_w[tok, slot] = (dh_u * h).sum(1)
         wv = w_TK[tok, slot][:, None]
-        dh = wv * dh_u
-        dgc = dh * uc * sg * (1 + gc * (1 - sg))
-        duc = dh * gc * sg
-        if swiglu_limit is not None:
-            dgc = torch.where(g <= swiglu_limit, dgc, 0.0)
-            duc = torch.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
-        dgu = torch.cat([dgc, duc], dim=1)
+        dgu, h = _swiglu_backward(gu, wv * dh_u, swiglu_limit)
+        d_w[tok, slot] = (dh_u * h).sum(1)
         if dx_w13_E2IH is None:
             d_x.index_add_(0, tok, _qdq_blocks(dgu, dgu_block, cfg).to(cd) @ w13[e])
         else:  # the d(gate|up) rows as the backward stores them, in x's dtype
@@ -258,13 +248,28 @@ def moe_backward_reference_fp8(
         d_w13[e] = dgu.t() @ x[tok]
         d_w2[e] = (wv * d_out[tok]).t() @ h
     out = dict(d_x=d_x, d_topk_weights=d_w, d_w13=d_w13, d_w2=d_w2)
-    if shared_w13_2SH is not None:
-        leaves = [x.clone().requires_grad_(), shared_w13_2SH.to(cd).requires_grad_(),
-                  shared_w2_HS.to(cd).requires_grad_()]
-        y = swiglu_ffn(*leaves, swiglu_limit)
-        gx, g13, g2 = torch.autograd.grad(y, leaves, d_out)
-        out.update(d_x=d_x + gx, d_shared_w13=g13, d_shared_w2=g2)
+    if shared_w13_2SH is not None:  # unquantised, its gate|up kept in x's dtype too
+        sw13, sw2 = shared_w13_2SH.to(cd), shared_w2_HS.to(cd)
+        dgu, h = _swiglu_backward((x @ sw13.t()).to(x_TH.dtype).to(cd), d_out @ sw2, swiglu_limit)
+        out.update(d_x=d_x + dgu @ sw13, d_shared_w13=dgu.t() @ x, d_shared_w2=d_out.t() @ h)
     return out
+
+
+def _swiglu_backward(gu_N2I: torch.Tensor, dh_NI: torch.Tensor,
+                     swiglu_limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """d(gate|up) [N, 2I] of SwiGLU at the pre-activations ``gu_N2I`` given d(hidden) ``dh_NI``, and the hidden
+    [N, I]; with a clamp, no gradient where the clamp cut (gate above the limit, up outside +-limit)."""
+    i = dh_NI.shape[1]
+    g, u = gu_N2I[:, :i], gu_N2I[:, i:]
+    gc, uc = (g, u) if swiglu_limit is None else (g.clamp(max=swiglu_limit),
+                                                   u.clamp(min=-swiglu_limit, max=swiglu_limit))
+    sg = torch.sigmoid(gc)
+    dgc = dh_NI * uc * sg * (1 + gc * (1 - sg))
+    duc = dh_NI * gc * sg
+    if swiglu_limit is not None:
+        dgc = torch.where(g <= swiglu_limit, dgc, 0.0)
+        duc = torch.where((u >= -swiglu_limit) & (u <= swiglu_limit), duc, 0.0)
+    return torch.cat([dgc, duc], dim=1), gc * sg * uc
 
 
 def moe_layer_reference(

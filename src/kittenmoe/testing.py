@@ -37,6 +37,14 @@ TOLERANCES: dict[str, Tolerance] = {
     "tf32": Tolerance(rtol=2e-2, atol=2e-3, rel_l1=3e-3, cosine=0.99999),
     "bf16": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=1e-2, cosine=0.9999, scale_frac=0.1),
     "fp8": Tolerance(rtol=0.5, atol=0.5, rel_l1=0.1, cosine=0.996, scale_frac=0.25),
+    # bf16 gradients with a SwiGLU clamp inside the bulk of the pre-activations (L = 0.5 against O(1) values):
+    # the backward reads gate|up rounded to bf16, as a bf16 autograd graph does, and a value within half a bf16
+    # step of L lands on the other side of the clamp's mask, zeroing or keeping a whole d(gate|up) element; on
+    # a 20-token test each such flip moves a d_x row by several percent. On the same inputs (three seeds) the
+    # kernels' worst gradient read rel L1 2.2-4.1e-2, cosine 0.99803-0.99901, and torch's own bf16 autograd
+    # of the reference 2.3-4.1e-2, 0.99805-0.99903. Elementwise bounds cannot hold (a flipped element is off by
+    # its own size), so rel L1 and cosine carry the check; without the clamp the plain bf16 bar applies.
+    "bf16-clamp": Tolerance(rtol=5e-2, atol=5e-2, rel_l1=6e-2, cosine=0.997, scale_frac=1.0),
     # FP8 gradients with the SwiGLU clamp vs the fp64 emulation of the same quantisation: a gate|up value
     # within an accumulation-order rounding of the limit lands on the other side of the clamp's mask in one
     # of the two, zeroing or keeping its gradient, and moves the 1 x 64 scale of its d(gate|up) block. On the

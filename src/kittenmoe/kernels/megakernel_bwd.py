@@ -44,12 +44,12 @@ push.
 
 No ring in the backward yet (every routed row resident). Ring-aware replay
 (``KernelConfig.keep_activations``; GU_MODE): 1, the forward's ring did not wrap
-and kept every routed row's x (padding zeroed) and fp32 gate|up: phase A is the
+and kept every routed row's x (padding zeroed) and gate|up: phase A is the
 down dgrad alone, reading g and u, and the pull skips x; 2, the ring wrapped:
 the forward, running its macrobatches last to first, left macrobatch 0 (routed
 rows [0, gu_rows)) in the ring, so those tiles read g and u and the others
 replay the gate|up GEMM from the pulled x rows; 0, replay everything. With
-GU_MODE > 0 the forward also kept the shared expert's fp32 gate|up (SHARED_KEPT):
+GU_MODE > 0 the forward also kept the shared expert's gate|up (SHARED_KEPT):
 the shared phase A is its down dgrad alone, on BM x BNS tiles (2 BN when S
 allows, as the routed kept tiles), its SwiGLU backward BN columns at a time.
 """
@@ -293,12 +293,16 @@ def _store_wgrad(acc, out_ptr, out_stride, n0, N, m0, M, WN: tl.constexpr, WM: t
 
 
 @triton.jit
+def _as_kept(acc_g, acc_u, gu_ptr):
+    """A replayed tile's fp32 g and u rounded as the forward keeps them (gu_ptr's dtype, x's), so that a replay
+    and a kept tile give the same gradients bit for bit (a no-op on kept values)."""
+    return acc_g.to(gu_ptr.dtype.element_ty).to(tl.float32), acc_u.to(gu_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_rows=None):
-    """g, u of one tile as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, routed-row order;
-    columns past I, in a last tile wider than what is left, read as 0). Cast to fp32 although the kept buffer is
-    fp32: without kept rows the launcher passes a bf16 placeholder, and the FP8 phase A's runtime branch
-    ``row0 < gu_rows`` still compiles this side, whose types must match the replay side's (Triton 3.6 refuses
-    the kernel otherwise; the interpreter does not check). n_rows: the rows that exist (the shared expert's last
+    """g, u of one tile as the forward kept them, in fp32 (gu_ptr: [*, 2I] in x's dtype, routed-row order;
+    columns past I, in a last tile wider than what is left, read as 0). n_rows: the rows that exist (the shared expert's last
     row tile of T; the others read as 0); None: all BM (routed row tiles are padded whole)."""
     rn = nt * BN + tl.arange(0, BN)
     g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
@@ -313,8 +317,8 @@ def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_row
 def _phase_a_saved(dor_ptr, dor_desc, row0, w2_ptr, w2_desc, gu_ptr, e, nt, H, I,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_TMA_A: tl.constexpr,
                    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Phase A of one tile when the forward kept gate|up: the down dgrad alone, then g and u as the forward's fp32 accumulators held them (gu_ptr: [*, 2I] fp32, rows indexed as the routed
-    rows)."""
+    """Phase A of one tile when the forward kept gate|up: the down dgrad alone, then g and u as the forward kept
+    them (gu_ptr: [*, 2I] in x's dtype, rows indexed as the routed rows)."""
     if USE_TMA_A:
         acc_dh = _mm_acc_tma(dor_desc, row0, w2_desc, e * H, nt * BN, H, BM, BN, BK)
     else:
@@ -375,7 +379,7 @@ def _kept_half(acc_dh, w_row, row0, nt, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dguq_p
 def _shared_kept_epilogue(acc, row0, n_rows, nts, sgu_ptr, sdgu_ptr, sh_ptr, dummy_ptr, S, swiglu_limit,
                           HAS_LIMIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BNS: tl.constexpr):
     """The SwiGLU backward of a BM x BNS shared phase-A tile (column tile nts) whose gate|up the forward kept
-    (sgu_ptr: [T, 2S] fp32), BN columns at a time as the routed kept tiles (``_kept_wide_epilogue``): d(gate|up)
+    (sgu_ptr: [T, 2S] in x's dtype), BN columns at a time as the routed kept tiles (``_kept_wide_epilogue``): d(gate|up)
     into sdgu, the hidden into sh (w = 1), no d_w. BNS is BN or 2 BN."""
     ones = tl.full((BM,), 1.0, dtype=tl.float32)
     if BNS == BN:
@@ -600,8 +604,9 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sdgu_ptr,  # [T, 2S] shared d(gate|up)
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
-    gu_ptr,  # [gu_rows, 2I] fp32, the forward's gate|up pre-activations of the leading routed rows (GU_MODE > 0)
-    sgu_ptr,  # [T, 2S] fp32, the forward's shared-expert gate|up pre-activations (SHARED_KEPT; else a placeholder)
+    gu_ptr,  # [gu_rows, 2I] the forward's gate|up pre-activations (x's dtype) of the leading routed rows (GU_MODE > 0;
+    # else a placeholder in x's dtype, which a replay rounds g and u to)
+    sgu_ptr,  # [T, 2S] the forward's shared-expert gate|up pre-activations (SHARED_KEPT; else a placeholder), x's dtype
     dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)
     dguq_ptr,  # [NR, 2I] uint8 e4m3 d(gate|up) (FP8_B: phase B on e4m3)
@@ -768,6 +773,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                             acc_dh, acc_g, acc_u = _bwd_a_acc(dout_local_ptr, x_local_ptr, rt * BM, T - rt * BM,
                                                               sw2_ptr, sw13_ptr, nt * BN, H, S, BM, BN, BK,
                                                               DOT_FP32, PRECISION)
+                        acc_g, acc_u = _as_kept(acc_g, acc_u, sgu_ptr)
                         ones = tl.full((BM,), 1.0, dtype=tl.float32)
                         _bwd_a_epilogue(acc_dh, acc_g, acc_u, ones, sdgu_ptr, sh_ptr, wr_ptr, rt * BM,
                                         T - rt * BM, nt * BN, nt, S, 1, swiglu_limit, HAS_LIMIT, False, BM, BN)
@@ -848,6 +854,7 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
                                     acc_dh, acc_g, acc_u = _phase_a_replay(
                                         dor_ptr, dor_desc, xr_ptr, xr_desc, row0, w2_ptr, w2_desc, w13_ptr, w13a_desc,
                                         e, nt, H, I, BM, BN, BK, USE_TMA_A, DOT_FP32, PRECISION)
+                                acc_g, acc_u = _as_kept(acc_g, acc_u, gu_ptr)
                                 w_row = tl.load(wr_ptr + row0 + tl.arange(0, BM))
                                 dgc, duc = _bwd_a_epilogue(acc_dh, acc_g, acc_u, w_row, dgu_ptr, hw_ptr, dwp_ptr,
                                                            row0, BM, nt * BN, nt, I, NI, swiglu_limit, HAS_LIMIT,

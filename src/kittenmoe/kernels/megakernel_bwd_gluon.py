@@ -192,15 +192,15 @@ def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: g
 def _swiglu_bwd_half(acc_dh, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, q, I, NI, swiglu_limit,
                      HAS_LIMIT: gl.constexpr):
     """One HALF x QN quarter of a phase-A tile, as ``megakernel_bwd._bwd_a_epilogue`` computes a kept tile's half:
-    g and u of columns col0.. from the forward's fp32 gate|up, d(gate|up) and w * h into their bf16 rows, and
+    g and u of columns col0.. from the forward's kept gate|up (x's dtype), d(gate|up) and w * h into their bf16 rows, and
     the d_w partial sum(d_hidden * h) of the row over these QN columns into dw_part[row, q]. ``w_row``: the
     rows' router weights, in the row slice of ``acc_dh``'s layout."""
     layout: gl.constexpr = acc_dh.type.layout
     rows = (row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))).to(gl.int64)
     cols = col0 + gl.arange(0, QN, layout=gl.SliceLayout(0, layout))
     g_at = gu_ptr + rows[:, None] * (2 * I) + cols[None, :]
-    g = gl.load(g_at)
-    u = gl.load(g_at + I)
+    g = gl.load(g_at).to(gl.float32)
+    u = gl.load(g_at + I).to(gl.float32)
     if HAS_LIMIT:
         gc = gl.minimum(g, swiglu_limit)
         uc = gl.minimum(gl.maximum(u, -swiglu_limit), swiglu_limit)
@@ -316,7 +316,7 @@ def backward_kernel(
     num_rows_ptr,  # [1] int32
     dout_ptr,  # [T, H] this rank's d_out
     w_ptr,  # [T * K] fp32 router weights
-    gu_ptr,  # [NR, 2I] fp32, the forward's kept gate|up pre-activations
+    gu_ptr,  # [NR, 2I] bf16, the forward's kept gate|up pre-activations
     dgu_ptr,  # [NR, 2I] d(gate|up) rows (written)
     hw_ptr,  # [NR, I] w * hidden rows (written)
     dwp_ptr,  # [NR, NI] fp32 d_w partials, one per QN columns of I (written)

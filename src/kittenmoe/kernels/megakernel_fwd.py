@@ -316,7 +316,7 @@ def _store_rows(row_base, row_ok, acc, n0, H, BN: tl.constexpr):
 
 @triton.jit
 def _store_gate_up(gu_ptr, brow, acc_g, acc_u, n0, I, BM: tl.constexpr, BN: tl.constexpr, n_rows=None):
-    """SAVE_GU: a tile's fp32 gate and up pre-activations into the kept [*, 2I] buffer (gate columns n0..,
+    """SAVE_GU: a tile's gate and up pre-activations into the kept [*, 2I] buffer in x's dtype (gate columns n0..,
     up columns I + n0..), rows brow.. of the ring; the backward reads them instead of replaying the GEMM.
     n_rows: the tile's rows that exist (the shared expert's last row tile of T); None: all BM (routed row
     tiles are padded whole)."""
@@ -530,7 +530,7 @@ def dispatch_mlp_swiglu_combine_kernel(
     xr_ptr,  # [MAC, H] routed x ring
     hid_ptr,  # [MAC, I] routed hidden ring
     yr_ptr,  # [MAC, H] routed y ring
-    gu_ptr,  # [MAC, 2I] fp32 gate|up pre-activations kept for the backward (SAVE_GU; else a placeholder)
+    gu_ptr,  # [MAC, 2I] gate|up pre-activations (x's dtype) kept for the backward (SAVE_GU; else a placeholder)
     sgu_ptr,  # [T, 2S] fp32 the shared expert's, kept too (SAVE_GU with HAS_SHARED; else a placeholder)
     xk_ptr,  # [MAC, H] x's dtype: the routed rows unquantised, kept for the backward (FP8 and SAVE_GU; else a
     #          placeholder): its weight gradients read them, and pulling x again cost it 1.5 ms (Kimi, H200)
