@@ -307,7 +307,8 @@ def test_gpu_public_path_auto_config_matches_reference(t, view):
 @pytest.mark.gpu
 def test_gpu_auto_config_under_compile_and_cuda_graph():
     """config=None stays host-only work: a fullgraph torch.compile traces it (the choice is a graph constant)
-    and forward+backward capture in a CUDA graph after one eager warm-up, with the eager run's bits."""
+    and forward+backward capture in a CUDA graph after one eager warm-up, with the eager run's bits, and
+    again after new values are written into the captured x."""
     x, ids, wts, w = _gpu_inputs(512, seed=1)
     d_out = torch.randn_like(x)
 
@@ -336,4 +337,15 @@ def test_gpu_auto_config_under_compile_and_cuda_graph():
     torch.cuda.synchronize()
     kittenmoe.check_errors()
     for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+    # new values written into the captured inputs (the one-rank path reads x and d_out in place, its address
+    # tables filled inside the graph): a replay gives what an eager run on them gives
+    x2 = torch.randn_like(x)
+    with torch.no_grad():
+        cap_leaves[0].copy_(x2)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager2 = step([x2.clone().requires_grad_(True), *(t.detach().clone().requires_grad_(True) for t in
+                                                     (wts, *w.tensors()))])
+    for a, b in zip(captured, eager2):
         assert torch.equal(a, b)

@@ -66,7 +66,7 @@ class LocalPeers:
             bufs = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(self.num_ranks)]
             self._buffers[name] = bufs
             check_peer_alignment(name, [b.data_ptr() for b in bufs])
-            self._ptrs[name] = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64, device=self.device)
+            self._ptrs[name] = self._address_table([b.data_ptr() for b in bufs])
         if fill is not None:
             for b in bufs:
                 b.fill_(fill)
@@ -79,20 +79,17 @@ class LocalPeers:
         16-byte aligned) and no CUDA graph is being captured, the buffers are the tensors themselves: no copy
         (with one rank the forward copied its x and the backward its x, d_out and router weights, 0.5 ms of a
         32768 x 4096 forward+backward on an H100). Else the tensors are copied into the workspace's own buffers.
-        The address table is rebuilt only when the addresses change, from pinned memory without a host sync;
-        a graph capture copies instead, so that no table is captured reading host memory that is gone by
-        replay."""
+        The address table is rebuilt only when the addresses change (``_address_table``: no host sync). Under
+        CUDA graph capture the graph reads the tensors it was captured with, as any captured kernel does."""
         shape = tuple(int(v) for v in shape)
         numel = math.prod(shape)
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing and len(tensors) == self.num_ranks and all(
+        if len(tensors) == self.num_ranks and all(
                 t.dtype == dtype and t.device == self.device and t.is_contiguous() and t.numel() == numel
                 and t.data_ptr() % PEER_ALIGN_BYTES == 0 for t in tensors):
             bufs = [t.view(shape) for t in tensors]
             addrs = [b.data_ptr() for b in bufs]
             if self._taken.get(name) != addrs:
-                table = torch.tensor(addrs, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-                self._ptrs[name] = table.to(self.device, non_blocking=True)
+                self._ptrs[name] = self._address_table(addrs)
                 self._taken[name] = addrs
             self._buffers[name] = bufs
             return bufs
@@ -100,6 +97,20 @@ class LocalPeers:
         for b, t in zip(bufs, tensors):
             b.copy_(t.reshape(shape))
         return bufs
+
+    def _address_table(self, addrs: list[int]) -> torch.Tensor:
+        """The ``[R]`` int64 device table of ``addrs``, without a host sync: on a GPU copied from pinned memory
+        (non_blocking; the host allocator keeps the pinned block until the copy is done), and under CUDA graph
+        capture written by one fill kernel an entry, the addresses baked into the graph (a captured copy would
+        read host memory at every replay, long after this call freed it)."""
+        if self.device.type != "cuda":
+            return torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        if torch.cuda.is_current_stream_capturing():
+            table = torch.empty(len(addrs), dtype=torch.int64, device=self.device)
+            for r, a in enumerate(addrs):
+                table[r].fill_(a)
+            return table
+        return torch.tensor(addrs, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
 
     def has(self, name: str) -> bool:
         return name in self._buffers
