@@ -12,7 +12,7 @@ kittenmoe.config.SLICE_TOKENS) and per phase, in markdown:
   benchmarks' kind (kittenmoe.testing.routing_uniform: top-k of standard-normal logits);
 - ms at each ``--tflops`` rate (useful FLOPs; the dense bf16 matmul rates measured on the H200);
 - GB: every weight (or weight gradient) once plus each activation the phase reads or writes once, bf16, except
-  the fp32 gate|up pre-activations the backward reads (keep_activations); ms at ``--tbs`` TB/s.
+  the gate|up pre-activations (bf16) the backward reads (keep_activations); ms at ``--tbs`` TB/s.
 
 CPU only; no GPU is needed.
 """
@@ -59,10 +59,10 @@ def phases(name: str, seeds: int) -> list[tuple[str, float, float, float]]:
         ("forward down", f(n, 2) + shared(2), f(n128, 2) + shared(2),
          w2 + s2 + (n * I + T * S) * b + (n * H + T * H) * b),
         ("forward combine epilogue", 0.0, 0.0, (n * H + T * H) * b + T * H * b),
-        # backward phase A: d_hidden = d_out W2, the SwiGLU backward reading the kept fp32 gate|up, writing
+        # backward phase A: d_hidden = d_out W2, the SwiGLU backward reading the kept gate|up, writing
         # d(gate|up) and the weighted hidden rows the weight gradients read
         ("backward phase A (down dgrad, SwiGLU bwd)", f(n, 2) + shared(2), f(n128, 2) + shared(2),
-         w2 + s2 + T * H * b + (n * 2 * I + T * 2 * S) * 4 + (n * 3 * I + T * 3 * S) * b),
+         w2 + s2 + T * H * b + (n * 2 * I + T * 2 * S) * b + (n * 3 * I + T * 3 * S) * b),
         ("backward phase B (gate|up dgrad)", f(n, 4) + shared(4), f(n128, 4) + shared(4),
          w13 + s13 + (n * 2 * I + T * 2 * S) * b + (n * H + T * H) * b),
         ("backward combine epilogue", 0.0, 0.0, (n * H + T * H) * b + T * H * b),

@@ -172,9 +172,9 @@ class KernelConfig:
     tma: load GEMM operands through TMA descriptors where possible (a Hopper-or-newer GPU, bf16/fp16, widths that
         divide into tiles); otherwise, and always under the interpreter, pointer loads. TMA with 4 stages: the
         Kimi forward 3.88 ms against 4.20 with pointer loads.
-    keep_activations: a forward that autograd will differentiate keeps its ring's routed x rows and fp32 gate|up
-        (H x dtype + 8 I bytes a row; ~0.58 GB a layer on the Kimi slice) and the shared expert's fp32 gate|up
-        (8 S bytes a token), so the backward skips the gate|up replay for those rows (4 of phase A's 6 FLOPs an
+    keep_activations: a forward that autograd will differentiate keeps its ring's routed x rows and gate|up
+        pre-activations in x's dtype ((H + 2 I) x dtype bytes a row; ~0.42 GB a layer on the Kimi slice) and
+        the shared expert's gate|up (2 S x dtype bytes a token), so the backward skips the gate|up replay for those rows (4 of phase A's 6 FLOPs an
         element). A wrapping ring keeps macrobatch 0 only (the forward runs macrobatches last to first). False:
         always replay.
     wgrad: the backward's weight-gradient kernel, one of "triton", "persistent", "gluon"; the same tiles
@@ -458,7 +458,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       forward+backward medians 3.6-5.7% lower on Kimi, DeepSeek and GLM, past the run's A/A gap of 1.3-1.8%
       (15 of 15 paired rounds lower), 0.9% on Qwen (within its 4.4%);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers (x_routed, y_routed, hidden, and
-      the fp32 gate|up ``keep_activations`` holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
+      the gate|up ``keep_activations`` holds) exceed min(8 GiB, 1/8 of the GPU's memory); then the largest
       multiple of the minibatch that fits;
     - on one rank with no ring and 2-byte operands, ``combine_gather`` (no push; the epilogues read the rows
       where they were computed) and ``num_comm_programs_fwd`` 0 (every program pulls first): forward+backward
@@ -538,7 +538,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     cap = routed_capacity(ranks, t, k, local, bm)
     full = -(-cap // mb) * mb
     budget = min(8 << 30, props.total_memory // 8)
-    row_bytes = (2 * h + i) * elem + (8 * i if keep else 0)  # x, y, hidden rows, and the fp32 gate|up kept
+    row_bytes = (2 * h + i + (2 * i if keep else 0)) * elem  # x, y, hidden rows, and the gate|up kept
     mac = pick("macrobatch_size", max(mb, budget // row_bytes // mb * mb) if full * row_bytes > budget else None)
     resident = mac is None or mac >= cap
     if "combine_gather" in pinned:

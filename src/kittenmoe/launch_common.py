@@ -110,8 +110,8 @@ class RingGeometry:
         return out
 
 
-# What a forward keeps for its backward (ForwardState.saved): the ring's x rows [MAC, H], their fp32 gate|up
-# [MAC, 2I] and the shared expert's fp32 gate|up [T, 2S] (None without a shared expert).
+# What a forward keeps for its backward (ForwardState.saved): the ring's x rows [MAC, H], their gate|up
+# [MAC, 2I] and the shared expert's gate|up [T, 2S] (None without a shared expert), all in x's dtype.
 Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 

@@ -6,7 +6,7 @@ the forward, 128 x 128 x 64 tiles, no shared expert): rounds of [phase A of mini
 p - 1] walked round-robin, where
 
 - phase A (d_out rows x W2[e], K over H) is a 128 x 128 tile of d_hidden whose epilogue is the SwiGLU backward:
-  g and u as the forward kept them (fp32), d(gate|up) and w * h out as bf16 rows, the router-weight gradient's
+  g and u as the forward kept them (bf16), d(gate|up) and w * h out as bf16 rows, the router-weight gradient's
   partial sums one per 64 columns, each 64-column half exactly as the Triton kernel's kept tile computes it;
 - phase B (d(gate|up) rows x W13[e], K over 2I) is a 128 x 256 tile of the routed d_x rows, stored through
   shared memory and TMA.
