@@ -543,9 +543,9 @@ def test_forward_without_a_shared_expert_keeps_no_shared_gate_up():
 
 
 def test_saved_shared_gate_up_checked():
-    """The saved tuple's shared entry must be the forward's [T, 2S] tensor in x's dtype or None (the backward replays the
-    shared gate|up: the replaying backward's bits), and None without a shared expert; a 2-tuple of an older form
-    is refused by name."""
+    """The saved tuple's shared entry must be the forward's [T, 2S] tensor in x's dtype or None (the backward
+    replays the shared gate|up: the replaying backward's bits), and None without a shared expert; a 2-tuple of an
+    older form is refused by name."""
     case = Case(TINY, r=1, t=24)
     inp = _make_inputs(case, seed=7)
     fwd = _forward_saved(case, inp, case.config(), LocalPeers(1, DEV))

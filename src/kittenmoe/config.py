@@ -174,9 +174,9 @@ class KernelConfig:
         Kimi forward 3.88 ms against 4.20 with pointer loads.
     keep_activations: a forward that autograd will differentiate keeps its ring's routed x rows and gate|up
         pre-activations in x's dtype ((H + 2 I) x dtype bytes a row; ~0.42 GB a layer on the Kimi slice) and
-        the shared expert's gate|up (2 S x dtype bytes a token), so the backward skips the gate|up replay for those rows (4 of phase A's 6 FLOPs an
-        element). A wrapping ring keeps macrobatch 0 only (the forward runs macrobatches last to first). False:
-        always replay.
+        the shared expert's gate|up (2 S x dtype bytes a token), so the backward skips the gate|up replay for
+        those rows (4 of phase A's 6 FLOPs an element). A wrapping ring keeps macrobatch 0 only (the forward
+        runs macrobatches last to first). False: always replay.
     wgrad: the backward's weight-gradient kernel, one of "triton", "persistent", "gluon"; the same tiles
         (block_n x 2 block_n outputs, min(block_k, block_m)-row steps), order and bits in each. "triton": one
         program a tile, which pays its pipeline fill and 64 KB store alone (~450 TFLOP/s on Kimi, six 64-row

@@ -412,8 +412,8 @@ def launch_rank_backward(
             peers.buffer("x", rank), peers.buffer("d_out", rank),
             bufs["xr"], bufs["dor"], bufs["wr"], bufs["dgu"], bufs["hw"], bufs["dwp"], bufs["dxr"],
             bufs["sdgu"], bufs["sh"], bufs["sdx"], bufs["dor"] if saved is None else saved[1],
-            saved[2] if shared_kept else bufs["sh"], *fp8_bufs,  # (placeholders in x's dtype: a replay
-            # rounds g and u to the kept buffers' dtype)
+            # (the placeholders are in x's dtype: a replay rounds g and u to the kept buffers' dtype)
+            saved[2] if shared_kept else bufs["sh"], *fp8_bufs,
             w13_L2IH, w2_LHI, *fp8_w, sw13, sw2, *b_descs, *a_descs, cnt, out["err"],
             out["err"] if out["trace"] is None else out["trace"],
             T, H, I, S, K, L, NMB, limit, phase, p_lo, p_hi, pull_ahead, num_comm, max_spin, gu_rows, **meta)

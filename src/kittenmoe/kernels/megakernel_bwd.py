@@ -302,8 +302,8 @@ def _as_kept(acc_g, acc_u, gu_ptr):
 @triton.jit
 def _kept_gate_up(gu_ptr, row0, nt, I, BM: tl.constexpr, BN: tl.constexpr, n_rows=None):
     """g, u of one tile as the forward kept them, in fp32 (gu_ptr: [*, 2I] in x's dtype, routed-row order;
-    columns past I, in a last tile wider than what is left, read as 0). n_rows: the rows that exist (the shared expert's last
-    row tile of T; the others read as 0); None: all BM (routed row tiles are padded whole)."""
+    columns past I, in a last tile wider than what is left, read as 0). n_rows: the rows that exist (the shared
+    expert's last row tile of T; the others read as 0); None: all BM (routed row tiles are padded whole)."""
     rn = nt * BN + tl.arange(0, BN)
     g_rows = gu_ptr + (row0 + tl.arange(0, BM)).to(tl.int64)[:, None] * (2 * I)
     n_ok = (rn < I)[None, :]
@@ -604,8 +604,8 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
     sdgu_ptr,  # [T, 2S] shared d(gate|up)
     sh_ptr,  # [T, S] shared hidden
     sdx_ptr,  # [T, H] shared d_x
-    gu_ptr,  # [gu_rows, 2I] the forward's gate|up pre-activations (x's dtype) of the leading routed rows (GU_MODE > 0;
-    # else a placeholder in x's dtype, which a replay rounds g and u to)
+    gu_ptr,  # [gu_rows, 2I] the forward's gate|up pre-activations (x's dtype) of the leading routed rows
+    # (GU_MODE > 0; else a placeholder in x's dtype, which a replay rounds g and u to)
     sgu_ptr,  # [T, 2S] the forward's shared-expert gate|up pre-activations (SHARED_KEPT; else a placeholder), x's dtype
     dorq_ptr,  # [NR, H] uint8 e4m3 d_out rows (FP8; else a placeholder)
     dors_ptr,  # [NR, H // SB] fp32 their 1 x SB scales (FP8)

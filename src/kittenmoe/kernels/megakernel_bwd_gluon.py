@@ -6,7 +6,7 @@ the forward, 128 x 128 x 64 tiles, no shared expert): rounds of [phase A of mini
 p - 1] walked round-robin, where
 
 - phase A (d_out rows x W2[e], K over H) is a 128 x 128 tile of d_hidden whose epilogue is the SwiGLU backward:
-  g and u as the forward kept them (bf16), d(gate|up) and w * h out as bf16 rows, the router-weight gradient's
+  g and u as the forward kept them (x's dtype), d(gate|up) and w * h out as bf16 rows, the router-weight gradient's
   partial sums one per 64 columns, each 64-column half exactly as the Triton kernel's kept tile computes it;
 - phase B (d(gate|up) rows x W13[e], K over 2I) is a 128 x 256 tile of the routed d_x rows, stored through
   shared memory and TMA.
@@ -192,7 +192,8 @@ def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: g
 def _swiglu_bwd_half(acc_dh, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, q, I, NI, swiglu_limit,
                      HAS_LIMIT: gl.constexpr):
     """One HALF x QN quarter of a phase-A tile, as ``megakernel_bwd._bwd_a_epilogue`` computes a kept tile's half:
-    g and u of columns col0.. from the forward's kept gate|up (x's dtype), d(gate|up) and w * h into their bf16 rows, and
+    g and u of columns col0.. from the forward's kept gate|up (x's dtype), d(gate|up) and w * h into their rows,
+    and
     the d_w partial sum(d_hidden * h) of the row over these QN columns into dw_part[row, q]. ``w_row``: the
     rows' router weights, in the row slice of ``acc_dh``'s layout."""
     layout: gl.constexpr = acc_dh.type.layout
@@ -316,7 +317,7 @@ def backward_kernel(
     num_rows_ptr,  # [1] int32
     dout_ptr,  # [T, H] this rank's d_out
     w_ptr,  # [T * K] fp32 router weights
-    gu_ptr,  # [NR, 2I] bf16, the forward's kept gate|up pre-activations
+    gu_ptr,  # [NR, 2I] the forward's kept gate|up pre-activations, x's dtype
     dgu_ptr,  # [NR, 2I] d(gate|up) rows (written)
     hw_ptr,  # [NR, I] w * hidden rows (written)
     dwp_ptr,  # [NR, NI] fp32 d_w partials, one per QN columns of I (written)

@@ -14,7 +14,7 @@ tiles) round-robin. What differs is who waits, as in ``wgrad_gluon``:
 - two 4-warp math groups each own 64 of the tile's 128 rows, with two 64 x 128 fp32 accumulators: a gate|up tile
   multiplies its rows by 128 gate and 128 up weight rows, a down tile by 256 weight rows as two halves, so every
   tile kind runs one loop over one ring of 48 KB stages. The down tiles' rows leave through shared memory and TMA
-  stores that drain under the next tile; hidden rows and the kept bf16 gate|up go out as plain stores, after
+  stores that drain under the next tile; hidden rows and the kept gate|up (x's dtype) go out as plain stores, after
   which the group bumps the tile's counter (each math group once: the targets count 2 a tile).
 
 Only what the one-rank default needs: no communication programs, nothing pushed (the epilogue gathers from
@@ -255,9 +255,9 @@ def _store_block(ptr, ld, row0, n_rows, col0, v, layout: gl.constexpr):
 def _gateup_epilogue(acc_g, acc_u, hid_ptr, gu_ptr, row0, n_rows, col0, width, swiglu_limit,
                      HAS_LIMIT: gl.constexpr, SAVE_GU, layout: gl.constexpr):
     """hidden[row0 + m, col0 + n] = silu(g) * u (clamped with HAS_LIMIT), as megakernel_fwd._swiglu_store
-    computes it; SAVE_GU (nonzero): the gate and up, rounded to bf16, into the kept [*, 2 * width] rows too. A runtime
-    flag: as a constexpr, the build without the stores failed in Triton 3.6's LLVM lowering (an assertion in the
-    warp-specialized partitions, whose pointer arguments were then unused)."""
+    computes it; SAVE_GU (nonzero): the gate and up, rounded to x's dtype, into the kept [*, 2 * width] rows
+    too. A runtime flag: as a constexpr, the build without the stores failed in Triton 3.6's LLVM lowering (an
+    assertion in the warp-specialized partitions, whose pointer arguments were then unused)."""
     if SAVE_GU != 0:
         _store_block(gu_ptr, 2 * width, row0, n_rows, col0, acc_g, layout)
         _store_block(gu_ptr, 2 * width, row0, n_rows, width + col0, acc_u, layout)
@@ -426,9 +426,9 @@ def forward_kernel(
     x_ptr,  # [T, H] this rank's x
     xr_ptr,  # [MAC, H] routed x rows
     hid_ptr,  # [MAC, I] routed hidden rows
-    gu_ptr,  # [MAC, 2I] bf16 kept gate|up (SAVE_GU; else a placeholder)
+    gu_ptr,  # [MAC, 2I] kept gate|up, x's dtype (SAVE_GU; else a placeholder)
     sh_hid_ptr,  # [T, S] shared-expert hidden
-    sgu_ptr,  # [T, 2S] bf16 the shared expert's kept gate|up (SAVE_GU with HAS_SHARED; else a placeholder)
+    sgu_ptr,  # [T, 2S] the shared expert's kept gate|up, x's dtype (SAVE_GU with HAS_SHARED; else a placeholder)
     xl_desc,  # x [T, H], blocks [BM, BK]
     xr_desc,  # x_routed [MAC, H], blocks [BM, BK]
     hid_desc,  # hidden [MAC, I], blocks [BM, BK]
@@ -442,7 +442,7 @@ def forward_kernel(
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch (megakernel_fwd's layout)
     err_ptr,  # [1] int32 error flag
     T, H, I, S, K, NMB, NSLOT, swiglu_limit, max_spin,
-    SAVE_GU,  # 1: keep the gate|up in bf16 (gu_ptr, sgu_ptr) and write padding rows of x_routed as zeros
+    SAVE_GU,  # 1: keep the gate|up in x's dtype (gu_ptr, sgu_ptr) and write padding rows of x_routed as zeros
     LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_H: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ZERO_PADDING: gl.constexpr,
