@@ -36,6 +36,10 @@
 #                                         CONFIGS ('|'-separated KernelConfig overrides, default the heuristic config
 #                                         and forward_kernel=triton); GPU_TESTS=1 first runs the public path's and
 #                                         the Gluon kernels' GPU tests; about 1 minute a shape
+#   bash scripts/gpu.sh ab [SLICES]       benchmarks/ab_revisions.py run: the revision prepared in a carried .ab against
+#                                         this tree, interleaved rounds and equal-bits checks per seed slice
+#                                         (SLICES model:tokens,... as ab_revisions takes them; ROUNDS, default 5);
+#                                         GPU_TESTS=1 first runs the public path's, the backward's and FP8's GPU tests
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
@@ -60,7 +64,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train|kernels)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train|kernels|ab)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -238,6 +242,18 @@ train)
     --out "$RESULTS"
   keep_rows "$stamp"
   [[ -n ${QUACK_CACHE_DIR:-} ]] && bash scripts/sonicmoe_wheels.sh pack-cache "$OUT"
+  ;;
+ab)
+  if [[ ${GPU_TESTS:-0} == 1 ]]; then
+    step ab-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_api.py tests/test_megakernel_bwd.py \
+      tests/test_megakernel_fp8.py
+  fi
+  stamp="$OUT/.ab-start"
+  touch "$stamp"
+  step ab-run 280 env PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run --rounds "${ROUNDS:-5}" \
+    ${arg:+--slices "$arg"}
+  keep_rows "$stamp"
+  grep -h "^|" "$OUT/ab-run.log" | tail -n 20
   ;;
 ncu)
   m=${arg:-kimi-k2.7}
