@@ -5,11 +5,13 @@ gradient equal bit for bit and no slice slower. This runs both revisions' public
 
     python3 benchmarks/ab_revisions.py prepare <git-rev>        # here: writes .ab/kittenmoe_before (ignored)
     PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run   # on the GPU (carry .ab)
+        [--slices kimi-k2.7:2048,8192x2048x768x128x8] [--config k=v,...] [--config-before k=v,...]
 
 ``prepare`` exports ``src/kittenmoe`` at the revision and renames the package (imports and the
 ``torch.library`` namespace) to ``kittenmoe_before`` so both load side by side. ``run`` times, per seed EP8
-slice, the forward and forward+backward of each revision's ``moe`` with its own heuristic config (the one
-its public path picks), in interleaved rounds (the median of the rounds' medians; ``triton.testing.do_bench``
+slice (or TxHxIxExK problem), the forward and forward+backward of each revision's ``moe`` with its own heuristic
+config (the one its public path picks, with ``--config``'s overrides, and ``--config-before``'s on the prepared
+revision: a kernel against another), in interleaved rounds (the median of the rounds' medians; ``triton.testing.do_bench``
 flushes L2 before each call), checks the two revisions' outputs and gradients for equal bits, and writes a
 JSON row per slice under ``benchmarks/results/`` (``ab-<date>.json``) and a table last.
 """
@@ -17,6 +19,7 @@ JSON row per slice under ``benchmarks/results/`` (``ab-<date>.json``) and a tabl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import io
 import json
@@ -55,11 +58,18 @@ def prepare(rev: str) -> None:
 
 
 def _problem(pkg, model: str, tokens: int, seed: int = 0):
+    """The inputs of one slice: a seed model's EP8 slice (its shared expert included) with ``tokens``, or for a
+    ``model`` written TxHxIxExK that problem on one rank without a shared expert (``tokens`` is T)."""
     import torch
 
-    shape = pkg.config.get_shape(model)
-    l_local = shape.e // 8
-    local = shape.with_(e=l_local)
+    if "x" in model:
+        _, h, i, e, k = (int(v) for v in model.split("x"))
+        shape = local = pkg.config.ModelShape(model, e=e, h=h, i=i, k=k, shared_i=0)
+        l_local = e
+    else:
+        shape = pkg.config.get_shape(model)
+        l_local = shape.e // 8
+        local = shape.with_(e=l_local)
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same inputs on any GPU
     w = pkg.testing.make_weights(local, dtype=torch.bfloat16, device="cuda", generator=g)
     x = torch.randn(tokens, shape.h, generator=g).to("cuda", torch.bfloat16)
@@ -100,6 +110,8 @@ def run(args) -> int:
         for name, pkg in pkgs.items():
             cfg = pkg.config.default_config(tokens, local.h, local.i, local.e, local.k, 1, "cuda", torch.bfloat16,
                                             s=local.shared_width)
+            over = {**args.config, **(args.config_before if name == "before" else {})}
+            cfg = dataclasses.replace(cfg, **over) if over else cfg
             leaves = [t.detach().clone().requires_grad_(True) for t in (x, wts, *w.tensors())]
 
             def call(leaves=leaves, pkg=pkg, cfg=cfg):
@@ -144,10 +156,24 @@ def run(args) -> int:
 
 
 def _slices(spec: str) -> list[tuple[str, int]]:
+    """``model:tokens`` (a seed model's EP8 slice) or ``TxHxIxExK`` (one rank, no shared expert), comma-separated."""
     out = []
     for item in spec.split(","):
+        if "x" in item:
+            out.append((item, int(item.split("x")[0])))
+            continue
         model, _, t = item.partition(":")
         out.append((model, int(t)))
+    return out
+
+
+def _overrides(spec: str) -> dict:
+    """``k=v,...`` KernelConfig overrides (ints, True / False / None, else the string)."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        low = v.lower()
+        out[k] = {"true": True, "false": False, "none": None}.get(low, int(v) if v.lstrip("-").isdigit() else v)
     return out
 
 
@@ -159,6 +185,10 @@ def main(argv=None) -> int:
     pr = sub.add_parser("run", help="time and compare both revisions on the GPU")
     pr.add_argument("--slices", type=_slices, default=_slices(
         "kimi-k2.7:2048,deepseek-v4-pro:2048,qwen3.5-397b-a17b:4096,glm-5.2:2048"))
+    pr.add_argument("--config", type=_overrides, default={},
+                    help="KernelConfig overrides k=v,... on both revisions' heuristic configs")
+    pr.add_argument("--config-before", type=_overrides, default={},
+                    help="more overrides on the prepared revision's config only (e.g. the kernel it is compared as)")
     pr.add_argument("--rounds", type=int, default=5)
     pr.add_argument("--rep-ms", type=int, default=100)
     args = p.parse_args(argv)

@@ -38,8 +38,10 @@
 #                                         the Gluon kernels' GPU tests; about 1 minute a shape
 #   bash scripts/gpu.sh ab [SLICES]       benchmarks/ab_revisions.py run: the revision prepared in a carried .ab against
 #                                         this tree, interleaved rounds and equal-bits checks per seed slice
-#                                         (SLICES model:tokens,... as ab_revisions takes them; ROUNDS, default 5);
-#                                         GPU_TESTS=1 first runs the public path's, the backward's and FP8's GPU tests
+#                                         (SLICES model:tokens or TxHxIxExK,... as ab_revisions takes them; ROUNDS,
+#                                         default 5; CONFIG / CONFIG_BEFORE its --config / --config-before; TAG
+#                                         names the log; AB_LIMIT seconds, default 280); GPU_TESTS=1 first runs
+#                                         the public path's, the backward's and FP8's GPU tests
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
 #                                         (default kimi-k2.7), summarised one line a kernel
 #
@@ -250,10 +252,12 @@ ab)
   fi
   stamp="$OUT/.ab-start"
   touch "$stamp"
-  step ab-run 280 env PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run --rounds "${ROUNDS:-5}" \
-    ${arg:+--slices "$arg"}
+  log="ab-run${TAG:+-$TAG}"
+  step "$log" "${AB_LIMIT:-280}" env PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run \
+    --rounds "${ROUNDS:-5}" ${arg:+--slices "$arg"} ${CONFIG:+--config "$CONFIG"} \
+    ${CONFIG_BEFORE:+--config-before "$CONFIG_BEFORE"}
   keep_rows "$stamp"
-  grep -h "^|" "$OUT/ab-run.log" | tail -n 20
+  grep -h "^|" "$OUT/$log.log" | tail -n 20
   ;;
 ncu)
   m=${arg:-kimi-k2.7}
