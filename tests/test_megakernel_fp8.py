@@ -793,8 +793,9 @@ def test_gpu_fp8_seed_slice(name):
     for n, got in (("d_x", b.d_x[0]), ("d_topk_weights", b.d_topk_weights[0]), ("d_w13", b.d_w13),
                    ("d_w2", b.d_w2), ("d_shared_w13", b.d_shared_w13), ("d_shared_w2", b.d_shared_w2)):
         want = emu_g[n]
-        scale = want.pow(2).mean().sqrt().clamp_min(1e-30)
-        assert_close(got.double() / scale, want / scale, "bf16", f"{n} vs the fp8 backward emulation")
+        # relative to the gradient's RMS; no whole float64 copy of either (Kimi's d_w13 is 11 GB in float64)
+        scale = max((torch.linalg.vector_norm(want) / want.numel() ** 0.5).item(), 1e-30)
+        assert_close(got, want, "bf16", f"{n} vs the fp8 backward emulation", scale=scale)
 
 
 @pytest.mark.gpu
