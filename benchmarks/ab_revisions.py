@@ -11,9 +11,9 @@ gradient equal bit for bit and no slice slower. This runs both revisions' public
 ``torch.library`` namespace) to ``kittenmoe_before`` so both load side by side. ``run`` times, per seed EP8
 slice (or TxHxIxExK problem), the forward and forward+backward of each revision's ``moe`` with its own heuristic
 config (the one its public path picks, with ``--config``'s overrides, and ``--config-before``'s on the prepared
-revision: a kernel against another), in interleaved rounds (the median of the rounds' medians; ``triton.testing.do_bench``
-flushes L2 before each call), checks the two revisions' outputs and gradients for equal bits, and writes a
-JSON row per slice under ``benchmarks/results/`` (``ab-<date>.json``) and a table last.
+revision: a kernel against another), in interleaved rounds (the median of the rounds' medians;
+``triton.testing.do_bench`` flushes L2 before each call), checks the two revisions' outputs and gradients for
+equal bits, and writes a JSON row per slice under ``benchmarks/results/`` (``ab-<date>.json``) and a table last.
 """
 
 from __future__ import annotations
@@ -63,9 +63,10 @@ def _problem(pkg, model: str, tokens: int, seed: int = 0):
     import torch
 
     if "x" in model:
-        _, h, i, e, k = (int(v) for v in model.split("x"))
-        shape = local = pkg.config.ModelShape(model, e=e, h=h, i=i, k=k, shared_i=0)
-        l_local = e
+        from kittenmoe.bench import parse_problem
+
+        _, shape = parse_problem(model)
+        local, l_local = shape, shape.e
     else:
         shape = pkg.config.get_shape(model)
         l_local = shape.e // 8
@@ -160,21 +161,20 @@ def _slices(spec: str) -> list[tuple[str, int]]:
     out = []
     for item in spec.split(","):
         if "x" in item:
-            out.append((item, int(item.split("x")[0])))
+            from kittenmoe.bench import parse_problem  # (run only: prepare needs no kittenmoe on the path)
+
+            out.append((item, parse_problem(item)[0]))
             continue
         model, _, t = item.partition(":")
         out.append((model, int(t)))
     return out
 
 
-def _overrides(spec: str) -> dict:
-    """``k=v,...`` KernelConfig overrides (ints, True / False / None, else the string)."""
-    out = {}
-    for item in filter(None, spec.split(",")):
-        k, _, v = item.partition("=")
-        low = v.lower()
-        out[k] = {"true": True, "false": False, "none": None}.get(low, int(v) if v.lstrip("-").isdigit() else v)
-    return out
+def _config(spec: str) -> dict:
+    """``--config`` / ``--config-before``: KernelConfig overrides as ``kittenmoe bench --config`` reads them."""
+    from kittenmoe.bench import parse_config_overrides
+
+    return parse_config_overrides(spec)
 
 
 def main(argv=None) -> int:
@@ -185,9 +185,9 @@ def main(argv=None) -> int:
     pr = sub.add_parser("run", help="time and compare both revisions on the GPU")
     pr.add_argument("--slices", type=_slices, default=_slices(
         "kimi-k2.7:2048,deepseek-v4-pro:2048,qwen3.5-397b-a17b:4096,glm-5.2:2048"))
-    pr.add_argument("--config", type=_overrides, default={},
+    pr.add_argument("--config", type=_config, default={},
                     help="KernelConfig overrides k=v,... on both revisions' heuristic configs")
-    pr.add_argument("--config-before", type=_overrides, default={},
+    pr.add_argument("--config-before", type=_config, default={},
                     help="more overrides on the prepared revision's config only (e.g. the kernel it is compared as)")
     pr.add_argument("--rounds", type=int, default=5)
     pr.add_argument("--rep-ms", type=int, default=100)

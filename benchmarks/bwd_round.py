@@ -22,8 +22,8 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
-from kittenmoe.bench import measure_interleaved, parse_config_overrides
-from kittenmoe.config import KernelConfig, ModelShape, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
+from kittenmoe.bench import measure_interleaved, parse_config_overrides, parse_problem
+from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
 from kittenmoe.launch_backward import megakernel_backward_multirank
 from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -178,9 +178,8 @@ def main() -> int:
     check("small R=2 T=300", small, 2, 300, small_cfg, dev)
     rows = []
     for name in args.shapes.split(","):
-        if "x" in name:  # TxHxIxExK, e.g. 8192x2048x768x128x8 (Qwen3-30B-A3B): that problem on one rank, no shared
-            T, h, i, L, k = (int(v) for v in name.split("x"))
-            shape = ModelShape(name, e=L, h=h, i=i, k=k, shared_i=0)
+        if "x" in name:  # TxHxIxExK, e.g. 8192x2048x768x128x8 (Qwen3-30B-A3B): one rank, no shared expert
+            T, shape = parse_problem(name)
         else:
             base = SEED_SHAPES[name]
             shape = base.with_(e=base.e // 8)

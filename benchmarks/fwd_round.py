@@ -26,8 +26,8 @@ import torch
 import triton
 
 from kittenmoe.baselines import grouped_mm_forward
-from kittenmoe.bench import measure_interleaved, parse_config_overrides
-from kittenmoe.config import KernelConfig, ModelShape, SEED_SHAPES, SLICE_TOKENS, default_config
+from kittenmoe.bench import measure_interleaved, parse_config_overrides, parse_problem
+from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, default_config
 from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
 from kittenmoe.reference import moe_reference
@@ -67,8 +67,8 @@ def forward_slice(name: str, ep: int, tokens: int, dev: torch.device) -> Forward
     ``TxHxIxExK`` (e.g. 32768x4096x512x128x8, the fine-grained shape), that problem on one rank with no shared
     expert (``ep`` and ``tokens`` do not apply)."""
     if "x" in name:
-        T, h, i, L, k = (int(v) for v in name.split("x"))
-        shape = ModelShape(name, e=L, h=h, i=i, k=k)
+        T, shape = parse_problem(name)
+        L = shape.e
         shared = False
     else:
         base = SEED_SHAPES[name]

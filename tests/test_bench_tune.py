@@ -26,7 +26,8 @@ import torch
 
 import kittenmoe
 from kittenmoe import cli
-from kittenmoe.bench.problems import apply_overrides, parse_config_overrides, parse_routing, parse_shape
+from kittenmoe.bench.problems import (apply_overrides, parse_config_overrides, parse_problem, parse_routing,
+                                      parse_shape)
 from kittenmoe.config import (SHARED_MEMORY_LIMIT, KernelConfig, bwd_phase_a_smem_bytes, default_config,
                               gate_up_smem_bytes)
 from kittenmoe.tune import DEFAULT_GRID, expand_grid, parse_grid
@@ -171,6 +172,16 @@ def test_parse_shape_and_config():
     assert parse_config_overrides("macrobatch_size=None,combine_gather=True,num_stages=3") == dict(
         macrobatch_size=None, combine_gather=True, num_stages=3)
     assert parse_config_overrides("") == {}
+
+
+def test_parse_problem():
+    """The benchmark scripts' TxHxIxExK problems: one rank, no shared expert; parse_shape's checks, named in the
+    form given."""
+    t, shape = parse_problem("8192x2048x768x128x8")
+    assert t == 8192 and (shape.h, shape.i, shape.e, shape.k, shape.shared_width) == (2048, 768, 128, 8, 0)
+    for bad in ("8192x2048x768x128", "8x16x8x2x4", "8x16x8x0x1"):  # four numbers; K > E; a zero
+        with pytest.raises(ValueError, match=f"bad problem '{bad}'"):
+            parse_problem(bad)
 
 
 @pytest.mark.parametrize("given,ranks,processes,want", [

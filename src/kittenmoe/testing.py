@@ -113,7 +113,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
             torch.testing.assert_close(a, b, rtol=tol.rtol, atol=tol.atol,
                                        msg=lambda m, i=i: f"{name} (flat elements from {i}): {m}")
             continue
-        bound = torch.maximum(tol.atol + tol.rtol * b.abs(), torch.full_like(b, tol.scale_frac * b_max))
+        bound = (tol.atol + tol.rtol * b.abs()).clamp_min(tol.scale_frac * b_max)
         bad = (a - b).abs() > bound
         if bad.any():
             j = int(((a - b).abs() - bound).argmax())

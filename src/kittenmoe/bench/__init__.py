@@ -81,7 +81,7 @@ modules named.
 
 from kittenmoe.bench.environment import environment, resolve_device
 from kittenmoe.bench.main import add_bench_args, add_problem_args, run_bench
-from kittenmoe.bench.problems import apply_overrides, make_problems, parse_config_overrides
+from kittenmoe.bench.problems import apply_overrides, make_problems, parse_config_overrides, parse_problem
 from kittenmoe.bench.report import format_table
 from kittenmoe.bench.timing import Timing, interleaved_order, measure, measure_interleaved, measure_rounds
 
@@ -98,6 +98,7 @@ __all__ = [
     "measure_interleaved",
     "measure_rounds",
     "parse_config_overrides",
+    "parse_problem",
     "resolve_device",
     "run_bench",
 ]

@@ -83,6 +83,17 @@ def parse_shape(spec: str) -> tuple[int, int, int, int, int]:
     return t, h, i, e, k
 
 
+def parse_problem(spec: str) -> tuple[int, ModelShape]:
+    """``TxHxIxExK`` (e.g. 32768x4096x512x128x8): T tokens of that problem on one rank with no shared expert, as
+    the benchmark scripts name a problem that is not a seed model's slice; checked as ``parse_shape``."""
+    try:
+        t, h, i, e, k = parse_shape(spec.replace("x", ","))
+    except ValueError as exc:  # the same checks, said of the form given
+        raise ValueError(f"bad problem {spec!r}: expected TxHxIxExK, five positive integers with K <= E, e.g. "
+                         f"32768x4096x512x128x8 ({exc})") from None
+    return t, ModelShape(spec, e=e, h=h, i=i, k=k, shared_i=0)
+
+
 _CONFIG_LITERALS = {"none": None, "true": True, "false": False}
 
 
