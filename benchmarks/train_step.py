@@ -27,6 +27,7 @@ as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -40,8 +41,8 @@ from typing import Callable
 import torch
 
 from kittenmoe.bench.environment import command_line, environment, now_iso
-from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, Model, adamw, apply_titan, build_hf,
-                                          build_titan, hf_loss, hf_providers, titan_flavor, titan_loss,
+from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, TITAN_ATTENTION, Model, adamw, apply_titan,
+                                          build_hf, build_titan, hf_loss, hf_providers, titan_flavor, titan_loss,
                                           titan_providers, zipf_batches)
 
 
@@ -88,9 +89,9 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             model.set_experts_implementation(provider)  # (transformers' default is grouped_mm, not eager)
             loss_fn = hf_loss
         else:
-            model = build_titan(spec, args.layers, device, dtype)
+            model = build_titan(spec, args.layers, device, dtype, args.titan_attention)
             apply_titan(model, provider)
-            loss_fn = titan_loss
+            loss_fn = functools.partial(titan_loss, flex=args.titan_attention == "flex")
         if compiled:
             model.compile()
         opt = adamw(model, args.lr)
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default="moonlight-16b-a3b")
     ap.add_argument("--stack", choices=("hf", "torchtitan"), default="hf")
+    ap.add_argument("--titan-attention", choices=TITAN_ATTENTION, default="flex",
+                    help="the torchtitan stack's attention: flex (its trainer's) or causal sdpa (torch 2.11's "
+                         "FlexAttention lacks what torchtitan 0.3 asks of it)")
     ap.add_argument("--layers", type=int, default=None, help="depth (default 4 on CUDA, 2 on CPU)")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
@@ -233,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                  seq=args.seq, tokens_per_step=args.batch * args.seq, dtype=str(dtype).removeprefix("torch."),
                  h=spec.hidden, i=spec.moe_inter, e=spec.experts, k=spec.top_k, shared=spec.shared,
                  loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, knobs=args.knobs,
+                 **(dict(attention=args.titan_attention) if args.stack == "torchtitan" else {}),
                  **environment(device),
                  date=now_iso(), command=command_line(sys.argv if argv is None else ["benchmarks/train_step.py", *argv]))
     os.makedirs(args.out, exist_ok=True)

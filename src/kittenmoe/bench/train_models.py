@@ -174,13 +174,43 @@ def titan_flavor(spec: Model) -> str:
     return spec.titan_flavor
 
 
-def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dtype) -> nn.Module:
+class _NoDataParallelMeshDims:
+    """Stands in for ``torch.distributed.fsdp.DataParallelMeshDims`` where torch predates it: refuses to be built."""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("this torch has no DataParallelMeshDims (torch.distributed.fsdp): torchtitan's "
+                                  "FSDP and data-parallel helpers need a newer torch")
+
+
+def _titan_imports_on_older_torch() -> None:
+    """torchtitan 0.3's model packages import its FSDP helper, which imports ``DataParallelMeshDims`` from
+    ``torch.distributed.fsdp`` at module load; torch 2.11 lacks the name. The one-GPU step here applies no FSDP
+    or data parallelism, so where the name is missing it gets a stand-in that raises if anything builds one."""
+    import torch.distributed.fsdp as fsdp
+
+    if not hasattr(fsdp, "DataParallelMeshDims"):
+        fsdp.DataParallelMeshDims = _NoDataParallelMeshDims
+
+
+TITAN_ATTENTION = ("flex", "sdpa")
+
+
+def build_titan(spec: Model, layers: int, device: torch.device, dtype: torch.dtype,
+                attention: str = "flex") -> nn.Module:
+    """``spec``'s first ``layers`` layers as torchtitan builds them. ``attention`` "flex" is its trainer's default
+    (FlexAttention with the causal document mask); "sdpa" swaps in causal SDPA (the same math for one document a
+    row), for a torch whose FlexAttention torchtitan cannot drive (torch 2.11's ``create_block_mask`` lacks
+    ``separate_full_blocks``) and on the CPU, where FlexAttention has no backward. Every provider of a run
+    attends the same way, so the comparison between them holds either way."""
     flavor = titan_flavor(spec)
+    if attention not in TITAN_ATTENTION:
+        raise ValueError(f"attention {attention!r}: one of {TITAN_ATTENTION}")
+    _titan_imports_on_older_torch()
     from torchtitan.models.qwen3 import qwen3_configs
 
-    cfg = qwen3_configs[flavor](attn_backend="flex")  # (its trainer's default; sdpa is refused)
+    cfg = qwen3_configs[flavor](attn_backend="flex")  # (its trainer's default; its sdpa backend is refused)
     cfg.layers = cfg.layers[:layers]
-    if device.type == "cpu":  # FlexAttention has no CPU backward: the CPU smoke run attends by causal SDPA
+    if attention == "sdpa" or device.type == "cpu":
         from torchtitan.models.common.attention import ScaledDotProductAttention
 
         for layer in cfg.layers:
@@ -222,10 +252,11 @@ def apply_titan(model: nn.Module, provider: str) -> None:
                 m.__class__ = type("FloorRoutedExperts", (_TitanFloor, RoutedExperts), {})
 
 
-def titan_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
+def titan_loss(model: nn.Module, ids_BS: torch.Tensor, flex: bool = True) -> torch.Tensor:
+    """Next-token loss of a ``build_titan`` model; ``flex`` as it was built (with FlexAttention, not SDPA)."""
     # positions and the causal document mask as torchtitan's trainer passes them (one document a row)
     positions_BS = torch.arange(ids_BS.shape[1], device=ids_BS.device).expand_as(ids_BS)
-    flex = ids_BS.device.type != "cpu"
+    flex = flex and ids_BS.device.type != "cpu"
     logits_BSV = model(ids_BS, positions_BS, model.get_attention_masks(positions_BS) if flex else None)
     return F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
 
