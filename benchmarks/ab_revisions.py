@@ -6,6 +6,7 @@ gradient equal bit for bit and no slice slower. This runs both revisions' public
     python3 benchmarks/ab_revisions.py prepare <git-rev>        # here: writes .ab/kittenmoe_before (ignored)
     PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run   # on the GPU (carry .ab)
         [--slices kimi-k2.7:2048,8192x2048x768x128x8] [--config k=v,...] [--config-before k=v,...]
+        [--routing uniform,zipf:1.0] [--modes forward+backward]
 
 ``prepare`` exports ``src/kittenmoe`` at the revision and renames the package (imports and the
 ``torch.library`` namespace) to ``kittenmoe_before`` so both load side by side. ``run`` times, per seed EP8
@@ -57,9 +58,10 @@ def prepare(rev: str) -> None:
     print(f"wrote {dest} ({rev})")
 
 
-def _problem(pkg, model: str, tokens: int, seed: int = 0):
+def _problem(pkg, model: str, tokens: int, routing: str = "uniform", seed: int = 0):
     """The inputs of one slice: a seed model's EP8 slice (its shared expert included) with ``tokens``, or for a
-    ``model`` written TxHxIxExK that problem on one rank without a shared expert (``tokens`` is T)."""
+    ``model`` written TxHxIxExK that problem on one rank without a shared expert (``tokens`` is T); routed as
+    ``routing`` (``kittenmoe bench --routing``'s names)."""
     import torch
 
     if "x" in model:
@@ -74,7 +76,9 @@ def _problem(pkg, model: str, tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same inputs on any GPU
     w = pkg.testing.make_weights(local, dtype=torch.bfloat16, device="cuda", generator=g)
     x = torch.randn(tokens, shape.h, generator=g).to("cuda", torch.bfloat16)
-    ids, wts = pkg.testing.routing_uniform(tokens, l_local, shape.k, generator=g, device="cuda")
+    from kittenmoe.bench.problems import parse_routing
+
+    ids, wts = parse_routing(routing).generate(tokens, l_local, shape.k, generator=g, device="cuda")
     return shape, local, x, ids, wts, w
 
 
@@ -104,8 +108,8 @@ def run(args) -> int:
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
         path.write_text(json.dumps(doc, indent=1))
 
-    for model, tokens in args.slices:
-        shape, local, x, ids, wts, w = _problem(pkgs["after"], model, tokens)
+    for (model, tokens), routing in ((sl, ro) for sl in args.slices for ro in args.routing.split(",")):
+        shape, local, x, ids, wts, w = _problem(pkgs["after"], model, tokens, routing)
         d_out = torch.randn_like(x)
         fns, results = {}, {}
         for name, pkg in pkgs.items():
@@ -132,7 +136,7 @@ def run(args) -> int:
             "forward": torch.equal(results["after"][0], results["before"][0]),
             "forward+backward": all(torch.equal(a, b) for a, b in zip(results["after"][1], results["before"][1])),
         }
-        for mode in ("forward", "forward+backward"):
+        for mode in args.modes.split(","):
             ms = {n: [] for n in pkgs}
             for r in range(args.rounds):
                 order = list(pkgs) if r % 2 == 0 else list(reversed(pkgs))
@@ -140,18 +144,18 @@ def run(args) -> int:
                     ms[n].append(triton.testing.do_bench(fns[(n, mode)], warmup=10, rep=args.rep_ms,
                                                          return_mode="median"))
             med = {n: statistics.median(v) for n, v in ms.items()}
-            rows.append(dict(model=model, tokens=tokens, e_local=local.e, mode=mode, after_ms=med["after"],
+            rows.append(dict(model=model, tokens=tokens, e_local=local.e, routing=routing, mode=mode, after_ms=med["after"],
                              before_ms=med["before"], after_over_before=med["before"] / med["after"],
                              rounds_after=ms["after"], rounds_before=ms["before"], bitwise_equal=bits[mode],
                              config_after=results["after"][2], config_before=results["before"][2]))
-            print(f"{model} {mode}: after {med['after']:.3f} ms, before {med['before']:.3f} ms, "
+            print(f"{model} {routing} {mode}: after {med['after']:.3f} ms, before {med['before']:.3f} ms, "
                   f"speed {med['before'] / med['after']:.3f}x, equal bits {bits[mode]}", flush=True)
         write()
     print(f"\nwrote {path}\n")
-    print("| slice | T | pass | this tree ms | before ms | speed | equal bits |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| slice | T | routing | pass | this tree ms | before ms | speed | equal bits |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['tokens']} | {r['mode']} | {r['after_ms']:.3f} | {r['before_ms']:.3f} | "
+        print(f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['mode']} | {r['after_ms']:.3f} | {r['before_ms']:.3f} | "
               f"{r['after_over_before']:.3f}x | {r['bitwise_equal']} |")
     return 0 if all(r["bitwise_equal"] for r in rows) else 1
 
@@ -189,6 +193,9 @@ def main(argv=None) -> int:
                     help="KernelConfig overrides k=v,... on both revisions' heuristic configs")
     pr.add_argument("--config-before", type=_config, default={},
                     help="more overrides on the prepared revision's config only (e.g. the kernel it is compared as)")
+    pr.add_argument("--routing", default="uniform",
+                    help="comma list of routings, each slice run under each: uniform | zipf[:alpha] | one-hot")
+    pr.add_argument("--modes", default="forward,forward+backward", help="comma list: forward, forward+backward")
     pr.add_argument("--rounds", type=int, default=5)
     pr.add_argument("--rep-ms", type=int, default=100)
     args = p.parse_args(argv)

@@ -40,7 +40,8 @@
 #   bash scripts/gpu.sh ab [SLICES]       benchmarks/ab_revisions.py run: the revision prepared in a carried .ab against
 #                                         this tree, interleaved rounds and equal-bits checks per seed slice
 #                                         (SLICES model:tokens or TxHxIxExK,... as ab_revisions takes them; ROUNDS,
-#                                         default 5; CONFIG / CONFIG_BEFORE its --config / --config-before; TAG
+#                                         default 5; CONFIG / CONFIG_BEFORE its --config / --config-before;
+#                                         ROUTING / MODES its --routing / --modes; TAG
 #                                         names the log; AB_LIMIT seconds, default 280); GPU_TESTS=1 first runs
 #                                         the public path's, the backward's and FP8's GPU tests
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
@@ -256,7 +257,7 @@ ab)
   log="ab-run${TAG:+-$TAG}"
   step "$log" "${AB_LIMIT:-280}" env PYTHONPATH=src:.ab python3 benchmarks/ab_revisions.py run \
     --rounds "${ROUNDS:-5}" ${arg:+--slices "$arg"} ${CONFIG:+--config "$CONFIG"} \
-    ${CONFIG_BEFORE:+--config-before "$CONFIG_BEFORE"}
+    ${CONFIG_BEFORE:+--config-before "$CONFIG_BEFORE"} ${ROUTING:+--routing "$ROUTING"} ${MODES:+--modes "$MODES"}
   keep_rows "$stamp"
   grep -h "^|" "$OUT/$log.log" | tail -n 20
   ;;

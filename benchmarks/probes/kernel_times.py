@@ -2,6 +2,10 @@
 for each config given: where a config change moves the time.
 
     PYTHONPATH=src python3 benchmarks/probes/kernel_times.py --shape T,H,I,E,K --config "k=v,...;k=v,..."
+        [--routing uniform,zipf:0.8,...]
+
+Each routing (``kittenmoe bench``'s names) runs every config; the line before a routing's rows gives its
+largest and smallest expert loads.
 """
 
 from __future__ import annotations
@@ -12,9 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import kittenmoe
-from kittenmoe.bench.problems import parse_config_overrides
+from kittenmoe.bench.problems import parse_config_overrides, parse_routing
 from kittenmoe.config import default_config
-from kittenmoe.testing import routing_uniform
 
 
 def main() -> int:
@@ -22,6 +25,7 @@ def main() -> int:
     ap.add_argument("--shape", default="8192,2048,768,128,8")
     ap.add_argument("--config", default="")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--routing", default="uniform", help="comma list: uniform | zipf[:alpha] | one-hot")
     args = ap.parse_args()
     t, h, i, e, k = (int(v) for v in args.shape.split(","))
     dev = torch.device("cuda")
@@ -29,9 +33,19 @@ def main() -> int:
     x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
     w13 = (torch.randn(e, 2 * i, h, generator=g) / h ** 0.5).to(dev, torch.bfloat16).requires_grad_(True)
     w2 = (torch.randn(e, h, i, generator=g) / i ** 0.5).to(dev, torch.bfloat16).requires_grad_(True)
-    ids, wts = routing_uniform(t, e, k, generator=g, device=dev)
-    wts = wts.float().requires_grad_(True)
     d_out = torch.randn(t, h, generator=g).to(dev, torch.bfloat16)
+    for routing in args.routing.split(","):
+        ids, wts = parse_routing(routing).generate(t, e, k, generator=torch.Generator().manual_seed(1), device=dev)
+        wts = wts.float().requires_grad_(True)
+        rows_E = torch.bincount(ids.flatten(), minlength=e)
+        print(f"routing {routing}: rows an expert {rows_E.float().mean().item():.0f} mean, "
+              f"{rows_E.max().item()} max, {rows_E.min().item()} min")
+        run_configs(args, x, ids, wts, w13, w2, d_out, (t, h, i, e, k), dev)
+    return 0
+
+
+def run_configs(args, x, ids, wts, w13, w2, d_out, shape, dev) -> None:
+    t, h, i, e, k = shape
     for spec in args.config.split(";"):
         cfg = default_config(t, h, i, e, k, device=dev, s=0, overrides=parse_config_overrides(spec))
 
@@ -54,7 +68,6 @@ def main() -> int:
         print(f"[{spec}] total {total:.3f} ms a forward+backward")
         for name, ms in sorted(rows.items(), key=lambda r: -r[1])[:8]:
             print(f"  {ms:8.3f} ms  {name[:90]}")
-    return 0
 
 
 if __name__ == "__main__":
