@@ -722,14 +722,46 @@ def test_wgrad_sums_rows_up_to_ends(persistent):
         q_op[lo:hi] = float("nan")
     out = torch.full((3, n, m), float("nan"), device=DEV)
     meta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=False, DOT_FP32=True, PRECISION="ieee")
+    order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)  # the order tiles are taken in: any permutation
     if persistent:
-        mb.weight_grad_persistent_kernel[(2,)](offsets, ends, p_op, q_op, out, out, n, m, n, m, 3, TMA_STORE=False,
-                                               **meta)
+        mb.weight_grad_persistent_kernel[(2,)](order, offsets, ends, p_op, q_op, out, out, n, m, n, m, 3,
+                                               TMA_STORE=False, **meta)
     else:
-        mb.weight_grad_kernel[(3,)](offsets, ends, p_op, q_op, out, n, m, n, m, **meta)
+        mb.weight_grad_kernel[(3,)](order, offsets, ends, p_op, q_op, out, n, m, n, m, **meta)
     for gi, (lo, hi) in enumerate(((0, 32), (48, 48), (64, 80))):
         want = p_op[lo:hi].double().T @ q_op[lo:hi].double()
         assert torch.isfinite(out[gi]).all(), f"group {gi} read a row past its end"
+        torch.testing.assert_close(out[gi].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("progs", [
+    1,  # one program takes every tile, waves of one (nothing to reverse)
+    3,  # 12 tiles: four full waves, the odd ones reversed
+    5,  # two full waves and a partial third (kept in slot order)
+    8,  # one full wave and a partial second: the partial odd wave is not reversed
+    13,  # more programs than tiles: one tile or none each
+])
+def test_wgrad_persistent_takes_every_tile_once(progs):
+    """The persistent weight-gradient kernel over groups taken in a given order (a permutation, as the launcher's
+    most-rows-first sort gives) with odd waves reversed: every tile of every group is written once with its own
+    group's sum (output NaN-poisoned first), whatever the number of programs."""
+    wn, wm, wk, n, m = 16, 16, 16, 32, 32  # 2 x 2 tiles a group
+    counts = [16, 48, 0]
+    offsets = torch.tensor([0, 16, 64, 64], dtype=torch.int32, device=DEV)
+    ends = offsets[1:].clone()
+    order = torch.tensor([1, 0, 2], dtype=torch.int32, device=DEV)
+    g = torch.Generator().manual_seed(23)
+    p_op = torch.randn(64, n, generator=g).to(DEV)
+    q_op = torch.randn(64, m, generator=g).to(DEV)
+    out = torch.full((3, n, m), float("nan"), device=DEV)
+    tiles = 3 * 2 * 2
+    mb.weight_grad_persistent_kernel[(min(progs, tiles),)](order, offsets, ends, p_op, q_op, out, out, n, m, n, m,
+                                                           tiles, TMA_STORE=False, WN=wn, WM=wm, WK=wk,
+                                                           USE_TMA=False, DOT_FP32=True, PRECISION="ieee")
+    for gi, c in enumerate(counts):
+        lo = int(offsets[gi])
+        want = p_op[lo:lo + c].double().T @ q_op[lo:lo + c].double()
+        assert torch.isfinite(out[gi]).all(), f"group {gi}: a tile never written with {progs} programs"
         torch.testing.assert_close(out[gi].double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -1234,15 +1266,16 @@ def test_gpu_wgrad_gluon_kernel_same_bits(counts, total_rows, cuda_cleanup):
     G = len(counts)
     want = torch.full((G, N, M), float("nan"), dtype=torch.bfloat16, device=dev)
     tiles = G * (N // 128) * triton.cdiv(M, 256)
+    order = torch.randperm(G, generator=gen).to(torch.int32).to(dev)  # any order gives the same bits
     mb.weight_grad_persistent_kernel[(min(tiles, 132),)](
-        offsets, ends, TD.from_tensor(p, [wk, 128]), TD.from_tensor(q, [wk, 256]), want,
+        order, offsets, ends, TD.from_tensor(p, [wk, 128]), TD.from_tensor(q, [wk, 256]), want,
         TD.from_tensor(want.view(-1, M), [128, 256]), N, M, N, M, tiles, WN=128, WM=256, WK=wk, USE_TMA=True,
         TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
     segs = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(G)]
     ref = torch.stack([p[sl].double().T @ q[sl].double() for sl in segs])
     for progs in (132, 7, 5, 3):  # one program an SM (as launched); and a few, each walking several tiles
         got = torch.full_like(want, float("nan"))
-        wgrad_gluon.launch(offsets, ends, p, q, got, N, M, wk, 256, progs)
+        wgrad_gluon.launch(order, offsets, ends, p, q, got, N, M, wk, 256, progs)
         torch.cuda.synchronize()
         assert not got.isnan().any(), f"{progs} programs: unwritten output"
         assert_bitwise_equal(got, want, f"gluon ({progs} programs) vs the Triton kernel")

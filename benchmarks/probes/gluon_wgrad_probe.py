@@ -36,16 +36,16 @@ import torch
 import triton
 
 
-def launch_gluon(offsets, ends, p_op, q_op, out, progs: int):
+def launch_gluon(order, offsets, ends, p_op, q_op, out, progs: int):
     """The library's Gluon launch (``kittenmoe.kernels.wgrad_gluon``, ``KernelConfig.wgrad="gluon"``) as the backward
     makes it: 128 x 256 tiles of 64-row steps, 3 stages."""
     from kittenmoe.kernels import wgrad_gluon
 
     G, N, M = out.shape
-    return wgrad_gluon.launch(offsets, ends, p_op, q_op, out, N, M, 64, 256, progs)
+    return wgrad_gluon.launch(order, offsets, ends, p_op, q_op, out, N, M, 64, 256, progs)
 
 
-def launch_library(offsets, ends, p_op, q_op, out, progs: int):
+def launch_library(order, offsets, ends, p_op, q_op, out, progs: int):
     """The backward's d_W launch with the default CUDA config: ``weight_grad_persistent_kernel``, 128 x 256 tiles
     of 64-row steps, 8 warps, the TMA store (3 stages), one program an SM (kittenmoe.launch_backward)."""
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
@@ -56,7 +56,7 @@ def launch_library(offsets, ends, p_op, q_op, out, progs: int):
     wn, wm, wk = 128, 256, 64
     tiles = G * triton.cdiv(N, wn) * triton.cdiv(M, wm)
     return mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
-        offsets, ends, TD.from_tensor(p_op, [wk, wn]), TD.from_tensor(q_op, [wk, wm]), out,
+        order, offsets, ends, TD.from_tensor(p_op, [wk, wn]), TD.from_tensor(q_op, [wk, wm]), out,
         TD.from_tensor(out.view(-1, M), [wn, wm]), N, M, p_op.stride(0), q_op.stride(0), tiles,
         WN=wn, WM=wm, WK=wk, USE_TMA=True, TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8,
         num_stages=3)
@@ -74,7 +74,7 @@ def build_report() -> int:
     q = torch.zeros(G * rows, M, dtype=torch.bfloat16)
     out = torch.zeros(G, N, M, dtype=torch.bfloat16)
     with compile_only_sm90() as built:
-        launch_gluon(offsets, offsets[1:], p, q, out, 132)
+        launch_gluon(torch.arange(G, dtype=torch.int32), offsets, offsets[1:], p, q, out, 132)
     for kb in built:
         print(f"{kb.line()}")
         ptx = kb.kernel.asm["ptx"]
@@ -152,9 +152,10 @@ def main() -> int:
             ref = None
             res = {}
             offs_gm = offsets[1:].clone()
-            variants = {"library": lambda: launch_library(offsets, ends, p, q, out, progs),
+            order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32).to(dev)  # the launcher's
+            variants = {"library": lambda: launch_library(order, offsets, ends, p, q, out, progs),
                         "grouped_mm": lambda: torch._grouped_mm(p.T, q, offs=offs_gm, out_dtype=torch.bfloat16)}
-            variants["gluon"] = lambda: launch_gluon(offsets, ends, p, q, out, progs)
+            variants["gluon"] = lambda: launch_gluon(order, offsets, ends, p, q, out, progs)
             for label, fn in variants.items():
                 out.fill_(float("nan"))  # unwritten tiles show
                 try:

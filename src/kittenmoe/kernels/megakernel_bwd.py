@@ -925,13 +925,13 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
 
 
 @triton.jit
-def _wgrad_tile_at(tile, offsets_ptr, ends_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
-    """Weight-gradient tile ``tile`` (groups after one another, each WN x WM output tiles row by row): its
-    group g, output origin (n0, m0) and the rows it sums, [seg0, seg1): seg0 from offsets_ptr ([G + 1]), seg1
-    from ends_ptr ([G])."""
+def _wgrad_tile_at(tile, order_ptr, offsets_ptr, ends_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
+    """Weight-gradient tile ``tile`` (groups one after another in ``order_ptr``'s order, each WN x WM output
+    tiles row by row): its group g, output origin (n0, m0) and the rows it sums, [seg0, seg1): seg0 from
+    offsets_ptr ([G + 1]), seg1 from ends_ptr ([G])."""
     n_n = tl.cdiv(N, WN)
     n_m = tl.cdiv(M, WM)
-    g = tile // (n_n * n_m)
+    g = tl.load(order_ptr + tile // (n_n * n_m))
     q = tile % (n_n * n_m)
     n0 = (q // n_m) * WN
     m0 = (q % n_m) * WM
@@ -939,7 +939,23 @@ def _wgrad_tile_at(tile, offsets_ptr, ends_ptr, N, M, WN: tl.constexpr, WM: tl.c
 
 
 @triton.jit
+def _wgrad_slot_tile(s, nprog, tiles):
+    """The tile a persistent program takes at its slot s (s = pid, pid + nprog, ...). Slots fill waves of nprog
+    tiles; every odd wave that is full is taken in reverse (a snake), so that over tiles ordered by descending
+    work the program that took one wave's largest tile takes the next wave's smallest. The last, partial wave
+    keeps slot order, so every tile is taken once and no slot maps past ``tiles``. Under skewed routing (Zipf
+    1.0 over 128 experts, Qwen3-30B-A3B's widths) round-robin over expert order left the busiest program
+    11% (d_W13) and 24% (d_W2) above the mean; descending order with the snake, 1.5% and 4.4% (a model of
+    the tiles' steps, benchmarks/probes/kernel_times.py --routing measures the kernel)."""
+    w = s // nprog
+    lane = s - w * nprog
+    flip = ((w % 2) == 1) & ((w + 1) * nprog <= tiles)
+    return s + flip.to(tl.int32) * (nprog - 1 - 2 * lane)
+
+
+@triton.jit
 def weight_grad_kernel(
+    order_ptr,  # [G] int32, the groups in the order their tiles are taken (the launcher's: most rows first)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (an expert's padded rows; [0, T] shared)
     ends_ptr,  # [G] int32, end of the rows summed: an expert's real rows rounded up to WK (the padding past is
     # whole zero steps, skipped); T for the shared one
@@ -957,7 +973,7 @@ def weight_grad_kernel(
     (4 stages x 48 KB) would not fit. Output sums run over rows in order inside one program: bitwise
     reproducible.
     """
-    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), offsets_ptr, ends_ptr, N, M, WN, WM)
+    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
     out = out_ptr + g.to(tl.int64) * N * M
     _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                 PRECISION)
@@ -965,6 +981,7 @@ def weight_grad_kernel(
 
 @triton.jit
 def weight_grad_persistent_kernel(
+    order_ptr,  # [G] int32, the groups in the order their tiles are taken (as weight_grad_kernel's)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_kernel's)
     ends_ptr,  # [G] int32, end of the rows summed (as weight_grad_kernel's)
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
@@ -975,7 +992,7 @@ def weight_grad_persistent_kernel(
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
     USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """weight_grad_kernel's tiles, each program walking tiles pid, pid + nprog, ... With TMA_STORE a tile's
+    """weight_grad_kernel's tiles, each program walking slots pid, pid + nprog, ... (``_wgrad_slot_tile``). With TMA_STORE a tile's
     output goes out through one shared-memory buffer and a TMA bulk store: Triton 3.6 allocates the buffer once,
     outside the tile loop, and waits for the previous tile's store only before refilling it, so the store
     drains under the next tile's K loop. One program per tile paid its 64 KB store alone (Kimi d_W13: 2.44 ms
@@ -983,8 +1000,9 @@ def weight_grad_persistent_kernel(
 
     Each tile sums its rows in order, WK rows a step, as weight_grad_kernel does: the same bits. A group with
     no rows stores zeros."""
-    for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, offsets_ptr, ends_ptr, N, M, WN, WM)
+    for s in range(tl.program_id(0), tiles, tl.num_programs(0)):
+        t = _wgrad_slot_tile(s, tl.num_programs(0), tiles)
+        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
         acc = _wgrad_acc(p_op, p_stride, q_op, q_stride, seg0, seg1, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                          PRECISION)
         if TMA_STORE:

@@ -1,7 +1,7 @@
 """The backward's weight gradients as a warp-specialized Gluon kernel (``KernelConfig.wgrad="gluon"``; Hopper only).
 
 The same tiles, order and sums as ``megakernel_bwd.weight_grad_persistent_kernel``: out[g] = P[seg_g]^T Q[seg_g]
-in 128 x WM output tiles (block_n x 2 block_n), one program an SM walking tiles pid, pid + nprog, ..., each
+in 128 x WM output tiles (block_n x 2 block_n), one program an SM walking slots pid, pid + nprog, ..., each
 element one fp32 sum over the group's rows in order, WK rows a step and 16 a wgmma. What differs is who waits:
 
 - a producer warp keeps a STAGES-deep TMA ring full *across tile boundaries*, so the next tile's first row steps
@@ -36,17 +36,26 @@ STAGES_BY_WK = {64: 3}  # 3 x 48 KB of operands + 2 x 32 KB store buffers = 213,
 
 
 @gluon.jit
-def _tile_at(t, offsets_ptr, ends_ptr, N, M, WN: gl.constexpr, WM: gl.constexpr):
+def _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, WN: gl.constexpr, WM: gl.constexpr):
     """megakernel_bwd._wgrad_tile_at in Gluon: tile t's group g, output origin (n0, m0), rows [seg0, seg1)."""
     n_n = (N + WN - 1) // WN
     n_m = (M + WM - 1) // WM
-    g = t // (n_n * n_m)
+    g = gl.load(order_ptr + t // (n_n * n_m))
     q = t % (n_n * n_m)
     return g, (q // n_m) * WN, (q % n_m) * WM, gl.load(offsets_ptr + g), gl.load(ends_ptr + g)
 
 
 @gluon.jit
-def _consume(p_s, q_s, c_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles,
+def _slot_tile(s, nprog, tiles):
+    """megakernel_bwd._wgrad_slot_tile in Gluon: the tile taken at slot s (odd full waves reversed)."""
+    w = s // nprog
+    lane = s - w * nprog
+    flip = ((w % 2) == 1) & ((w + 1) * nprog <= tiles)
+    return s + flip.to(gl.int32) * (nprog - 1 - 2 * lane)
+
+
+@gluon.jit
+def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles,
              HALF: gl.constexpr, STAGES: gl.constexpr):
     """One math group: output rows n0 + HALF * 64 .. + 64 of each tile. acc += P^T Q one WK-row step at a time,
     one wgmma group in flight; a ring stage goes back to the producer (``empty``, count 2: both groups read
@@ -58,8 +67,9 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M,
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, WM, 256 // p_s.dtype.primitive_bitwidth])
     it = 0
-    for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
+    for s in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        t = _slot_tile(s, gl.num_programs(0), tiles)
+        g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
         acc = gl.zeros((HN, WM), dtype=gl.float32, layout=layout)
         for r in range(seg0, seg1, WK):
             st = it % STAGES
@@ -82,7 +92,7 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M,
 
 @gluon.jit
 def _partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty,
-               offsets_ptr, ends_ptr, N, M, tiles, STAGES: gl.constexpr):
+               order_ptr, offsets_ptr, ends_ptr, N, M, tiles, STAGES: gl.constexpr):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer warp, walking the
     same tiles and row steps as the math groups (so the ring's order is theirs)."""
     WK: gl.constexpr = p_desc.block_type.shape[0]
@@ -90,8 +100,9 @@ def _partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0
     WM: gl.constexpr = q_desc.block_type.shape[1]
     if ROLE == 2:
         it = 0
-        for t in range(gl.program_id(0), tiles, gl.num_programs(0)):
-            g, n0, m0, seg0, seg1 = _tile_at(t, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
+        for s in range(gl.program_id(0), tiles, gl.num_programs(0)):
+            t = _slot_tile(s, gl.num_programs(0), tiles)
+            g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
             for r in range(seg0, seg1, WK):
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -101,13 +112,14 @@ def _partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0
                 tma.async_copy_global_to_shared(q_desc, [r, m0], ready.index(st), q_s.index(st))
                 it += 1
     elif ROLE == 0:
-        _consume(p0_s, q_s, c0_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
+        _consume(p0_s, q_s, c0_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
     else:
-        _consume(p1_s, q_s, c1_s, ready, empty, out_desc, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
+        _consume(p1_s, q_s, c1_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
 
 
 @gluon.jit
 def gluon_wgrad_kernel(
+    order_ptr,  # [G] int32, the groups in the order their tiles are taken (as weight_grad_persistent_kernel's)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_persistent_kernel's)
     ends_ptr,  # [G] int32, end of the rows summed (a multiple of WK past offsets, or the tensor's end: TMA zeros)
     p_desc,  # P [rows, N] bf16/fp16 descriptor, blocks [WK, 64] (each math group loads its own 64 columns)
@@ -129,15 +141,15 @@ def gluon_wgrad_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, offsets_ptr, ends_ptr, N, M, tiles,
-            STAGES)
+    args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, order_ptr, offsets_ptr, ends_ptr, N,
+            M, tiles, STAGES)
     gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
                        [4, 1], [224, 24])
 
 
-def launch(offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
-    """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group (kittenmoe.launch_backward checks the
-    conditions and says which failed; this asserts them). P [rows, N], Q [rows, M] and out share a 2-byte dtype;
+def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
+    """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group, the groups' tiles taken in
+    ``order``'s order (kittenmoe.launch_backward checks the conditions and says which failed; this asserts them). P [rows, N], Q [rows, M] and out share a 2-byte dtype;
     N % 128 == 0; out contiguous."""
     import torch
     import triton
@@ -152,5 +164,5 @@ def launch(offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, pro
     q_desc = TensorDescriptor.from_tensor(q_op, [wk, wm], lay([wk, wm], gdt))
     out_desc = TensorDescriptor.from_tensor(out.view(G * N, M), [HALF_N, wm], lay([HALF_N, wm], gdt))
     tiles = G * (N // (2 * HALF_N)) * triton.cdiv(M, wm)
-    return gluon_wgrad_kernel[(min(tiles, progs),)](offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
+    return gluon_wgrad_kernel[(min(tiles, progs),)](order, offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
                                                      STAGES=STAGES_BY_WK[wk], num_warps=4, maxnreg=168)
