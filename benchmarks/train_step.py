@@ -19,7 +19,7 @@ after another, the floor first and last (the mean of the two is the floor), each
 (Dynamo reset too), so the peak memory of a provider (``max_memory_allocated`` from its build to its last step)
 is its own; the rows are rewritten after each provider. One more step runs under ``torch.cuda.set_sync_debug_mode("warn")``
 to count the host syncs a step makes; with ``--profile``, two more under ``torch.profiler`` give each row its
-heaviest GPU kernels and the GPU time of its optimizer step. A provider that does not fit (out of memory) or cannot run here (a missing package, a CPU)
+heaviest GPU kernels. A provider that does not fit (out of memory) or cannot run here (a missing package, a CPU)
 gets a row saying so; kittenmoe failing for any other reason stops the run. Rows go to ``benchmarks/results/``
 as JSON.
 """
@@ -61,13 +61,10 @@ def host_syncs(step: Callable[[], None]) -> list[str]:
     return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 25) -> tuple[list[dict], float]:
-    """The GPU kernels of ``steps`` calls of ``step`` by total time (ms a step), heaviest first, and the GPU time
-    of the kernels the optimizer's step launched (ms a step: torch's ``Optimizer.step`` range, whose kernels
-    are launched from the calling thread, unlike the backward's)."""
+def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 25) -> list[dict]:
+    """The GPU kernels of ``steps`` calls of ``step`` by total time (ms a step), heaviest first."""
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -76,10 +73,7 @@ def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 25) -> tup
     total = sum(e.self_device_time_total for e in kernels)
     out = [dict(kernel=e.key[:120], ms=e.self_device_time_total / 1e3 / steps, calls=e.count // steps)
            for e in kernels[:rows]]
-    opt_us = sum(e.device_time_total for e in prof.events()
-                 if e.name.startswith("Optimizer.step#") and e.device_type == torch.autograd.DeviceType.CPU)
-    return ([dict(kernel="(all kernels)", ms=total / 1e3 / steps, calls=sum(e.count for e in kernels) // steps)]
-            + out, opt_us / 1e3 / steps)
+    return [dict(kernel="(all kernels)", ms=total / 1e3 / steps, calls=sum(e.count for e in kernels) // steps)] + out
 
 
 def run_provider(args, spec: Model, provider: str, compiled: bool, batches, device, dtype) -> dict:
@@ -139,7 +133,7 @@ def run_provider(args, spec: Model, provider: str, compiled: bool, batches, devi
             row["host_sync_sites"] = sorted(set(sites))
             if args.profile:  # a profiler failure is the row's to report, not the run's to end
                 try:
-                    row["kernels"], row["optimizer_ms"] = top_kernels(lambda: step(ids))
+                    row["kernels"] = top_kernels(lambda: step(ids))
                 except (RuntimeError, AttributeError) as e:  # (the profiler's, or its API in another torch)
                     row["kernels_error"] = f"{type(e).__name__}: {e}"
                     print(f"{provider}: the profile failed: {row['kernels_error']}", flush=True)
