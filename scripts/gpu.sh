@@ -27,7 +27,8 @@
 #                                         implementation, BATCH sequences (default 1) of SEQ tokens (default
 #                                         8192), STACK hf or torchtitan
 #                                         (default hf; TITAN_ATTN flex, the default, or sdpa for a torch
-#                                         older than torchtitan 0.3's FlexAttention), COMPILE off, on or both (default off), PROVIDERS (comma list,
+#                                         older than torchtitan 0.3's FlexAttention), COMPILE off, on or both
+#                                         (default off), PROVIDERS (comma list,
 #                                         default all), KNOBS (KernelConfig fields k=v,... on kittenmoe's
 #                                         config); SonicMoE from a carried .sonic/sonic.tar.xz
 #                                         (scripts/sonicmoe_wheels.sh)
@@ -241,7 +242,8 @@ train)
   fi
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
-    --batch "${BATCH:-1}" --stack "${STACK:-hf}" --titan-attention "${TITAN_ATTN:-flex}" --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} \
+    --batch "${BATCH:-1}" --stack "${STACK:-hf}" --titan-attention "${TITAN_ATTN:-flex}" \
+    --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} \
     ${KNOBS:+--knobs "$KNOBS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"

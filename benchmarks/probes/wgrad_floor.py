@@ -69,7 +69,8 @@ def wgrad_variant_kernel(
     N, M, do_store,
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, MODE: tl.constexpr,
 ):
-    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)  # the library's
+    # the library's tile mapping
+    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     if MODE == 3:
         p = p_desc.load([seg0, n0])
@@ -148,8 +149,8 @@ def main() -> int:
 
         def lib():  # as launch_backward.launch_rank_backward launches it with the TMA store (3 stages beside its 64 KB buffer)
             mb.weight_grad_persistent_kernel[(min(tiles, sms),)](
-                order, offsets, offsets[1:], pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK, USE_TMA=True,
-                TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
+                order, offsets, offsets[1:], pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK,
+                USE_TMA=True, TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
 
         ref = None
         times = {}
@@ -162,8 +163,8 @@ def main() -> int:
                 fn = (lambda st=st: wgrad_persistent_store_kernel[(min(tiles, sms),)](
                     order, offsets, offsets[1:], *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
                     num_stages=st)) if mode == 6 else (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
-                    order, offsets, offsets[1:], *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m, num_warps=8,
-                    num_stages=st))
+                    order, offsets, offsets[1:], *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m,
+                    num_warps=8, num_stages=st))
             out.fill_(float("nan"))  # tiles this variant leaves unwritten show in its bit check
             fn()
             torch.cuda.synchronize()

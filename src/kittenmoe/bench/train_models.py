@@ -183,8 +183,8 @@ class _NoDataParallelMeshDims:
 
 
 def _titan_imports_on_older_torch() -> None:
-    """torchtitan 0.3's model packages import its FSDP helper, which imports ``DataParallelMeshDims`` from
-    ``torch.distributed.fsdp`` at module load; torch 2.11 lacks the name. The one-GPU step here applies no FSDP
+    """torchtitan 0.3's model packages import ``DataParallelMeshDims`` from ``torch.distributed.fsdp`` (through
+    torchtitan's FSDP module) at module load; torch 2.11 lacks the name. The one-GPU step here applies no FSDP
     or data parallelism, so where the name is missing it gets a stand-in that raises if anything builds one."""
     import torch.distributed.fsdp as fsdp
 

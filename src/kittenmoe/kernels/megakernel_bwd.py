@@ -992,11 +992,11 @@ def weight_grad_persistent_kernel(
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
     USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """weight_grad_kernel's tiles, each program walking slots pid, pid + nprog, ... (``_wgrad_slot_tile``). With TMA_STORE a tile's
-    output goes out through one shared-memory buffer and a TMA bulk store: Triton 3.6 allocates the buffer once,
-    outside the tile loop, and waits for the previous tile's store only before refilling it, so the store
-    drains under the next tile's K loop. One program per tile paid its 64 KB store alone (Kimi d_W13: 2.44 ms
-    for the launch, 1.85 without the store; this form 2.26, benchmarks/probes/wgrad_floor.py).
+    """weight_grad_kernel's tiles, each program walking slots pid, pid + nprog, ... (``_wgrad_slot_tile``). With
+    TMA_STORE a tile's output goes out through one shared-memory buffer and a TMA bulk store: Triton 3.6 allocates
+    the buffer once, outside the tile loop, and waits for the previous tile's store only before refilling it, so
+    the store drains under the next tile's K loop. One program per tile paid its 64 KB store alone (Kimi d_W13:
+    2.44 ms for the launch, 1.85 without the store; this form 2.26, benchmarks/probes/wgrad_floor.py).
 
     Each tile sums its rows in order, WK rows a step, as weight_grad_kernel does: the same bits. A group with
     no rows stores zeros."""

@@ -149,8 +149,8 @@ def gluon_wgrad_kernel(
 
 def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
     """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group, the groups' tiles taken in
-    ``order``'s order (kittenmoe.launch_backward checks the conditions and says which failed; this asserts them). P [rows, N], Q [rows, M] and out share a 2-byte dtype;
-    N % 128 == 0; out contiguous."""
+    ``order``'s order (kittenmoe.launch_backward checks the conditions and says which failed; this asserts
+    them). P [rows, N], Q [rows, M] and out share a 2-byte dtype; N % 128 == 0; out contiguous."""
     import torch
     import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
