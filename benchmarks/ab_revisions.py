@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import datetime
 import io
+import itertools
 import json
 import os
 import re
@@ -108,7 +109,7 @@ def run(args) -> int:
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
         path.write_text(json.dumps(doc, indent=1))
 
-    for (model, tokens), routing in ((sl, ro) for sl in args.slices for ro in args.routing.split(",")):
+    for (model, tokens), routing in itertools.product(args.slices, args.routing):
         shape, local, x, ids, wts, w = _problem(pkgs["after"], model, tokens, routing)
         d_out = torch.randn_like(x)
         fns, results = {}, {}
@@ -136,7 +137,7 @@ def run(args) -> int:
             "forward": torch.equal(results["after"][0], results["before"][0]),
             "forward+backward": all(torch.equal(a, b) for a, b in zip(results["after"][1], results["before"][1])),
         }
-        for mode in args.modes.split(","):
+        for mode in args.modes:
             ms = {n: [] for n in pkgs}
             for r in range(args.rounds):
                 order = list(pkgs) if r % 2 == 0 else list(reversed(pkgs))
@@ -144,9 +145,10 @@ def run(args) -> int:
                     ms[n].append(triton.testing.do_bench(fns[(n, mode)], warmup=10, rep=args.rep_ms,
                                                          return_mode="median"))
             med = {n: statistics.median(v) for n, v in ms.items()}
-            rows.append(dict(model=model, tokens=tokens, e_local=local.e, routing=routing, mode=mode, after_ms=med["after"],
-                             before_ms=med["before"], after_over_before=med["before"] / med["after"],
-                             rounds_after=ms["after"], rounds_before=ms["before"], bitwise_equal=bits[mode],
+            rows.append(dict(model=model, tokens=tokens, e_local=local.e, routing=routing, mode=mode,
+                             after_ms=med["after"], before_ms=med["before"],
+                             after_over_before=med["before"] / med["after"], rounds_after=ms["after"],
+                             rounds_before=ms["before"], bitwise_equal=bits[mode],
                              config_after=results["after"][2], config_before=results["before"][2]))
             print(f"{model} {routing} {mode}: after {med['after']:.3f} ms, before {med['before']:.3f} ms, "
                   f"speed {med['before'] / med['after']:.3f}x, equal bits {bits[mode]}", flush=True)
@@ -155,8 +157,8 @@ def run(args) -> int:
     print("| slice | T | routing | pass | this tree ms | before ms | speed | equal bits |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['mode']} | {r['after_ms']:.3f} | {r['before_ms']:.3f} | "
-              f"{r['after_over_before']:.3f}x | {r['bitwise_equal']} |")
+        print(f"| {r['model']} | {r['tokens']} | {r['routing']} | {r['mode']} | {r['after_ms']:.3f} | "
+              f"{r['before_ms']:.3f} | {r['after_over_before']:.3f}x | {r['bitwise_equal']} |")
     return 0 if all(r["bitwise_equal"] for r in rows) else 1
 
 
@@ -172,6 +174,25 @@ def _slices(spec: str) -> list[tuple[str, int]]:
         model, _, t = item.partition(":")
         out.append((model, int(t)))
     return out
+
+
+def _routings(spec: str) -> list[str]:
+    """``--routing``: a comma list of ``kittenmoe bench --routing`` names, each checked here."""
+    from kittenmoe.bench.problems import parse_routing
+
+    try:
+        return [str(parse_routing(r)) for r in spec.split(",")]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _modes(spec: str) -> list[str]:
+    """``--modes``: a comma list of forward and forward+backward."""
+    modes = spec.split(",")
+    bad = [m for m in modes if m not in ("forward", "forward+backward")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown pass {bad}: forward, forward+backward")
+    return modes
 
 
 def _config(spec: str) -> dict:
@@ -193,9 +214,10 @@ def main(argv=None) -> int:
                     help="KernelConfig overrides k=v,... on both revisions' heuristic configs")
     pr.add_argument("--config-before", type=_config, default={},
                     help="more overrides on the prepared revision's config only (e.g. the kernel it is compared as)")
-    pr.add_argument("--routing", default="uniform",
+    pr.add_argument("--routing", type=_routings, default=["uniform"],
                     help="comma list of routings, each slice run under each: uniform | zipf[:alpha] | one-hot")
-    pr.add_argument("--modes", default="forward,forward+backward", help="comma list: forward, forward+backward")
+    pr.add_argument("--modes", type=_modes, default=_modes("forward,forward+backward"),
+                    help="comma list: forward, forward+backward")
     pr.add_argument("--rounds", type=int, default=5)
     pr.add_argument("--rep-ms", type=int, default=100)
     args = p.parse_args(argv)
