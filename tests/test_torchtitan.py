@@ -17,6 +17,7 @@ import copy
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -157,7 +158,7 @@ def test_matches_torchtitan_bf16():
 @pytest.mark.parametrize("backend", ["torch", "megakernel"])
 @pytest.mark.parametrize("fused", [
     False,  # w13 = cat(w1, w3) in the graph
-    True,  # fuse_gate_up_storage: the as_strided view of the shared buffer, through its autograd.Function
+    True,  # fuse_gate_up_storage: the dense w13_E2FD parameter as it is, w1_EFD / w3_EFD properties unread
 ])
 def test_compiles_fullgraph(backend, fused):
     """The swapped layer (router, kittenmoe experts, shared expert) under ``torch.compile(fullgraph=True)``: no
@@ -184,27 +185,245 @@ def test_no_tokens(monkeypatch):
     _assert_matches(got, want, torch.float32)
 
 
-def test_fused_gate_up_storage_reads_in_place(monkeypatch):
-    """After fuse_gate_up_storage, kittenmoe gets w1|w3's shared buffer (no cat), the parameter objects and
-    values are kept, and the output and gradients are the cat path's bit for bit."""
+W1, W3, W13 = (f"routed_experts.inner_experts.{n}" for n in ("w1_EFD", "w3_EFD", "w13_E2FD"))
+
+
+def _swapped(layer: MoE, backend="torch", fused=False) -> MoE:
+    """A deep copy of ``layer`` through kittenmoe, its gate and up fused into one parameter if ``fused``."""
+    swapped = copy.deepcopy(layer)
+    ktt.apply_kittenmoe(swapped, ktt.Options(backend=backend))
+    if fused:
+        assert ktt.fuse_gate_up_storage(swapped) == 1
+    return swapped
+
+
+def _fused_moe(**kw) -> MoE:
+    """``_moe(**kw)`` with its gate and up fused, torchtitan's forward kept."""
+    layer = _moe(**kw)
+    assert ktt.fuse_gate_up_storage(layer) == 1
+    return layer
+
+
+def _as_torchtitan(grads):
+    """A fused layer's gradients under torchtitan's names: w13_E2FD's gate and up halves as w1_EFD and w3_EFD."""
+    out = {n: g for n, g in grads.items() if n != W13}
+    if W13 in grads:
+        out[W1], out[W3] = grads[W13].chunk(2, dim=1)
+    return out
+
+
+def test_fused_gate_up_is_one_dense_parameter_read_in_place(monkeypatch):
+    """fuse_gate_up_storage leaves one gate|up parameter, w13_E2FD, dense, holding cat(w1, w3); w1_EFD and
+    w3_EFD are views of its halves with the old values; kittenmoe gets the parameter itself (no cat, no copy);
+    a second call changes nothing; the views cannot be reassigned."""
     layer = _moe()
     ktt.apply_kittenmoe(layer, ktt.Options(backend="torch"))
-    x_BLD, d_out_BLD = _inputs()
-    calls = _count_calls(monkeypatch)
-    want = _step(layer, x_BLD, d_out_BLD)
     experts = layer.routed_experts.inner_experts
-    assert calls[0][3].data_ptr() != experts.w1_EFD.data_ptr()  # the cat's own copy
-    w1, w3, values = experts.w1_EFD, experts.w3_EFD, copy.deepcopy(layer.state_dict())
+    w1_EFD, w3_EFD = experts.w1_EFD.detach().clone(), experts.w3_EFD.detach().clone()
+    calls = _count_calls(monkeypatch)
+    _step(layer, *_inputs())
+    assert calls[0][3].data_ptr() != experts.w1_EFD.data_ptr()  # unfused: the cat's own copy
     assert ktt.fuse_gate_up_storage(layer) == 1
-    assert experts.w1_EFD is w1 and experts.w3_EFD is w3
-    for n, v in layer.state_dict().items():
-        assert_bitwise_equal(v, values[n], n)
-    got = _step(layer, x_BLD, d_out_BLD)
-    w13 = calls[1][3]
-    assert w13.data_ptr() == w1.data_ptr() and w13.shape == (E, 2 * I, H) and w13.is_contiguous()
-    assert_bitwise_equal(got[0], want[0], "out")
-    for n in want[2]:
-        assert_bitwise_equal(got[2][n], want[2][n], f"d {n}")
+    assert type(experts) is ktt.FusedGateUpExperts and isinstance(experts, GroupedExperts)
+    assert [n for n, _ in experts.named_parameters()] == ["w13_E2FD", "w2_EDF"]
+    w13 = experts.w13_E2FD
+    assert w13.shape == (E, 2 * I, H) and w13.is_contiguous() and w13.requires_grad
+    assert_bitwise_equal(experts.w1_EFD, w1_EFD, "w1_EFD")
+    assert_bitwise_equal(experts.w3_EFD, w3_EFD, "w3_EFD")
+    assert experts.w1_EFD.data_ptr() == w13.data_ptr()
+    assert experts.w3_EFD.data_ptr() == w13.data_ptr() + I * H * w13.element_size()
+    _step(layer, *_inputs(seed=2))
+    assert calls[1][3] is w13  # the parameter as it is: kittenmoe's d_w13 is its gradient
+    assert w13.grad.shape == w13.shape and w13.grad.is_contiguous()
+    assert ktt.fuse_gate_up_storage(layer) == 1 and experts.w13_E2FD is w13
+    with pytest.raises(NotImplementedError, match="w1_EFD of a FusedGateUpExperts is a view of w13_E2FD"):
+        experts.w1_EFD = torch.nn.Parameter(w1_EFD)
+    with pytest.raises(NotImplementedError, match="w3_EFD of a FusedGateUpExperts is a view of w13_E2FD"):
+        experts.w3_EFD = w3_EFD
+
+
+@pytest.mark.parametrize("backend", ["torch", "megakernel"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_unfused_bitwise(case, backend, monkeypatch):
+    """The fused layer gives the unfused kittenmoe layer's output, loss and gradients bit for bit (w13_E2FD's
+    gradient is the unfused w1 and w3 gradients concatenated), and torchtitan's fp32 math at fp32 tolerances."""
+    layer = CASES[case]()
+    x_BLD, d_out_BLD = _inputs()
+    want = _torchtitan_in_fp32(monkeypatch, layer, x_BLD, d_out_BLD)
+    out_u, loss_u, grads_u = _step(_swapped(layer, backend), x_BLD, d_out_BLD)
+    out_f, loss_f, grads_f = got = _step(_swapped(layer, backend, fused=True), x_BLD, d_out_BLD)
+    assert_bitwise_equal(out_f, out_u, "out")
+    assert_bitwise_equal(loss_f.reshape(1), loss_u.reshape(1), "loss")
+    assert sorted(grads_f) == sorted([n for n in grads_u if n not in (W1, W3)] + [W13])
+    assert_bitwise_equal(grads_f[W13], torch.cat([grads_u[W1], grads_u[W3]], dim=1), "d w13_E2FD")
+    for n in grads_f:
+        if n != W13:
+            assert_bitwise_equal(grads_f[n], grads_u[n], f"d {n}")
+    _assert_matches(got[:2] + (_as_torchtitan(grads_f),), want, torch.float32)
+
+
+def test_fused_state_dict_is_torchtitans(tmp_path):
+    """A fused model's state dict has torchtitan's keys in its order and its values (the gate and up as views of
+    w13_E2FD); it loads into an unfused model, an unfused one loads into it (in place, w13_E2FD kept), also
+    through torch.save / torch.load."""
+    unfused, fused = _moe(), _fused_moe()
+    w13 = fused.routed_experts.inner_experts.w13_E2FD
+    want, got = unfused.state_dict(), fused.state_dict()
+    assert list(got) == list(want)
+    for n in want:
+        assert_bitwise_equal(got[n], want[n], n)
+    assert got[W1].data_ptr() == w13.data_ptr() and got[W3].data_ptr() == w13[:, I:].data_ptr()
+
+    other = _moe(seed=5)  # other values to load
+    fused.load_state_dict(other.state_dict())
+    assert fused.routed_experts.inner_experts.w13_E2FD is w13
+    for n, v in other.state_dict().items():
+        assert_bitwise_equal(fused.state_dict()[n], v, f"fused <- unfused {n}")
+    unfused.load_state_dict(fused.state_dict())
+    for n, v in other.state_dict().items():
+        assert_bitwise_equal(unfused.state_dict()[n], v, f"unfused <- fused {n}")
+
+    torch.save(_moe(seed=6).state_dict(), tmp_path / "unfused.pt")
+    fused.load_state_dict(torch.load(tmp_path / "unfused.pt"))
+    torch.save(fused.state_dict(), tmp_path / "fused.pt")
+    unfused.load_state_dict(torch.load(tmp_path / "fused.pt"))
+    for n, v in _moe(seed=6).state_dict().items():
+        assert_bitwise_equal(unfused.state_dict()[n], v, f"through torch.save {n}")
+
+
+@pytest.mark.parametrize("edit, match", [
+    # a half missing: strict loading names torchtitan's key, not w13_E2FD
+    (lambda sd: sd.pop(W3), f'Missing key\\(s\\) in state_dict: "{W3}"\\. $'),
+    # both halves missing
+    (lambda sd: (sd.pop(W1), sd.pop(W3)), f'Missing key\\(s\\) in state_dict: "{W1}", "{W3}"\\. $'),
+    # fused's own parameter is no key of its state dict: unexpected, as for an unfused model
+    (lambda sd: sd.update({W13: torch.randn(E, 2 * I, H)}), f'Unexpected key\\(s\\) in state_dict: "{W13}"'),
+    # a half of the wrong shape: torch's size-mismatch message, under torchtitan's name
+    (lambda sd: sd.update({W1: torch.randn(E, I + 1, H)}),
+     f"size mismatch for {W1}: copying a param with shape torch.Size\\(\\[4, 33, 64\\]\\)"),
+])
+def test_fused_strict_load_refuses(edit, match):
+    """Strict loading into a fused model fails as it fails for an unfused one, naming torchtitan's keys."""
+    sd = dict(_moe(seed=5).state_dict())
+    edit(sd)
+    for layer in (_moe(), _fused_moe()):
+        with pytest.raises(RuntimeError, match=match):
+            layer.load_state_dict(sd)
+
+
+def test_fused_non_strict_and_assign_load():
+    """strict=False with one half given loads that half into its view and reports the other missing, as an
+    unfused model does; assign=True makes the loaded tensors the new (dense) w13_E2FD."""
+    source = _moe(seed=5).state_dict()
+    fused = _fused_moe()
+    experts = fused.routed_experts.inner_experts
+    w3_EFD = experts.w3_EFD.detach().clone()
+    result = fused.load_state_dict({k: v for k, v in source.items() if k != W3}, strict=False)
+    assert result.missing_keys == [W3] and result.unexpected_keys == []
+    assert_bitwise_equal(experts.w1_EFD, source[W1], "w1_EFD loaded")
+    assert_bitwise_equal(experts.w3_EFD, w3_EFD, "w3_EFD kept")
+    fused.load_state_dict(_moe(seed=7).state_dict(), assign=True)
+    w13 = experts.w13_E2FD
+    assert isinstance(w13, torch.nn.Parameter) and w13.is_contiguous() and w13.requires_grad
+    for n, v in _moe(seed=7).state_dict().items():
+        assert_bitwise_equal(fused.state_dict()[n], v, f"assigned {n}")
+
+
+def test_fused_adamw_step_matches_unfused():
+    """Two foreach AdamW steps on the fused layer update w13_E2FD's halves as they update the unfused w1_EFD and
+    w3_EFD, bit for bit; every fused parameter is dense (the foreach fast path)."""
+    layer = _moe()
+    models = [_swapped(layer), _swapped(layer, fused=True)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True) for m in models]
+    assert all(p.is_contiguous() for p in models[1].parameters())
+    for seed in (1, 2):
+        x_BLD, d_out_BLD = _inputs(seed=seed)
+        for model, opt in zip(models, opts):
+            _step(model, x_BLD, d_out_BLD)
+            opt.step()
+    unfused, fused = (m.state_dict() for m in models)
+    assert not torch.equal(unfused[W1], layer.state_dict()[W1])  # (the step moved them)
+    for n in unfused:
+        assert_bitwise_equal(fused[n], unfused[n], n)
+
+
+@pytest.mark.parametrize("kittenmoe_first", [
+    False,  # fused on a torchtitan model kittenmoe never touched
+    True,  # fused under kittenmoe, then remove_kittenmoe: the experts stay fused, apply_kittenmoe takes them again
+])
+def test_fused_under_torchtitans_forward(kittenmoe_first, monkeypatch):
+    """torchtitan's own forward on fused experts (it reads the w1_EFD / w3_EFD views) gives its unfused
+    output and gradients at fp32 tolerances."""
+    layer = _moe()
+    x_BLD, d_out_BLD = _inputs()
+    want = _torchtitan_in_fp32(monkeypatch, layer, x_BLD, d_out_BLD)
+    fused = copy.deepcopy(layer)
+    if kittenmoe_first:
+        ktt.apply_kittenmoe(fused)
+    assert ktt.fuse_gate_up_storage(fused) == 1
+    if kittenmoe_first:
+        assert ktt.remove_kittenmoe(fused) == 1
+    calls = _count_calls(monkeypatch)
+    out_BLD, loss, grads = _torchtitan_in_fp32(monkeypatch, fused, x_BLD, d_out_BLD)
+    assert not calls
+    _assert_matches((out_BLD, loss, _as_torchtitan(grads)), want, torch.float32)
+    assert ktt.apply_kittenmoe(fused) == 1
+
+
+def _grouped_experts_config(init_w1):
+    return RoutedExperts.Config(
+        inner_experts=GroupedExperts.Config(dim=H, hidden_dim=I, num_experts=E, param_init={
+            "w1_EFD": init_w1, "w2_EDF": partial(torch.nn.init.normal_, std=0.5),
+            "w3_EFD": partial(torch.nn.init.trunc_normal_, std=0.7)}),
+        token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K))
+
+
+@pytest.mark.parametrize("init_w1", [
+    # torchtitan's truncated normal (normal_ draws: a strided view would draw other values on the CPU)
+    partial(torch.nn.init.trunc_normal_, std=0.02),
+    # an initialiser that replaces its tensor's data instead of writing into it
+    lambda w: setattr(w, "data", torch.randn(w.shape) * 0.05),
+])
+def test_fused_init_states_gives_torchtitans_values(init_w1):
+    """Built on the meta device, fused there, then to_empty and init_states (torchtitan's flow): torchtitan's
+    param_init entries fill w13_E2FD's halves, and a seed gives the unfused values."""
+    cfg = _grouped_experts_config(init_w1)
+    models = []
+    for fused in (False, True):
+        with torch.device("meta"):
+            routed = cfg.build()
+        if fused:
+            assert ktt.fuse_gate_up_storage(routed) == 1
+        routed.to_empty(device="cpu")
+        torch.manual_seed(3)
+        routed.init_states()
+        models.append(routed)
+    w13 = models[1].inner_experts.w13_E2FD
+    assert w13.device.type == "cpu" and w13.is_contiguous()
+    unfused, fused = (m.state_dict() for m in models)
+    assert list(fused) == list(unfused)
+    for n in unfused:
+        assert_bitwise_equal(fused[n], unfused[n], n)
+    assert fused["inner_experts.w3_EFD"].std() > 0.3  # (each half got its own initialiser)
+
+
+@pytest.mark.parametrize("spoil, match", [
+    # a frozen gate beside a trained up projection: one parameter has one requires_grad
+    (lambda e: e.w1_EFD.requires_grad_(False), "one shape, dtype, device and requires_grad"),
+    # the up projection in another dtype
+    (lambda e: setattr(e, "w3_EFD", torch.nn.Parameter(e.w3_EFD.detach().double())), "one shape, dtype"),
+    # a gradient on the gate alone (one .grad for the fused parameter)
+    (lambda e: setattr(e.w1_EFD, "grad", torch.randn(E, I, H)), "gradient on only one of w1_EFD and w3_EFD"),
+])
+def test_fuse_refuses_and_leaves_the_model(spoil, match):
+    """What one dense parameter cannot hold is refused with NotImplementedError, before any module changes."""
+    layer = _moe()
+    spoil(layer.routed_experts.inner_experts)
+    before = list(layer.named_parameters())
+    with pytest.raises(NotImplementedError, match=match):
+        ktt.fuse_gate_up_storage(layer)
+    assert type(layer.routed_experts.inner_experts) is GroupedExperts
+    assert list(layer.named_parameters()) == before
 
 
 def test_remove_gives_torchtitan_back(monkeypatch):
@@ -305,6 +524,8 @@ def test_replicated_dtensor_weights(one_rank_mesh, monkeypatch):
     local = lambda g: g.full_tensor() if isinstance(g, DTensor) else g  # noqa: E731
     _assert_matches(got[:2] + ({n: local(g) for n, g in got[2].items()},),
                     want[:2] + ({n: local(g) for n, g in want[2].items()},), torch.float32)
+    with pytest.raises(NotImplementedError, match="fuse_gate_up_storage needs plain tensors, not DTensor"):
+        ktt.fuse_gate_up_storage(swapped)
     sharded = distribute_tensor(experts.w1_EFD.detach().full_tensor(), one_rank_mesh, [Shard(1)])
     swapped.routed_experts.inner_experts.w1_EFD = torch.nn.Parameter(sharded)
     with pytest.raises(NotImplementedError, match=r"w1_EFD sharded as a DTensor \(Shard\(dim=1\),\)"):
@@ -335,7 +556,7 @@ def _cuda_bf16(layer: MoE) -> MoE:
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused", [
     False,  # w13 = cat(w1, w3) each forward
-    True,  # fuse_gate_up_storage: the shared buffer read in place
+    True,  # fuse_gate_up_storage: the dense w13_E2FD parameter read in place
 ])
 def test_gpu_bf16_megakernel_matches_torchtitan(fused):
     """A bf16 layer on CUDA through the megakernel against torchtitan's own grouped GEMMs, at the bf16
@@ -352,7 +573,7 @@ def test_gpu_bf16_megakernel_matches_torchtitan(fused):
 
 @pytest.mark.gpu
 def test_gpu_compiled_matches_uncompiled():
-    """The swapped bf16 layer with its fused gate|up buffer under torch.compile(fullgraph=True) with Inductor on
+    """The swapped bf16 layer with its fused gate|up parameter under torch.compile(fullgraph=True) with Inductor on
     CUDA: the same output and gradients as uncompiled, within bf16 (Inductor fuses the router's ops)."""
     layer = _cuda_bf16(_moe())
     ktt.apply_kittenmoe(layer, ktt.Options(backend="megakernel"))

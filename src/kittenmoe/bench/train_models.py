@@ -155,13 +155,10 @@ def hf_loss(model: nn.Module, ids_BS: torch.Tensor) -> torch.Tensor:
 
 
 def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    """AdamW over the model's parameters, the contiguous ones in one group and the rest in another (same
-    hyperparameters, so the same math): a non-dense parameter (``fuse_gate_up_storage``'s halves of one
-    buffer) takes the whole group it is in off the foreach kernels' fast path."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.is_contiguous()]),
-              dict(params=[p for p in params if not p.is_contiguous()])]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+    """AdamW over the model's trainable parameters, in one group: every parameter the models here train is dense
+    (``fuse_gate_up_storage`` makes torchtitan's gate and up one dense parameter), so the foreach kernels keep
+    their fast path, which a single non-dense parameter would take its whole group off."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
 # ---- the torchtitan stack -----------------------------------------------------------------------------------
@@ -243,7 +240,9 @@ def apply_titan(model: nn.Module, provider: str) -> None:
         from kittenmoe.integrations.torchtitan import apply_kittenmoe, fuse_gate_up_storage
 
         apply_kittenmoe(model)
-        fuse_gate_up_storage(model)  # (no FSDP here: w13 read in place, no gate|up copy per step)
+        # (no FSDP here, and adamw builds the optimizer after: one dense w13 parameter, read in place, no
+        # gate|up copy per step, its gradient kittenmoe's own)
+        fuse_gate_up_storage(model)
     elif provider == FLOOR:
         from torchtitan.models.common.moe import RoutedExperts
 
