@@ -39,7 +39,6 @@ def test_config_names_the_backward_kernel():
     (dict(phases=mb.PB_A | mb.PB_PULL), "every phase"),  # a phase subset, for timing one phase
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
-    (dict(config=GLUON.with_(num_stages=2)), "3-4 stages"),  # the gather's late signal needs 3 stages
     (dict(i=192), "I a multiple of 128"),  # an expert width off the 128-column phase-A tile
     (dict(h=384), "H of 256"),  # a hidden width off the 256-column phase-B tile
 ])
@@ -114,7 +113,8 @@ def _grads(res) -> dict[str, torch.Tensor]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
-@pytest.mark.parametrize("stages", [4, 3], ids=["4-stages", "3-stages"])  # one store buffer a group, or two
+# the config's num_stages (4: the default's, 2: under the gather's minimum) does not reach the Gluon kernel's ring
+@pytest.mark.parametrize("stages", [4, 2], ids=["4-stages", "2-stages"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_gluon_backward_matches_triton_bits(case, stages, cuda_cleanup, monkeypatch):
     """Every gradient equals the Triton backward's bit for bit (same kept forward); two Gluon runs give the same

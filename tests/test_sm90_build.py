@@ -85,6 +85,7 @@ BWD_PERSISTENT = [BWD[0], "weight_grad_persistent_kernel", BWD[2]]
 BWD_GLUON = [BWD[0], "gluon_wgrad_kernel", BWD[2]]
 FWD_GLUON = ["forward_kernel", FWD[1]]
 GLUON_ONE_RANK = dict(num_comm_programs_fwd=0, combine_gather=True, tile_group_m=-1, forward_kernel="gluon")
+BWD_MEGA_GLUON = ["backward_kernel", BWD[1], BWD[2]]  # the Gluon backward megakernel, the Triton weight gradients
 
 
 @pytest.mark.parametrize("spec,expected", [
@@ -114,6 +115,10 @@ GLUON_ONE_RANK = dict(num_comm_programs_fwd=0, combine_gather=True, tile_group_m
     # group (229,784 B), and not keeping at 3 stages
     (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")), FWD_GLUON),
     (dict(which="fwd", config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=3)), FWD_GLUON),
+    # the Gluon backward megakernel (KernelConfig.backward_kernel="gluon"): the one-rank kept path, no shared expert
+    (dict(which="bwd", resident=True, shared=False,
+          config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
+     BWD_MEGA_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),
@@ -136,7 +141,7 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
     assert sorted(set(names)) == sorted(expected), names
     for b in out["builds"]:
         assert b["shared"] <= SHARED_MEMORY_LIMIT, b
-        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1], BWD_GLUON[1], FWD_GLUON[0]):
+        if b["name"] in (FWD[0], BWD[0], BWD[1], BWD_PERSISTENT[1], BWD_GLUON[1], FWD_GLUON[0], BWD_MEGA_GLUON[0]):
             assert b["wgmma"] and b["tma"], b
         # what the knobs compile to: the timer reads only in TRACE builds of the megakernels; nothing Triton
         # builds is warp-specialized (the one form that was, tl.range(warp_specialize=True) over the weight
@@ -148,6 +153,8 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
         assert not b["hgmma_unset"], b
         if b["name"] == BWD_GLUON[1]:
             assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
+        elif b["name"] == BWD_MEGA_GLUON[0]:  # 4 partitions of 128 threads sharing the register file, none spilling
+            assert b["warp_specialized"] and b["threads"] == 512 and b["stack"] == 0 and b["local"] == 0, b
         elif b["name"] == FWD_GLUON[0]:  # its 24-byte stack frame holds no spills (local 0)
             assert b["warp_specialized"] and b["threads"] == 384 and b["local"] == 0, b
         else:

@@ -204,10 +204,11 @@ class KernelConfig:
     backward_kernel: the backward megakernel (the data gradients; the weight gradients are ``wgrad``'s), "triton"
         (``kernels/megakernel_bwd.py``: every role, rank count, ring, FP8, the interpreter) or "gluon"
         (``kernels/megakernel_bwd_gluon.py``: the same tiles, order and counters, a 4-warp producer that gathers
-        each phase-A tile's d_out rows by cp.async and keeps a TMA ring ``num_stages`` (3-4) deep across tiles,
-        two math warpgroups; one rank with ``combine_gather`` and no communication programs, every routed row's
-        gate|up kept by the forward, 2-byte operands on Hopper, 128 x 128 x 64 tiles, I a multiple of 128 and
-        H of 256, no shared expert; ``launch_backward.backward_gluon_refusal`` says what a launch lacks, and the
+        each phase-A tile's d_out rows by cp.async and keeps a TMA ring 3 stages deep across tiles (whatever
+        ``num_stages``), two math warpgroups, and a partition that runs phase A's SwiGLU backward from their
+        accumulators, handed over through shared memory, under their next K loops; one rank with
+        ``combine_gather`` and no communication programs, every routed row's gate|up kept by the forward, 2-byte
+        operands on Hopper, 128 x 128 x 64 tiles, I a multiple of 128 and H of 256, no shared expert; ``launch_backward.backward_gluon_refusal`` says what a launch lacks, and the
         launch raises NotImplementedError then). The same bits.
     tile_group_m: the order of a minibatch's GEMM tiles in both megakernels (the same bits in any order). 0:
         column tile by column tile, every row tile under one. G > 0: groups of G row tiles (the forward 1-3%

@@ -72,8 +72,9 @@ def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch
     """Why ``KernelConfig.backward_kernel="gluon"`` cannot run this launch (one line), or None. The Gluon backward
     (``kernels/megakernel_bwd_gluon.py``) is the one-rank default path only: one rank with ``combine_gather`` and no
     communication programs, every routed row's gate|up kept by the forward (a resident ring, ``saved``), no
-    shared expert, 2-byte operands through TMA, no FP8, no trace, every phase, the 128 x 128 x 64 tile with a
-    3-4 stage ring, and widths that divide into it. The device (Hopper) is checked apart."""
+    shared expert, 2-byte operands through TMA, no FP8, no trace, every phase, the 128 x 128 x 64 tile (its ring
+    is 3 stages whatever ``num_stages`` says: the kernel's shared memory), and widths that divide into it. The
+    device (Hopper) is checked apart."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     if ranks != 1 or not config.combine_gather or config.num_comm_programs_bwd != 0:
@@ -95,9 +96,6 @@ def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch
     if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
         return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
                 f"{config.block_k})")
-    if config.num_stages < 3:
-        # the producer signals a stage's gathered rows one K step late (the Gluon forward's gathering form's rule)
-        return f"its ring is 3-4 stages deep (num_stages={config.num_stages})"
     if i % 128 or h % 256:
         return f"it needs I a multiple of 128 and H of 256 (got H={h}, I={i})"
     return None
@@ -121,7 +119,6 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     cnt = torch.zeros(max(NMB, 1), dtype=torch.int32, device=w13_L2IH.device)  # a_ready[p]
-    stages = min(config.num_stages, 4)
     return mbg.backward_kernel[(lc.num_programs(w13_L2IH.device, 0),)](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
         peers.buffer("d_out", rank), peers.buffer("w", rank), gate_up, bufs["dgu"], bufs["hw"], bufs["dwp"],
@@ -129,8 +126,8 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
         desc(w2_LHI.view(L * H, I), [bk, bn]), desc(bufs["dxr"], [half, bn]), cnt, err,
         H, I, K, NMB, NI, float(swiglu_limit) if swiglu_limit is not None else 0.0, max_spin,
         LAG=1, MB=config.minibatch_size, TGM=config.tile_group_m, HAS_LIMIT=swiglu_limit is not None,
-        # 4 x 48 KB leave room for one 16 KB d_x store buffer a math group; 3 stages keep two a group
-        STAGES=stages, ONE_BUF=stages >= 4, num_warps=4, maxnreg=168,
+        # 3 stages: a fourth does not fit beside the epilogue's hand-over buffers (the kernel's docstring)
+        STAGES=3, num_warps=4, maxnreg=128,
     )
 
 

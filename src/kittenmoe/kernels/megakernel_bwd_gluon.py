@@ -12,13 +12,19 @@ p - 1] walked round-robin, where
   shared memory and TMA.
 
 What differs is who waits, as in ``megakernel_fwd_gluon``: a 4-warp producer walks the program's tiles ahead of the
-math, keeps a ``STAGES``-deep ring of [A rows, two weight tiles] full across tile boundaries, and gathers each
-phase-A tile's d_out rows straight from d_out (row t of route t*K + j, padding rows zero) by cp.async, so no
-pull runs first; the first column tile of each row tile also leaves its gathered rows in ``dor`` (TMA stores),
-where the weight gradients read them. Before a phase-B tile it polls ``a_ready`` of the tile's minibatch. Two
-4-warp math groups own 64 of a tile's 128 rows each. The weights are read as they are stored (W2 [H, I],
-W13 [2I, H]): the K dimension of both GEMMs is the weights' row dimension, so B is N-major in shared memory,
-which wgmma takes for 2-byte operands.
+math, keeps a 3-stage ring of [A rows, two weight tiles] full across tile boundaries, and gathers each phase-A
+tile's d_out rows straight from d_out (row t of route t*K + j, padding rows zero) by cp.async, so no pull runs
+first; the first column tile of each row tile also leaves its gathered rows in ``dor`` (TMA stores), where the
+weight gradients read them. Before a phase-B tile it polls ``a_ready`` of the tile's minibatch. Two 4-warp math
+groups own 64 of a tile's 128 rows each. The weights are read as they are stored (W2 [H, I], W13 [2I, H]): the K
+dimension of both GEMMs is the weights' row dimension, so B is N-major in shared memory, which wgmma takes for
+2-byte operands.
+
+A phase-A tile's SwiGLU backward runs in a fourth partition (4 warps), not in the math groups: each group hands
+its fp32 accumulator over through shared memory (32 KB a group, two 64-column halves) and goes on to its next
+tile's K loop, so the epilogue (on the Triton kernel's trace at Qwen3-30B-A3B's widths ~12 us a tile against ~16
+us of K loop, with no wgmma in flight) runs under the next tiles' wgmmas. The same 32 KB hold the group's phase-B
+d_x halves on their way to TMA. A fourth ring stage does not fit beside them.
 
 Gluon kernels do not run under the Triton interpreter; the CPU suite runs the Triton kernel, and the GPU tests
 hold this one to its bits.
@@ -225,46 +231,86 @@ def _swiglu_bwd_half(acc_dh, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0
 
 
 @gluon.jit
-def _a_epilogue(acc, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, I, NI,
+def _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, I, NI,
                 swiglu_limit, HAS_LIMIT: gl.constexpr):
-    """A phase-A accumulator's SwiGLU backward, split into its two QN-column halves as the Triton kernel splits
-    its kept tile (reshape, permute, split: no data moves), each half exactly as there."""
-    lo, hi = acc.reshape([HALF, 2, QN]).permute((0, 2, 1)).split()
-    layout: gl.constexpr = lo.type.layout
+    """The SwiGLU backward of math group ``g``'s phase-A accumulator, handed over as its two QN-column halves
+    (``dh_s[2g]``, ``dh_s[2g + 1]``, HALF x QN fp32), one half at a time as the Triton kernel splits its kept
+    tile, each exactly as there. A half is read in an m64n64 wgmma accumulator's layout, which puts every element
+    in the thread that held it in the math group's m64n128 one."""
+    layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QN, 16])
     rows = row0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
     pr = gl.load(peer_rank_ptr + rows)
     pt = gl.load(peer_tok_ptr + rows)
     w_row = gl.load(w_ptr + pt, mask=pr >= 0, other=0.0)  # padding rows: 0, as the Triton kernel's pulled rows
     q = col0 // QN
-    _swiglu_bwd_half(lo, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0, q, I, NI, swiglu_limit, HAS_LIMIT)
-    _swiglu_bwd_half(hi, w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0, col0 + QN, q + 1, I, NI, swiglu_limit,
-                     HAS_LIMIT)
+    for c in range(BN // QN):  # (a loop, not unrolled: both halves' loads in flight spill at 128 registers)
+        _swiglu_bwd_half(dh_s.index(2 * g + c).load(layout), w_row, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, row0,
+                         col0 + c * QN, q + c, I, NI, swiglu_limit, HAS_LIMIT)
 
 
 @gluon.jit
-def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-          num_rows_ptr, cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr,
-          dor_desc, dxr_desc, H, I, NMB, NI, swiglu_limit, total,
-          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr, ONE_BUF: gl.constexpr):
-    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
+def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
+          expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, H, I, NMB, total,
+          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr):
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. A phase-A accumulator goes to the
+    epilogue partition through ``dh_s[G]`` (fp32, so the SwiGLU backward sees the bits the Triton kernel's
+    does); the same 32 KB hold a phase-B tile's two d_x halves on their way to TMA. Every write into it waits
+    until the epilogue has taken the last accumulator handed over (``dh_free``), and a phase-A write also until
+    this group's d_x stores have read it."""
+    G: gl.constexpr = ROWS0 // HALF
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    c0_s = dh_s.index(2 * G)._reinterpret(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    c1_s = dh_s.index(2 * G + 1)._reinterpret(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
     num_rows = gl.load(num_rows_ptr)
     it = 0
+    nh = 0  # accumulators handed over so far
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
                                                  LAG, MB, TGM)
         if kind == A:
             acc, it = _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0, layout, (ROWS0 == 0) & (col == 0), dor_desc,
                              a_row)
-            _a_epilogue(acc, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, a_row + ROWS0,
-                        col, I, NI, swiglu_limit, HAS_LIMIT)
+            tma.store_wait(pendings=0)  # the last d_x stores out of the buffer have read it
+            gl.thread_barrier()
+            mbarrier.wait(dh_free.index(G), (nh & 1) ^ 1)  # a fresh barrier passes parity 1
+            lo, hi = acc.reshape([HALF, 2, QN]).permute((0, 2, 1)).split()  # (no data moves)
+            dh_s.index(2 * G).store(lo)
+            dh_s.index(2 * G + 1).store(hi)
+            gl.thread_barrier()  # every thread's part is in shared memory before the one arrival
+            mbarrier.arrive(dh_full.index(G), count=1)
+            nh += 1
+        elif kind == B:
+            acc0, acc1, it = _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            mbarrier.wait(dh_free.index(G), (nh & 1) ^ 1)
+            _down_epilogue(acc0, acc1, dxr_desc, c0_s, c1_s, a_row + ROWS0, col, False)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, peer_rank_ptr,
+              peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, H, I, NMB, NI, swiglu_limit, total,
+              LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """The epilogue partition: each phase-A tile's SwiGLU backward, math group 0's rows then group 1's, while the
+    math groups run the next tiles' K loops (on the Triton kernel's tile the epilogue was ~40% of a phase-A
+    tile with no wgmma in flight). Each accumulator is read in the math groups' register layout, so every
+    element and the d_w partials' sums are computed as there; the buffer goes back before the math, then one
+    a_ready signal a tile (empty tiles included)."""
+    num_rows = gl.load(num_rows_ptr)
+    nh = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
+                                                 LAG, MB, TGM)
+        if kind == A:
+            for g in range(2):
+                mbarrier.wait(dh_full.index(g), nh & 1)
+                _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr,
+                            a_row + g * HALF, col, I, NI, swiglu_limit, HAS_LIMIT)
+                gl.thread_barrier()  # every thread has read its part before the buffer goes back
+                mbarrier.arrive(dh_free.index(g), count=1)
+            nh += 1
             _signal(cnt_ptr + p)  # a_ready[p]; phase B reads d(gate|up) through TMA (the signal fences for it)
         elif kind == A_EMPTY:
             _signal(cnt_ptr + p)
-        elif kind == B:
-            acc0, acc1, it = _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
-            _down_epilogue(acc0, acc1, dxr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
-    tma.store_wait(pendings=0)
 
 
 @gluon.jit
@@ -282,30 +328,29 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
             it = _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks,
                            it, a_s, b0_s, ready, empty)
         elif kind == B:
-            _wait_geq(cnt_ptr + p, 2 * per_a, err_ptr, max_spin)  # a_ready: both groups of each phase-A tile
+            _wait_geq(cnt_ptr + p, per_a, err_ptr, max_spin)  # a_ready: every phase-A tile's epilogue
             it = _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, ready, empty)
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
+def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
                H, I, K, NMB, NI, swiglu_limit, total, max_spin,
-               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
-               ONE_BUF: gl.constexpr):
-    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (four warps)."""
+               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer; ROLE 3: the phase-A
+    epilogue (four warps each)."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
               peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, H, I, K, NMB, total, max_spin,
               LAG, MB, TGM)
-    elif ROLE == 0:
-        _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
-              cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dxr_desc,
-              H, I, NMB, NI, swiglu_limit, total, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
+    elif ROLE == 3:
+        _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, peer_rank_ptr,
+                  peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, H, I, NMB, NI, swiglu_limit, total, LAG, MB,
+                  TGM, HAS_LIMIT)
     else:
-        _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-              num_rows_ptr, cnt_ptr, peer_rank_ptr, peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc,
-              dxr_desc, H, I, NMB, NI, swiglu_limit, total, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
+        _math(ROLE * HALF, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
+              expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, H, I, NMB, total, LAG, MB, TGM)
 
 
 @gluon.jit
@@ -330,31 +375,32 @@ def backward_kernel(
     err_ptr,  # [1] int32 error flag
     H, I, K, NMB, NI, swiglu_limit, max_spin,
     LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
-    STAGES: gl.constexpr = 4, ONE_BUF: gl.constexpr = True,
+    STAGES: gl.constexpr = 3,
 ):
-    """Launched with num_warps=4 (the default partition is math group 0) and maxnreg=168, as the Gluon forward's
-    gathering form. Shared memory: STAGES x 48 KB of operands (phase A fills 32 KB of a stage) and the d_x store
-    buffers, 4 x 16 KB, or with ONE_BUF one a math group (4 stages: 224 KB of the 227 KB)."""
+    """Launched with num_warps=4 (the default partition is math group 0) and maxnreg=168. Shared memory: STAGES x
+    48 KB of operands (phase A fills 32 KB of a stage) and a 32 KB fp32 hand-over buffer a math group (3 stages:
+    208 KB of the 227 KB; a fourth stage does not fit beside the buffers). Registers: 168 a thread for each math
+    group (a phase-B accumulator pair is 128), 40 for the producer, 136 for the epilogue (at 128 it spilled a
+    few scalars): 64 K, the SM's whole file, so the launch's maxnreg is 128 (512 threads)."""
     total = (NMB + LAG) * ((MB // BM) * (I // BN + H // (2 * BN)))
     a_s = gl.allocate_shared_memory(dgu_desc.dtype, [STAGES, BM, BK], dgu_desc.layout)
     b0_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BK, BN], w13_desc.layout)
     b1_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BK, BN], w13_desc.layout)
-    c00_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
-    c10_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
-    if ONE_BUF:
-        c01_s = c00_s
-        c11_s = c10_s
-    else:
-        c01_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
-        c11_s = gl.allocate_shared_memory(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    dh_s = gl.allocate_shared_memory(gl.float32, [4, HALF, QN],
+                                     gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    dh_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dh_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)
         mbarrier.init(empty.index(i), count=2)
-    args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
+    for i in gl.static_range(2):
+        mbarrier.init(dh_full.index(i), count=1)
+        mbarrier.init(dh_free.index(i), count=1)
+    args = (a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
-            H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT, ONE_BUF)
-    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
-                       [4, 4], [208, 48])
+            H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT)
+    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args),
+                        (_partition, (3,) + args)], [4, 4, 4], [168, 40, 136])
