@@ -563,6 +563,16 @@ def test_default_config_forward_kernel(monkeypatch, dtype, kernel):
     assert default_config(*KIMI, device="cpu", dtype=dtype, s=2048).forward_kernel == "triton"  # the interpreter
 
 
+@pytest.mark.parametrize("dtype, kernel", [
+    (torch.bfloat16, "auto"),  # 2-byte operands: the Gluon backward wherever a launch can run it
+    (torch.float32, "triton"),  # fp32 operands: the Gluon backward loads 2-byte ones only
+])
+def test_default_config_backward_kernel(monkeypatch, dtype, kernel):
+    _fake_gpu(monkeypatch, major=9)
+    assert default_config(*KIMI, device="cuda", dtype=dtype, s=2048).backward_kernel == kernel
+    assert default_config(*KIMI, device="cpu", dtype=dtype, s=2048).backward_kernel == "triton"  # the interpreter
+
+
 @pytest.mark.parametrize("pins, want", [
     # knobs that derive nothing: honoured, the rest is the heuristic's
     (dict(tile_group_m=0, keep_activations=False), dict(tile_group_m=0, keep_activations=False)),

@@ -11,7 +11,7 @@ import torch
 
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.kernels import megakernel_bwd as mb
-from kittenmoe.launch_backward import backward_gluon_refusal, megakernel_backward_multirank
+from kittenmoe.launch_backward import backward_gluon_refusal, megakernel_backward_multirank, resolve_backward_kernel
 from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.reference import moe_reference
 from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, rel_l1, routing_uniform, routing_zipf,
@@ -20,12 +20,42 @@ from kittenmoe.testing import (assert_bitwise_equal, make_weights, nan_scratch, 
 # the one-rank default the Gluon kernel runs (default_config's on an H200), Triton and Gluon
 ONE_RANK = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, tile_group_m=-1)
 GLUON = ONE_RANK.with_(backward_kernel="gluon")
+AUTO = ONE_RANK.with_(backward_kernel="auto")
 
 
 def test_config_names_the_backward_kernel():
     assert KernelConfig().backward_kernel == "triton"
-    with pytest.raises(ValueError, match="backward_kernel must be one of 'triton', 'gluon'"):
+    with pytest.raises(ValueError, match="backward_kernel must be one of 'triton', 'gluon', 'auto'"):
         KernelConfig(backward_kernel="cuda")
+
+
+@pytest.mark.parametrize("change,want", [
+    (dict(), "triton"),  # a CPU device (the interpreter's): no Gluon
+    (dict(config=GLUON), "gluon"),  # a named kernel is never resolved away (its launch refuses instead)
+    (dict(config=ONE_RANK), "triton"),
+])
+def test_auto_backward_kernel_off_hopper(change, want):
+    args = dict(config=AUTO, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=0, gu_mode=1,
+                fp8=None, trace=False, phases=mb.PB_ALL)
+    assert resolve_backward_kernel(**{**args, **change}) == want
+
+
+def test_auto_backward_runs_the_triton_kernel_under_the_interpreter():
+    """"auto" on the CPU path runs the Triton kernel: the same bits as backward_kernel="triton"."""
+    sh = ModelShape("t", e=4, h=256, i=128, k=2)
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(sh, dtype=torch.bfloat16, generator=g, shared=False)
+    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    d_out = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
+    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    cfg = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, minibatch_size=64,
+                       block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
+    args = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, None, None, None)
+    fwd = megakernel_forward_multirank(*args, config=cfg, save_for_backward=True)
+    got = megakernel_backward_multirank([d_out], *args, config=cfg.with_(backward_kernel="auto"), saved=fwd.saved())
+    want = megakernel_backward_multirank([d_out], *args, config=cfg, saved=fwd.saved())
+    for name, t in _grads(want).items():
+        assert_bitwise_equal(_grads(got)[name], t, f"auto vs triton: {name}")
 
 
 @pytest.mark.parametrize("change,match", [
@@ -109,6 +139,19 @@ def _case(case: str):
 
 def _grads(res) -> dict[str, torch.Tensor]:
     return dict(d_x=res.d_x[0], d_topk_weights=res.d_topk_weights[0], d_w13=res.d_w13, d_w2=res.d_w2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
+def test_gpu_auto_backward_resolves_per_launch():
+    """"auto" (default_config's on CUDA with 2-byte operands) runs the Gluon backward where a launch can run it and
+    the Triton kernel elsewhere, never refusing."""
+    args = dict(config=AUTO, dev=torch.device("cuda"), dtype=torch.bfloat16, ranks=1, h=2048, i=768, s=0, gu_mode=1,
+                fp8=None, trace=False, phases=mb.PB_ALL)
+    assert resolve_backward_kernel(**args) == "gluon"
+    assert resolve_backward_kernel(**{**args, "s": 768}) == "triton"  # a shared expert
+    assert resolve_backward_kernel(**{**args, "gu_mode": 0}) == "triton"  # a forward that kept nothing: the replay
+    assert resolve_backward_kernel(**{**args, "ranks": 2}) == "triton"  # several ranks push their d_x rows
 
 
 @pytest.mark.gpu

@@ -101,6 +101,24 @@ def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch
     return None
 
 
+def resolve_backward_kernel(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int,
+                            i: int, s: int, gu_mode: int, fp8, trace: bool, phases: int) -> str:
+    """The backward kernel a launch runs: ``config.backward_kernel``, or for "auto" "gluon" where this launch can
+    run it (a Hopper GPU, no interpreter, Gluon's Hopper API importable, ``backward_gluon_refusal`` None), else
+    "triton"."""
+    if config.backward_kernel != "auto":
+        return config.backward_kernel
+    if lc.interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return "triton"
+    if backward_gluon_refusal(config, dev, dtype, ranks, h, i, s, gu_mode, fp8, trace, phases) is not None:
+        return "triton"
+    try:
+        from kittenmoe.kernels import megakernel_bwd_gluon  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return "triton"
+    return "gluon"
+
+
 def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, swiglu_limit: float | None, config: KernelConfig, max_spin: int, err,
                   NMB: int, NI: int, T: int, H: int, I: int, K: int, L: int):
@@ -257,7 +275,8 @@ def launch_rank_backward(
         check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
         gu_mode, gu_rows = _check_saved(saved, NR, bm, T, H, I, S, dtype, dev)
-    if config.backward_kernel == "gluon":
+    if resolve_backward_kernel(config, dev, dtype, R, H, I, S, gu_mode, fp8, trace, phases) == "gluon":
+        config = config.with_(backward_kernel="gluon")  # ("auto" resolved: the launch below reads it)
         knob = "backward_kernel='gluon'"
         if lc.interpreting():
             raise NotImplementedError(f"KernelConfig.{knob}: Gluon kernels do not run under the Triton interpreter; "
