@@ -364,11 +364,15 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     sw2_d = desc(sw2, [bn, bk]) if has_shared else w2
     save_gu = st.gate_up is not None
     gather = config.forward_kernel == "gluon-gather"
+    # The gate|up tiles' stores, [half, bn] blocks; stand-ins where nothing is stored (SAVE_GU 0, no shared expert)
+    hid_st = desc(st.hidden, [half, bn])
+    gu_st = desc(st.gate_up, [half, bn]) if save_gu else hid_st
+    shid_st = desc(st.shared_hidden, [half, bn]) if has_shared else hid_st
+    sgu_st = desc(st.shared_gate_up, [half, bn]) if has_shared and st.shared_gate_up is not None else hid_st
     grid = (lc.num_programs(x_TH.device, 0),)
     return mkg.forward_kernel[grid](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
-        sched.num_invalid, x_TH, st.x_routed, st.hidden, st.gate_up if save_gu else st.y_routed,
-        st.shared_hidden, st.y_shared if st.shared_gate_up is None else st.shared_gate_up,
+        sched.num_invalid, x_TH, st.x_routed, hid_st, gu_st, shid_st, sgu_st,
         xl, desc(st.x_routed, [bm, bk]), desc(st.hidden, [bm, bk]), shid, w13, w2, sw13_d, sw2_d,
         desc(st.y_routed, [half, bn]), desc(st.y_shared, [half, bn]),
         st.counters, st.err,

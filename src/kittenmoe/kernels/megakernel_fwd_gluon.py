@@ -14,8 +14,8 @@ tiles) round-robin. What differs is who waits, as in ``wgrad_gluon``:
 - two 4-warp math groups each own 64 of the tile's 128 rows, with two 64 x 128 fp32 accumulators: a gate|up tile
   multiplies its rows by 128 gate and 128 up weight rows, a down tile by 256 weight rows as two halves, so every
   tile kind runs one loop over one ring of 48 KB stages. The down tiles' rows leave through shared memory and TMA
-  stores that drain under the next tile; hidden rows and the kept gate|up (x's dtype) go out as plain stores, after
-  which the group bumps the tile's counter (each math group once: the targets count 2 a tile).
+  stores that drain under the next tile, and so do a gate|up tile's hidden rows and kept gate|up (x's dtype),
+  after which the group bumps the tile's counter (each math group once: the targets count 2 a tile).
 
 Only what the one-rank default needs: no communication programs, nothing pushed (the epilogue gathers from
 ``y_routed``), a resident ring, no FP8, no trace, widths multiples of the tiles. The launcher checks each
@@ -243,29 +243,42 @@ def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout
 
 
 @gluon.jit
-def _store_block(ptr, ld, row0, n_rows, col0, v, layout: gl.constexpr):
-    """ptr[row0 + m, col0 + n] = v[m, n] (row stride ``ld``) for rows m < n_rows; v is HALF x BN in ``layout``."""
-    rm = gl.arange(0, HALF, layout=gl.SliceLayout(1, layout))
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
-    offs = (row0 + rm).to(gl.int64)[:, None] * ld + (col0 + rn)[None, :]
-    gl.store(ptr + offs, v.to(ptr.dtype.element_ty), mask=(rm < n_rows)[:, None] & (rn >= 0)[None, :])
-
-
-@gluon.jit
-def _gateup_epilogue(acc_g, acc_u, hid_ptr, gu_ptr, row0, n_rows, col0, width, swiglu_limit,
-                     HAS_LIMIT: gl.constexpr, SAVE_GU, layout: gl.constexpr):
+def _gateup_epilogue(acc_g, acc_u, hid_desc, gu_desc, c0_s, c1_s, row0, col0, width, swiglu_limit,
+                     HAS_LIMIT: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr):
     """hidden[row0 + m, col0 + n] = silu(g) * u (clamped with HAS_LIMIT), as megakernel_fwd._swiglu_store
     computes it; SAVE_GU (nonzero): the gate and up, rounded to x's dtype, into the kept [*, 2 * width] rows
-    too. A runtime flag: as a constexpr, the build without the stores failed in Triton 3.6's LLVM lowering (an
-    assertion in the warp-specialized partitions, whose pointer arguments were then unused)."""
+    too. Every block leaves through the group's store buffers and TMA stores, which drain under the next tile
+    (plain stores from the accumulator's layout, 4 bytes a thread and 8 rows a warp instruction, held the math
+    group here while no wgmma ran); rows past the tensor (the shared expert's last row tile past T) are dropped
+    by TMA. SAVE_GU is a runtime flag: as a constexpr, the build without the stores failed in Triton 3.6's LLVM
+    lowering (an assertion in the warp-specialized partitions, whose arguments were then unused). ONE_BUF: c0_s
+    is c1_s, each store waits for the one before it to have read the buffer."""
+    tma.store_wait(pendings=0)
+    gl.thread_barrier()  # the previous tile's stores have read both buffers before any thread writes them
     if SAVE_GU != 0:
-        _store_block(gu_ptr, 2 * width, row0, n_rows, col0, acc_g, layout)
-        _store_block(gu_ptr, 2 * width, row0, n_rows, width + col0, acc_u, layout)
+        c0_s.store(acc_g.to(gu_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c0_s)
+        if ONE_BUF:
+            tma.store_wait(pendings=0)
+            gl.thread_barrier()
+        c1_s.store(acc_u.to(gu_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(gu_desc, [row0, width + col0], c1_s)
     if HAS_LIMIT:
         acc_g = gl.minimum(acc_g, swiglu_limit)
         acc_u = gl.minimum(gl.maximum(acc_u, -swiglu_limit), swiglu_limit)
     hid = acc_g * (1 / (1 + gl.exp(-acc_g))) * acc_u
-    _store_block(hid_ptr, width, row0, n_rows, col0, hid, layout)
+    if SAVE_GU != 0:
+        # the gate's store (the older one) has read c0_s; with ONE_BUF the up's too (it is the same buffer)
+        if ONE_BUF:
+            tma.store_wait(pendings=0)
+        else:
+            tma.store_wait(pendings=1)
+        gl.thread_barrier()
+    c0_s.store(hid.to(hid_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(hid_desc, [row0, col0], c0_s)
 
 
 @gluon.jit
@@ -291,7 +304,7 @@ def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.con
 @gluon.jit
 def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
           tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr,
-          hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc,
+          hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc,
           T, H, I, S, NMB, NSLOT, swiglu_limit, total,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
           HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr):
@@ -306,8 +319,8 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
         if kind == SH_GU:
             acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
-            _gateup_epilogue(acc0, acc1, sh_hid_ptr, sgu_ptr, a_row + ROWS0, T - a_row - ROWS0, col, S,
-                             swiglu_limit, HAS_LIMIT, SAVE_GU, layout)
+            _gateup_epilogue(acc0, acc1, shid_st, sgu_st, c0_s, c1_s, a_row + ROWS0, col, S, swiglu_limit,
+                             HAS_LIMIT, SAVE_GU, ONE_BUF)
             _signal(shared_ready)
         elif kind == GU:
             if GATHER:  # math group 0 keeps the gathered rows (x_routed) from the row tile's first column tile
@@ -315,8 +328,8 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
                                            (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
             else:
                 acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
-            _gateup_epilogue(acc0, acc1, hid_ptr, gu_ptr, a_row + ROWS0, HALF, col, I, swiglu_limit, HAS_LIMIT,
-                             SAVE_GU, layout)
+            _gateup_epilogue(acc0, acc1, hid_st, gu_st, c0_s, c1_s, a_row + ROWS0, col, I, swiglu_limit,
+                             HAS_LIMIT, SAVE_GU, ONE_BUF)
             _signal(hid_ready + p)
         elif kind == GU_EMPTY:
             _signal(hid_ready + p)
@@ -367,7 +380,7 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
 @gluon.jit
 def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
-               x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
+               x_ptr, hid_st, gu_st, shid_st, sgu_st,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
                T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
                LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
@@ -382,11 +395,11 @@ def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, 
               T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER)
     elif ROLE == 0:
         _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
-              cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
+              cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
               swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
     else:
         _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-              num_rows_ptr, cnt_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr, xr_desc, yr_desc, ys_desc, T, H, I, S,
+              num_rows_ptr, cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, T, H, I, S,
               NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
 
 
@@ -425,10 +438,10 @@ def forward_kernel(
     num_invalid_ptr,  # [1] int32, out-of-range expert ids in the routing
     x_ptr,  # [T, H] this rank's x
     xr_ptr,  # [MAC, H] routed x rows
-    hid_ptr,  # [MAC, I] routed hidden rows
-    gu_ptr,  # [MAC, 2I] kept gate|up, x's dtype (SAVE_GU; else a placeholder)
-    sh_hid_ptr,  # [T, S] shared-expert hidden
-    sgu_ptr,  # [T, 2S] the shared expert's kept gate|up, x's dtype (SAVE_GU with HAS_SHARED; else a placeholder)
+    hid_st,  # hidden [MAC, I], blocks [HALF, BN] (stores: the routed hidden rows)
+    gu_st,  # kept gate|up [MAC, 2I], x's dtype, blocks [HALF, BN] (stores; SAVE_GU, else a stand-in)
+    shid_st,  # shared hidden [T, S], blocks [HALF, BN] (stores; a stand-in without a shared expert)
+    sgu_st,  # the shared expert's kept gate|up [T, 2S], blocks [HALF, BN] (stores; SAVE_GU with HAS_SHARED)
     xl_desc,  # x [T, H], blocks [BM, BK]
     xr_desc,  # x_routed [MAC, H], blocks [BM, BK]
     hid_desc,  # hidden [MAC, I], blocks [BM, BK]
@@ -442,7 +455,7 @@ def forward_kernel(
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch (megakernel_fwd's layout)
     err_ptr,  # [1] int32 error flag
     T, H, I, S, K, NMB, NSLOT, swiglu_limit, max_spin,
-    SAVE_GU,  # 1: keep the gate|up in x's dtype (gu_ptr, sgu_ptr) and write padding rows of x_routed as zeros
+    SAVE_GU,  # 1: keep the gate|up in x's dtype (gu_st, sgu_st) and write padding rows of x_routed as zeros
     LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_H: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ZERO_PADDING: gl.constexpr,
@@ -488,7 +501,7 @@ def forward_kernel(
         mbarrier.init(empty.index(i), count=2)
     args = (a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
-            x_ptr, hid_ptr, gu_ptr, sh_hid_ptr, sgu_ptr,
+            x_ptr, hid_st, gu_st, shid_st, sgu_st,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
             T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
             LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
