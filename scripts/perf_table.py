@@ -74,13 +74,23 @@ def _is_fp8(r: dict) -> bool:
     return str(r.get("precision", "")).startswith("fp8")
 
 
+def _sonic_cells(r: dict) -> str:
+    """SonicMoE's ms and kittenmoe's speed against it, from the same run (``kittenmoe bench --baseline
+    grouped_mm,sonicmoe``); blank where the run did not time it."""
+    ms = r.get("ms_sonicmoe")
+    if ms is None:
+        return " | "
+    return f"{ms:.3f} | {r['speedup_vs_sonicmoe']:.2f}x"
+
+
 def render(rows: list[dict]) -> str:
     if not rows:
         return "_No benchmark results yet._"
     lines = [
-        "| pass | shape (EP8 slice, R=1) | T | E_local | timed | kittenmoe ms | grouped_mm ms | speedup "
+        "| pass | shape (EP8 slice, or H-I-E-K-S) | T | E_local | timed | kittenmoe ms | grouped_mm ms | speedup "
+        "| SonicMoE ms | x SonicMoE "
         "| routed TFLOP/s | baseline routed TFLOP/s | rel L1 vs fp32 ref | GPU | torch / triton | date |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         runs = r.get("_runs", [])
@@ -89,10 +99,12 @@ def render(rows: list[dict]) -> str:
             f"| {r['kind']} | {r['shape']} | {r['tokens']} | {r['experts_local']} | {r.get('path', 'launcher')} "
             f"| {r['ms_kittenmoe']:.3f} "
             f"| {r.get('ms_grouped_mm', float('nan')):.3f} | {r.get('speedup', float('nan')):.2f}x{spread} "
+            f"| {_sonic_cells(r)} "
             f"| {r['routed_tflops']:.0f} | {r.get('baseline_routed_tflops', float('nan')):.0f} | {r['rel_l1']:.1e} | {r['gpu']} | {r['torch']} / {r['triton']} "
             f"| {r['date'][:10]} |")
     lines.append("")
-    lines.append("Conditions: one GPU, bf16, uniform routing (top-k of randn logits), one shared expert of width I, "
+    lines.append("Conditions: one GPU, bf16, uniform routing (top-k of randn logits), one shared expert of width I "
+                 "(S0 in a shape's name: none; SonicMoE has no shared expert, so its rows are timed without), "
                  "median of CUDA-event timings after warm-up (`triton.testing.do_bench`), schedule construction and "
                  "epilogue included, baseline timed in the same run"
                  + ("; rows with a `timing` field time every variant and the baseline in interleaved rounds "
