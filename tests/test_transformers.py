@@ -200,15 +200,15 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     tiles pass what the FP8 launch checks (at 32 wide they did not: every MXFP8 call raised). The device and
     the heuristic are faked (no GPU here)."""
     from kittenmoe import autoconfig
-    from kittenmoe.autograd import config_to_args
+    from kittenmoe.autograd import CONFIG_FIELDS
     from kittenmoe.config import KernelConfig
     from kittenmoe.fp8 import FP8Config
     from kittenmoe.launch_common import fp8_dgu_block
 
     seen = {}
     monkeypatch.setattr(kt, "resolve_backend", lambda backend, device: "megakernel")
-    monkeypatch.setattr(autoconfig, "_auto_config_args", lambda *a: config_to_args(
-        KernelConfig(wgrad="gluon")))
+    monkeypatch.setattr(autoconfig, "_auto_config_args", lambda *a: tuple(
+        getattr(KernelConfig(wgrad="gluon"), f) for f in CONFIG_FIELDS))
     monkeypatch.setattr(kt, "moe", lambda x, *a, config, **k: seen.update(config=config) or x)
     fp8 = FP8Config(scale_block, scale_block == 32)
     fwd = kt.make_experts_forward(kt.Options(backend="megakernel", fp8=fp8))

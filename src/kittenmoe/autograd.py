@@ -25,8 +25,8 @@ Ops (namespace ``kittenmoe``):
 The ``torch`` backend needs no op: dynamo traces it directly (its expert-id check becomes an async
 assert under ``torch.compile``, ``kittenmoe.checks.raise_if_invalid_routes``).
 
-The KernelConfig travels as one schema argument per dataclass field (generated from
-``dataclasses.fields(KernelConfig)``, so a new knob needs no change here).
+The KernelConfig travels as one ``str`` schema argument, its field values in order (``config_to_args``;
+generated from ``dataclasses.fields(KernelConfig)``, so a new knob needs no change here).
 
 Device errors (spin-wait timeouts, expert ids out of range) land in the launches' error flags. How they
 are read is set by :func:`set_error_check`:
@@ -49,6 +49,8 @@ Capturing a call whose shapes never ran eagerly on that device raises a clear er
 from __future__ import annotations
 
 import dataclasses
+import ast
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -65,37 +67,46 @@ ErrorCheck = Literal["sync", "deferred"]
 
 # ----------------------------------------------------------------------------- schema
 
-_FIELD_SCHEMA_TYPES = {"int": "int", "int | None": "int?", "bool": "bool", "float": "float",
-                       "float | None": "float?", "WgradKernel": "str", "ForwardKernel": "str",
-                       "BackwardKernel": "str"}
-
-
-def _config_schema() -> str:
-    parts = []
-    for f in dataclasses.fields(KernelConfig):
-        typ = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        if typ not in _FIELD_SCHEMA_TYPES:
-            raise TypeError(f"KernelConfig.{f.name} has type {typ!r}, which kittenmoe.autograd cannot pass "
-                            f"to a custom op; supported: {', '.join(_FIELD_SCHEMA_TYPES)}")
-        parts.append(f"{_FIELD_SCHEMA_TYPES[typ]} {f.name}")
-    return ", ".join(parts)
-
-
 CONFIG_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(KernelConfig))
 _N_CFG = len(CONFIG_FIELDS)
 
 
-def config_to_args(config: KernelConfig) -> tuple:
-    """KernelConfig -> the op's trailing arguments, in field order."""
+# The fields whose values are names (Literal types), kept as written; every other value is a Python literal
+# (``str`` of it, read back by ``ast.literal_eval``). A field of another type needs a line here.
+_NAME_TYPES = ("WgradKernel", "ForwardKernel", "BackwardKernel")
+_LITERAL_TYPES = ("int", "int | None", "bool")
+for _f in dataclasses.fields(KernelConfig):
+    if _f.type not in _NAME_TYPES + _LITERAL_TYPES:
+        raise TypeError(f"KernelConfig.{_f.name} has type {_f.type!r}, which kittenmoe.autograd cannot pass to a "
+                        f"custom op; supported: {', '.join(_NAME_TYPES + _LITERAL_TYPES)}")
+_NAME_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelConfig) if f.type in _NAME_TYPES)
+
+
+def config_to_args(config: KernelConfig) -> tuple[str]:
+    """KernelConfig -> the op's trailing argument: its field values in order, joined by "|" into one string
+    (plain ``str`` and ``join``, which dynamo folds to a constant where ``json`` would break the graph). One
+    argument, not one a field: torch's autograd wrapper of a custom op refills every schema argument of every
+    call in a loop that is quadratic in their number (``torch._library.utils.fill_defaults``: 0.29 ms a call at
+    34 arguments, 0.08 at 18, on a CPU core where the rest of the forward's host work takes ~1 ms)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a kittenmoe.KernelConfig, got {type(config).__name__}")
-    return tuple(getattr(config, n) for n in CONFIG_FIELDS)
+    return ("|".join([str(getattr(config, n)) for n in CONFIG_FIELDS]),)
+
+
+@functools.lru_cache(maxsize=256)
+def _config_from_text(text: str) -> KernelConfig:
+    values = text.split("|")
+    if len(values) != _N_CFG:
+        raise TypeError(f"expected the {_N_CFG} KernelConfig field values ({', '.join(CONFIG_FIELDS)}) joined by "
+                        f"'|', got {text!r}")
+    return KernelConfig(*(v if n in _NAME_FIELDS else ast.literal_eval(v) for n, v in zip(CONFIG_FIELDS, values)))
 
 
 def config_from_args(args) -> KernelConfig:
-    if len(args) != _N_CFG:
-        raise TypeError(f"expected {_N_CFG} KernelConfig arguments ({', '.join(CONFIG_FIELDS)}), got {len(args)}")
-    return KernelConfig(*args)
+    """The op's trailing argument -> KernelConfig (validated once a distinct config: KernelConfig is frozen)."""
+    if len(args) != 1 or not isinstance(args[0], str):
+        raise TypeError(f"expected one KernelConfig argument (config_to_args' string), got {args!r}")
+    return _config_from_text(args[0])
 
 
 _INPUTS = ("Tensor x_TH, Tensor topk_ids_TK, Tensor topk_weights_TK, Tensor w13_E2IH, Tensor w2_EHI, "
@@ -115,12 +126,11 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 _FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
         "bool fp8_pow2, bool fp8_dx_high, bool fp8_down_high")
 torch.library.define("kittenmoe::moe_forward",
-                     f"({_INPUTS}, {_FP8}, {_config_schema()}) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
+                     f"({_INPUTS}, {_FP8}, str config) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
                      "Tensor shared_gate_up)")
 torch.library.define("kittenmoe::moe_backward",
                      f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, Tensor shared_gate_up, "
-                     f"{_config_schema()}) "
-                     f"-> {_GRADS}")
+                     f"str config) -> {_GRADS}")
 
 
 def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high):
