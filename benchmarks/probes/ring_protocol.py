@@ -12,6 +12,11 @@ sequences (kinds, K steps 0-8); a state where every live actor waits is a deadlo
 
 Answer: the pull form runs at any depth; the gathering form deadlocks at 2 stages (the late signal waits on a
 release that needs it) and runs at 3 and 4; hence the launcher's 3-4 stage refusal.
+
+The Gluon backward's protocol (``run_backward``: its gathered phase-A tiles, its a_ready wait before phase-B
+tiles, and the phase-A accumulators handed to the epilogue partition through one buffer a math group) likewise
+runs at 3 and 4 stages and deadlocks at 2; its kernel runs 3. A protocol with the hand-over's parity off by one
+deadlocks at every depth in the model (``tests/test_megakernel_bwd_gluon.py`` runs both checks).
 """
 
 from __future__ import annotations
@@ -90,10 +95,118 @@ def run(tiles, S: int, gather: bool, seed: int) -> bool:
     return True
 
 
+# ---- the Gluon backward (kernels/megakernel_bwd_gluon.py): phase-A tiles gathered (late signal), phase-B tiles
+# through TMA after the producer's a_ready wait, and the phase-A accumulators handed to an epilogue partition
+# through one shared-memory buffer a math group (dh_full / dh_free, one arrival each), which a phase-B tile's d_x
+# stores also use (they wait on dh_free too). a_ready is modelled within one program: a phase-B tile waits for
+# the epilogue signals of every phase-A tile before it (the kernel's minibatch p - 1 precedes its B tiles in every
+# program's sequence, so one program's view is the binding one).
+
+def bwd_producer(tiles, S, ready, empty, signals):
+    it = 0
+    a_before = 0
+    for kind, ks in tiles:
+        if kind == "b":
+            while signals[0] < a_before:
+                yield "wait a_ready"
+            for k in range(ks):
+                st = it % S
+                while not empty[st].passes(((it // S) & 1) ^ 1):
+                    yield "wait empty"
+                ready[st].arrive()
+                ready[st].arrive()  # the whole-TMA tile's second arrival, at once
+                it += 1
+        elif kind == "a":
+            for k in range(ks):
+                st = it % S
+                while not empty[st].passes(((it // S) & 1) ^ 1):
+                    yield "wait empty"
+                ready[st].arrive()  # the weight tile's TMA bytes
+                if k > 0:
+                    ready[(it + S - 1) % S].arrive()  # the previous step's gathered rows
+                it += 1
+            if ks > 0:
+                ready[(it + S - 1) % S].arrive()
+        if kind in ("a", "ae"):
+            a_before += 1
+        yield "tile done"
+
+
+def bwd_math(tiles, S, ready, empty, dh_full, dh_free):
+    it = 0
+    nh = 0
+    for kind, ks in tiles:
+        if kind == "ae":
+            continue
+        for k in range(ks):
+            st = it % S
+            while not ready[st].passes((it // S) & 1):
+                yield "wait ready"
+            if k > 0:
+                empty[(it + S - 1) % S].arrive()
+            it += 1
+        if ks > 0:
+            empty[(it + S - 1) % S].arrive()
+        while not dh_free.passes((nh & 1) ^ 1):  # the last accumulator handed over has been taken
+            yield "wait dh_free"
+        if kind == "a":
+            dh_full.arrive()
+            nh += 1
+        yield "tile done"
+
+
+def bwd_epilogue(tiles, dh_full, dh_free, signals):
+    n = 0
+    for kind, _ in tiles:
+        if kind == "a":
+            for g in (0, 1):
+                while not dh_full[g].passes(n & 1):
+                    yield "wait dh_full"
+                dh_free[g].arrive()
+            n += 1
+        if kind in ("a", "ae"):
+            signals[0] += 1
+        yield "tile done"
+
+
+def run_backward(tiles, S: int, seed: int) -> bool:
+    """True when every actor of the Gluon backward's protocol finishes; False on a deadlock."""
+    rng = random.Random(seed)
+    ready = [Barrier(2) for _ in range(S)]
+    empty = [Barrier(2) for _ in range(S)]
+    dh_full, dh_free = [Barrier(1), Barrier(1)], [Barrier(1), Barrier(1)]
+    signals = [0]
+    actors = {"producer": bwd_producer(tiles, S, ready, empty, signals),
+              "group 0": bwd_math(tiles, S, ready, empty, dh_full[0], dh_free[0]),
+              "group 1": bwd_math(tiles, S, ready, empty, dh_full[1], dh_free[1]),
+              "epilogue": bwd_epilogue(tiles, dh_full, dh_free, signals)}
+    idle = 0
+    while actors:
+        name = rng.choice(list(actors))
+        try:
+            what = next(actors[name])
+        except StopIteration:
+            del actors[name]
+            idle = 0
+            continue
+        idle = idle + 1 if what.startswith("wait") else 0
+        if idle > 2000:
+            return False
+    return True
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=3000)
     args = ap.parse_args()
+    print(f"{'backward':<10}{'stages':>7}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
+    for S in (2, 3, 4):
+        bad = 0
+        for trial in range(args.trials):
+            rng = random.Random(trial)
+            tiles = [(rng.choice(["a", "ae", "b"]), rng.choice([1, 2, 3, 4, 8])) for _ in range(rng.randint(0, 8))]
+            bad += not run_backward(tiles, S, trial)
+        print(f"{'gluon':<10}{S:>7}{bad:>12}")
     print(f"{'form':<10}{'stages':>7}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
     for gather in (False, True):
         for S in (2, 3, 4):
