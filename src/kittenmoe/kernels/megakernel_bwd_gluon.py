@@ -292,9 +292,9 @@ def _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_r
               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr):
     """The epilogue partition: each phase-A tile's SwiGLU backward, math group 0's rows then group 1's, while the
     math groups run the next tiles' K loops (on the Triton kernel's tile the epilogue was ~40% of a phase-A
-    tile with no wgmma in flight). Each accumulator is read in the math groups' register layout, so every
-    element and the d_w partials' sums are computed as there; the buffer goes back before the math, then one
-    a_ready signal a tile (empty tiles included)."""
+    tile with no wgmma in flight). Each half is read back in an m64n64 accumulator layout (``_a_epilogue``), so
+    every element is computed as there; a group's buffer goes back once both its halves are done (the math
+    group's next write into it is a tile later), then one a_ready signal a tile (empty tiles included)."""
     num_rows = gl.load(num_rows_ptr)
     nh = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
