@@ -38,6 +38,10 @@
 #                                         CONFIGS ('|'-separated KernelConfig overrides, default the heuristic config
 #                                         and forward_kernel=triton); GPU_TESTS=1 first runs the public path's and
 #                                         the Gluon kernels' GPU tests; about 1 minute a shape
+#   bash scripts/gpu.sh host [SHAPES]    benchmarks/probes/public_host_probe.py: the public path's host time a call
+#                                         (forward, forward+backward) against its wall time, and where it goes,
+#                                         per shape (T,H,I,E,K, ';'-separated; default Qwen3-30B-A3B's and the
+#                                         fine-grained one); about 1 minute a shape
 #   bash scripts/gpu.sh ab [SLICES]       benchmarks/ab_revisions.py run: the revision prepared in a carried .ab against
 #                                         this tree, interleaved rounds and equal-bits checks per seed slice
 #                                         (SLICES model:tokens or TxHxIxExK,... as ab_revisions takes them; ROUNDS,
@@ -69,7 +73,7 @@ OUT=${OUT:-/tmp/kittenmoe-out}
 RESULTS=${RESULTS:-benchmarks/results}
 target=${1:-}
 arg=${2:-}
-if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train|kernels|ab)$ ]]; then  # no target or an unknown one: this header
+if [[ ! $target =~ ^(tests|bench|tune|ep|ncu|gluon|gluon-bwd|train|kernels|host|ab)$ ]]; then  # no target or an unknown one: this header
   sed -n '2,/^set -u/p' "$0" | sed '$d'
   [[ -z $target ]] && exit 0
   echo "unknown target: $target" >&2
@@ -203,6 +207,13 @@ gluon)
     --config "$configs" --skip-check --reps 20 --out "$RESULTS"
   keep_rows "$stamp"
   grep -h "^  \[" "$OUT/gluon-fwd.log"
+  ;;
+host)
+  IFS=';' read -ra shapes <<< "${arg:-8192,2048,768,128,8;32768,4096,512,128,8}"
+  for sh in "${shapes[@]}"; do
+    step "host-${sh//,/x}" 200 python3 benchmarks/probes/public_host_probe.py --shape "$sh"
+    grep -h "^====" "$OUT/host-${sh//,/x}.log"
+  done
   ;;
 kernels)
   if [[ ${GPU_TESTS:-0} == 1 ]]; then
