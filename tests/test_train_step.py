@@ -229,6 +229,23 @@ def test_example_trains_each_implementation(capsys):
     assert lines[0].split("loss")[1] == lines[1].split("loss")[1]  # (printed to 4 decimals)
 
 
+def test_titan_example_trains_both_experts(capsys):
+    # examples/train_titan_moe.py: torchtitan's experts, then kittenmoe's through apply_kittenmoe and
+    # fuse_gate_up_storage, from the same weights on the same batches; torchtitan's experts compute in bf16 whatever
+    # the parameters' dtype, kittenmoe in fp32 on the CPU, so the losses agree to bf16's noise, not bit for bit
+    pytest.importorskip("torchtitan")
+    spec = importlib.util.spec_from_file_location("train_titan_moe", ROOT / "examples" / "train_titan_moe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--model", "tiny-qwen3-moe", "--device", "cpu", "--layers", "1", "--seq", "32", "--steps", "3",
+                     "--warmup", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()[1:]
+    assert [ln.split()[0] for ln in lines] == ["torchtitan", "kittenmoe"]
+    assert all(float(ln.split()[1]) > 0 and "tokens/s" in ln for ln in lines)
+    first = [[float(v) for v in ln.split("loss")[1].split("->")] for ln in lines]
+    assert abs(first[0][0] - first[1][0]) < 1e-2 and abs(first[0][1] - first[1][1]) < 1e-2, lines
+
+
 def test_each_provider_runs_its_own_implementation(tmp_path, monkeypatch):
     # transformers' default experts implementation is grouped_mm: the eager row must not run it
     from transformers.integrations.moe import ExpertsInterface
