@@ -72,14 +72,9 @@ def math_group(tiles, S, ready, empty):
         yield "tile done"
 
 
-def run(tiles, S: int, gather: bool, seed: int) -> bool:
-    """True when every actor finishes; False on a deadlock."""
-    rng = random.Random(seed)
-    ready = [Barrier(2 if gather else 1) for _ in range(S)]
-    empty = [Barrier(2) for _ in range(S)]
-    actors = {"producer": producer(tiles, S, ready, empty, gather),
-              "group 0": math_group(tiles, S, ready, empty),
-              "group 1": math_group(tiles, S, ready, empty)}
+def interleave(actors: dict, rng: random.Random) -> bool:
+    """Step randomly chosen actors (generators yielding "wait ..." while blocked) until all finish: True, or until
+    no actor has progressed for far longer than their count could take: a deadlock, False."""
     idle = 0
     while actors:
         name = rng.choice(list(actors))
@@ -93,6 +88,17 @@ def run(tiles, S: int, gather: bool, seed: int) -> bool:
         if idle > 2000:  # far more than the actors' count of consecutive waits without progress
             return False
     return True
+
+
+def run(tiles, S: int, gather: bool, seed: int) -> bool:
+    """True when every actor finishes; False on a deadlock."""
+    rng = random.Random(seed)
+    ready = [Barrier(2 if gather else 1) for _ in range(S)]
+    empty = [Barrier(2) for _ in range(S)]
+    actors = {"producer": producer(tiles, S, ready, empty, gather),
+              "group 0": math_group(tiles, S, ready, empty),
+              "group 1": math_group(tiles, S, ready, empty)}
+    return interleave(actors, rng)
 
 
 # ---- the Gluon backward (kernels/megakernel_bwd_gluon.py): phase-A tiles gathered (late signal), phase-B tiles
@@ -180,19 +186,7 @@ def run_backward(tiles, S: int, seed: int) -> bool:
               "group 0": bwd_math(tiles, S, ready, empty, dh_full[0], dh_free[0]),
               "group 1": bwd_math(tiles, S, ready, empty, dh_full[1], dh_free[1]),
               "epilogue": bwd_epilogue(tiles, dh_full, dh_free, signals)}
-    idle = 0
-    while actors:
-        name = rng.choice(list(actors))
-        try:
-            what = next(actors[name])
-        except StopIteration:
-            del actors[name]
-            idle = 0
-            continue
-        idle = idle + 1 if what.startswith("wait") else 0
-        if idle > 2000:
-            return False
-    return True
+    return interleave(actors, rng)
 
 
 def main() -> int:
