@@ -40,17 +40,23 @@ def test_auto_backward_kernel_off_hopper(change, want):
     assert resolve_backward_kernel(**{**args, **change}) == want
 
 
-def test_auto_backward_runs_the_triton_kernel_under_the_interpreter():
-    """"auto" on the CPU path runs the Triton kernel: the same bits as backward_kernel="triton"."""
+def _small_backward_args():
+    """A small bf16 problem on the CPU without a shared expert (widths the Gluon tiles divide): the launchers'
+    arguments after d_out, and d_out."""
     sh = ModelShape("t", e=4, h=256, i=128, k=2)
     g = torch.Generator().manual_seed(0)
     w = make_weights(sh, dtype=torch.bfloat16, generator=g, shared=False)
     x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
     d_out = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
     ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    return ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, None, None, None), d_out
+
+
+def test_auto_backward_runs_the_triton_kernel_under_the_interpreter():
+    """"auto" on the CPU path runs the Triton kernel: the same bits as backward_kernel="triton"."""
     cfg = KernelConfig(num_comm_programs_fwd=0, num_comm_programs_bwd=0, combine_gather=True, minibatch_size=64,
                        block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4)
-    args = ([x], [ids], [wts], w.w13_E2IH, w.w2_EHI, None, None, None)
+    args, d_out = _small_backward_args()
     fwd = megakernel_forward_multirank(*args, config=cfg, save_for_backward=True)
     got = megakernel_backward_multirank([d_out], *args, config=cfg.with_(backward_kernel="auto"), saved=fwd.saved())
     want = megakernel_backward_multirank([d_out], *args, config=cfg, saved=fwd.saved())
@@ -82,15 +88,9 @@ def test_gluon_refusals_say_what_is_missing(change, match):
 
 def test_gluon_refused_under_the_interpreter():
     """The CPU path (the interpreter) cannot run Gluon: the launch says so instead of running something else."""
-    sh = ModelShape("t", e=4, h=256, i=128, k=2)
-    g = torch.Generator().manual_seed(0)
-    w = make_weights(sh, dtype=torch.bfloat16, generator=g, shared=False)
-    x = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
-    d_out = torch.randn(64, sh.h, generator=g).to(torch.bfloat16)
-    ids, wts = routing_uniform(64, sh.e, sh.k, generator=g)
+    args, d_out = _small_backward_args()
     with pytest.raises(NotImplementedError, match="backward_kernel='gluon'.*interpreter"):
-        megakernel_backward_multirank([d_out], [x], [ids], [wts], w.w13_E2IH, w.w2_EHI, None, None, None,
-                                      config=GLUON)
+        megakernel_backward_multirank([d_out], *args, config=GLUON)
 
 
 def _ring_protocol():
