@@ -21,11 +21,39 @@ import torch
 
 # the benchmark scripts live one directory up, in benchmarks/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fwd_round import forward_slice  # noqa: E402
 
+
+def calls_ms(fn, calls: int, hold_gpu: bool) -> float:
+    """ms a call of ``fn`` over ``calls`` calls. ``hold_gpu``: the host's time alone, the GPU kept far behind by a
+    long sleep kernel queued first (~1-2 s), so no call waits on it; else the wall time to the last kernel's end
+    with the GPU free (what a benchmark's loop sees)."""
+    torch.cuda.synchronize()
+    if hold_gpu:
+        torch.cuda._sleep(int(3e9))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return host if hold_gpu else (time.perf_counter() - t0) * 1e3 / calls
+
+
+def profile_calls(fn, calls: int) -> pstats.Stats:
+    """cProfile over ``calls`` calls of ``fn``, the GPU held back as in ``calls_ms``."""
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    return pstats.Stats(pr)
 
 
 def main() -> int:
+    from fwd_round import forward_slice
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek-v4-pro")
     ap.add_argument("--tokens", type=int, default=0, help="0: the slice's own count")
@@ -38,22 +66,8 @@ def main() -> int:
 
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
-    # host time alone: the GPU is kept far behind by a long sleep kernel, so no call waits on it
-    torch.cuda._sleep(int(2e9))
-    t0 = time.perf_counter()
-    for _ in range(args.calls):
-        fn()
-    host_ms = (time.perf_counter() - t0) * 1e3 / args.calls
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    torch.cuda._sleep(int(2e9))
-    pr.enable()
-    for _ in range(args.calls):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
-    st = pstats.Stats(pr)
+    host_ms = calls_ms(fn, args.calls, hold_gpu=True)
+    st = profile_calls(fn, args.calls)
     st.sort_stats("cumulative").print_stats(45)
     st.sort_stats("tottime").print_stats(30)
     print(f"host time a forward call (no profiler, GPU not waited on): {host_ms:.3f} ms")

@@ -13,9 +13,8 @@ functions (cumulative, then own time).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
-import time
+import os
+import sys
 
 import torch
 
@@ -23,18 +22,8 @@ import kittenmoe
 from kittenmoe.config import ModelShape
 from kittenmoe.testing import make_weights, routing_uniform
 
-
-def _calls_ms(fn, calls: int, hold_gpu: bool) -> float:
-    torch.cuda.synchronize()
-    if hold_gpu:
-        torch.cuda._sleep(int(3e9))  # ~1-2 s of GPU time queued first: no call below waits on the GPU
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / calls
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / calls
-    return host if hold_gpu else wall
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_probe import calls_ms, profile_calls
 
 
 def main() -> int:
@@ -65,18 +54,10 @@ def main() -> int:
     for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
         for _ in range(5):  # compile, tune-cache lookups, allocator warm
             fn()
-        host = _calls_ms(fn, args.calls, hold_gpu=True)
-        wall = _calls_ms(fn, args.calls, hold_gpu=False)
-        pr = cProfile.Profile()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(3e9))
-        pr.enable()
-        for _ in range(args.calls):
-            fn()
-        pr.disable()
-        torch.cuda.synchronize()
+        host = calls_ms(fn, args.calls, hold_gpu=True)
+        wall = calls_ms(fn, args.calls, hold_gpu=False)
+        st = profile_calls(fn, args.calls)
         print(f"\n==== {name} {args.shape}: host {host:.3f} ms a call (GPU held back), wall {wall:.3f} ms a call")
-        st = pstats.Stats(pr)
         st.sort_stats("cumulative").print_stats(args.top)
         st.sort_stats("tottime").print_stats(args.top)
     return 0
