@@ -15,33 +15,11 @@ memory, host syncs, torch.compile, the floor, JSON rows) run ``benchmarks/train_
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import kittenmoe.integrations.transformers  # noqa: F401  (registers experts_implementation="kittenmoe")
-from kittenmoe.bench.train_models import MODELS, build_hf, zipf_batches
-
-
-def train(model, batches, device, warmup: int) -> tuple[float, list[float]]:
-    """Train on ``batches``; returns tokens/s over the steps after ``warmup`` and every step's loss."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    losses = []
-    for i, ids in enumerate(batches):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-        ids = ids.to(device)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    return sum(b.numel() for b in batches[warmup:]) / seconds, [float(x) for x in losses]
+from kittenmoe.bench.train_models import MODELS, build_hf, hf_loss, train_timed, zipf_batches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     for impl in args.impls.split(","):
         model = build_hf(spec, args.layers, device, dtype)  # the same seed: the same weights for each
         model.set_experts_implementation(impl)
-        tokens_per_s, losses = train(model, batches, device, args.warmup)
+        tokens_per_s, losses = train_timed(model, batches, hf_loss, device, args.warmup)
         print(f"{impl:<12} {tokens_per_s:10.0f} tokens/s   loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         del model
     return 0

@@ -18,31 +18,10 @@ For the measured comparison (the floor, peak memory, host syncs, JSON rows) run 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from kittenmoe.bench.train_models import MODELS, build_titan, titan_loss, zipf_batches
-
-
-def train(model, batches, device, warmup: int) -> tuple[float, list[float]]:
-    """Train on ``batches``; returns tokens/s over the steps after ``warmup`` and every step's loss."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-4)
-    losses = []
-    for i, ids in enumerate(batches):
-        if i == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-        loss = titan_loss(model, ids.to(device), flex=False)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - t0
-    return sum(b.numel() for b in batches[warmup:]) / seconds, [float(x) for x in losses]
+from kittenmoe.bench.train_models import MODELS, build_titan, titan_loss, train_timed, zipf_batches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         if impl == "kittenmoe":
             apply_kittenmoe(model)
             fuse_gate_up_storage(model)
-        tokens_per_s, losses = train(model, batches, device, args.warmup)
+        tokens_per_s, losses = train_timed(model, batches, lambda m, ids: titan_loss(m, ids, flex=False), device,
+                                           args.warmup)
         print(f"{impl:<12} {tokens_per_s:10.0f} tokens/s   loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         del model
     return 0

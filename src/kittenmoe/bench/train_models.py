@@ -12,6 +12,8 @@ with either, ``no-routed-experts``: the routed experts computing nothing, the fl
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -266,3 +268,26 @@ def zipf_batches(n: int, batch: int, seq: int, vocab: int) -> list[torch.Tensor]
     p_V = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
     g = torch.Generator().manual_seed(1)
     return [torch.multinomial(p_V, batch * seq, replacement=True, generator=g).view(batch, seq) for _ in range(n)]
+
+
+def train_timed(model: nn.Module, batches: list[torch.Tensor], loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+                device: torch.device, warmup: int, lr: float = 3e-4) -> tuple[float, list[float]]:
+    """Train ``model`` on ``batches`` with AdamW (``adamw``), one step a batch; returns tokens/s over the steps
+    after ``warmup`` (wall time, the device synchronised at both ends) and every step's loss. What the examples
+    run; ``benchmarks/train_step.py`` times its steps apart with CUDA events."""
+    opt = adamw(model, lr)
+    losses = []
+    for i, ids in enumerate(batches):
+        if i == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+        loss = loss_fn(model, ids.to(device))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    return sum(b.numel() for b in batches[warmup:]) / seconds, [float(x) for x in losses]
