@@ -108,13 +108,9 @@ def resolve_backward_kernel(config: KernelConfig, dev: torch.device, dtype: torc
     "triton"."""
     if config.backward_kernel != "auto":
         return config.backward_kernel
-    if lc.interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+    if not lc.gluon_runs_here(dev, "megakernel_bwd_gluon"):
         return "triton"
     if backward_gluon_refusal(config, dev, dtype, ranks, h, i, s, gu_mode, fp8, trace, phases) is not None:
-        return "triton"
-    try:
-        from kittenmoe.kernels import megakernel_bwd_gluon  # noqa: F401
-    except ImportError:  # a Triton without Gluon's Hopper API
         return "triton"
     return "gluon"
 

@@ -10,6 +10,7 @@ patch here (``tools/sm90_build.py``'s compile-only builds, the tests' meta-tenso
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from dataclasses import dataclass
@@ -129,6 +130,19 @@ def check_gluon_device(dev: torch.device, knob: str = "wgrad='gluon'", instead: 
     if cap is None or cap[0] != 9:
         raise NotImplementedError(f"KernelConfig.{knob} issues Hopper's wgmma (sm_90); this device is {dev}"
                                   f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set {instead}")
+
+
+def gluon_runs_here(dev: torch.device, module: str) -> bool:
+    """Whether a Gluon kernel module (``kittenmoe.kernels.<module>``) can run a launch on ``dev``: a Hopper GPU
+    (wgmma), outside the interpreter, with a Triton that has Gluon's Hopper API. What the kernel knobs' "auto"
+    values ask before their per-launch conditions."""
+    if interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    try:
+        importlib.import_module(f"kittenmoe.kernels.{module}")
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
 
 
 FP8_BLOCK = 128  # the K step of the FP8 routed GEMMs (kernel constexpr SB; a placeholder without FP8)

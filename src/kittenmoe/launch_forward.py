@@ -115,16 +115,12 @@ def resolve_forward_kernel(config: KernelConfig, dev: torch.device, dtype: torch
     every role in the one launch), else "triton"."""
     if config.forward_kernel != "auto":
         return config.forward_kernel
-    if lc.interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+    if not lc.gluon_runs_here(dev, "megakernel_fwd_gluon"):
         return "triton"
     if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
         return "triton"
     if forward_gluon_refusal(config.with_(forward_kernel="gluon-gather"), dev, dtype, ranks, h, i, s, resident, fp8,
                              trace) is not None:
-        return "triton"
-    try:
-        from kittenmoe.kernels import megakernel_fwd_gluon  # noqa: F401
-    except ImportError:  # a Triton without Gluon's Hopper API
         return "triton"
     return "gluon-gather"
 
