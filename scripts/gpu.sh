@@ -50,7 +50,8 @@
 #                                         names the log; AB_LIMIT seconds, default 280); GPU_TESTS=1 first runs
 #                                         the public path's, the backward's and FP8's GPU tests
 #   bash scripts/gpu.sh ncu [MODEL]       Nsight Compute counters of one forward+backward, ours and grouped_mm's
-#                                         (default kimi-k2.7), summarised one line a kernel
+#                                         (MODEL a seed slice, default kimi-k2.7, or T,H,I,E,K without a shared
+#                                         expert), summarised one line a kernel
 #
 # Every target puts torchtitan's MoE modules on PYTHONPATH from a carried .titan/wheels (scripts/titan_wheels.sh).
 # MODEL is a seed shape: kimi-k2.7, deepseek-v4-pro, qwen3.5-397b-a17b, glm-5.2 (Qwen's slice takes 4,096 tokens,
@@ -276,16 +277,17 @@ ab)
   ;;
 ncu)
   m=${arg:-kimi-k2.7}
+  tag=${m//,/x}
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
   if [[ -z $ncu_bin ]]; then
     echo "ncu (Nsight Compute) not found on PATH, under /opt/nvidia/nsight-compute or /usr/local/cuda/bin" >&2
     exit 2
   fi
-  rep="$OUT/ncu-$m"
+  rep="$OUT/ncu-$tag"
   # clocks as the GPU runs them (--clock-control none); each kernel replayed per pass with its memory restored;
   # ncu_probe.py opens the profiler range around one forward+backward of ours and one of grouped_mm's
-  step "ncu-$m" 480 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
-    --kernel-name "regex:dispatch_mlp|combine_mlp|weight_grad|wgrad|cutlass|gemm|grouped|device_kernel" \
+  step "ncu-$tag" 480 "$ncu_bin" --profile-from-start off --clock-control none -f -o "$rep" \
+    --kernel-name "regex:dispatch_mlp|combine_mlp|forward_kernel|backward_kernel|weight_grad|wgrad|cutlass|gemm|grouped|device_kernel" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
     --section LaunchStats --section Occupancy \
     --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,lts__t_bytes.sum \

@@ -1,4 +1,5 @@
-"""Hardware counters of one forward+backward on a seed slice, for Nsight Compute.
+"""Hardware counters of one forward+backward on a seed slice (or ``T,H,I,E,K`` without a shared expert), for
+Nsight Compute.
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight -o $OUT/ncu-kimi \
         python3 benchmarks/probes/ncu_probe.py --shape kimi-k2.7
@@ -20,7 +21,8 @@ import torch
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import parse_config_overrides
-from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, default_config
+from kittenmoe.bench.problems import parse_shape
+from kittenmoe.config import SEED_SHAPES, SLICE_TOKENS, ModelShape, default_config
 from kittenmoe.launch_backward import megakernel_backward_multirank
 from kittenmoe.launch_forward import megakernel_forward_multirank
 from kittenmoe.peers import LocalPeers
@@ -29,21 +31,26 @@ from kittenmoe.testing import make_weights, routing_uniform
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="kimi-k2.7", choices=sorted(SLICE_TOKENS))
+    ap.add_argument("--shape", default="kimi-k2.7",
+                    help=f"a seed slice ({', '.join(sorted(SLICE_TOKENS))}) or T,H,I,E,K (no shared expert)")
     ap.add_argument("--forward-only", action="store_true", help="profile the forwards alone")
     ap.add_argument("--config", default="", help="KernelConfig overrides on the heuristic (k=v,k=v)")
     args = ap.parse_args()
 
     dev = torch.device("cuda")
-    base = SEED_SHAPES[args.shape]
-    shape = base.with_(e=base.e // 8)
-    T = SLICE_TOKENS[args.shape]
-    cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev)
+    if args.shape in SLICE_TOKENS:
+        base = SEED_SHAPES[args.shape]
+        shape, T, shared = base.with_(e=base.e // 8), SLICE_TOKENS[args.shape], True
+    else:
+        T, h, i, e, k = parse_shape(args.shape)
+        shape, shared = ModelShape(args.shape, e=e, h=h, i=i, k=k), False
+    cfg = default_config(T, shape.h, shape.i, shape.e, shape.k, device=dev,
+                         s=shape.shared_width if shared else 0)
     if args.config:
         cfg = cfg.with_(**parse_config_overrides(args.config))
     print(f"{args.shape}: {cfg}", flush=True)
     g = torch.Generator().manual_seed(0)
-    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g)
+    w = make_weights(shape, dtype=torch.bfloat16, device=dev, generator=g, shared=shared)
     x = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
     ids, wts = routing_uniform(T, shape.e, shape.k, generator=g, device=dev)
     d_out = torch.randn(T, shape.h, generator=g).to(dev, torch.bfloat16)
