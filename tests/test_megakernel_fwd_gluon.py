@@ -70,7 +70,7 @@ def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
     (dict(trace=True), "no trace"),  # the profiling build
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
-    (dict(config=GATHER.with_(num_stages=2)), "3-4 stages"),  # the gathering form's late signal needs 3 stages
+    (dict(config=GATHER.with_(num_stages=1)), "2-4 stages"),  # a stage goes back a K step after it is read
     (dict(i=192), "multiples of 128"),  # an expert width off the 128-column tile
     (dict(h=384), "H of 256"),  # a hidden width off the 256-column down tile
     (dict(s=64), "multiples of 128"),  # a shared width off the tile
@@ -146,9 +146,10 @@ def _triton_forward(case: str, keep: bool):
 @pytest.mark.parametrize("config", [
     GLUON,  # every program pulls its share of the routed rows first, a 1-warp TMA producer, 3 stages
     GATHER,  # the producer gathers each tile's rows from x (4 warps, cp.async), 4 stages and one store buffer
-    GATHER.with_(num_stages=3),  # the gathering form's shallowest ring, two store buffers a group
+    GATHER.with_(num_stages=3),  # two store buffers a group
+    GATHER.with_(num_stages=2),  # the gathering form's shallowest ring: every stage's rows tracked in flight
     AUTO,  # "auto" on Hopper: the gathering form (resolve_forward_kernel asserted below)
-], ids=["pull", "gather", "gather-3-stages", "auto"])
+], ids=["pull", "gather", "gather-3-stages", "gather-2-stages", "auto"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup, monkeypatch):

@@ -112,9 +112,11 @@ BWD_MEGA_GLUON = ["backward_kernel", BWD[1], BWD[2]]  # the Gluon backward megak
     (dict(which="fwd", resident=True, config=GLUON_ONE_RANK), FWD_GLUON),
     (dict(which="fwd", config=GLUON_ONE_RANK), FWD_GLUON),
     # its gathering form (forward_kernel="gluon-gather"): keeping at a 4-stage ring with one store buffer a math
-    # group (229,784 B), and not keeping at 3 stages
+    # group (229,784 B), not keeping at 3 stages, and keeping at its shallowest ring, 2 stages
     (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")), FWD_GLUON),
     (dict(which="fwd", config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=3)), FWD_GLUON),
+    (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=2)),
+     FWD_GLUON),
     # the Gluon backward megakernel (KernelConfig.backward_kernel="gluon"): the one-rank kept path, no shared expert
     (dict(which="bwd", resident=True, shared=False,
           config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),

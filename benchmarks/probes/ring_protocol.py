@@ -4,19 +4,23 @@
 
 The model follows kernels/megakernel_fwd_gluon.py: a producer fills a ring of STAGES stages, tile after tile;
 two math groups consume every stage (``empty`` counts two arrivals) and release a step's stage one step later.
-A routed gate|up tile in the gathering form signals each stage's gathered rows one K step late (after waiting
-for the stage it fills next), so its ``ready`` barriers count two arrivals, which a tile loaded whole through
-TMA gives at once. The mbarrier model: a count of completed phases c and the arrivals of the current phase;
-``wait(p)`` passes while ``c % 2 != p`` (a fresh barrier passes parity 1). The actors run in random interleavings over random tile
+In the gathering form a stage's ``ready`` barrier counts two arrivals: the weight tiles' TMA bytes and the
+gathered rows', which the barrier itself tracks (``_copy_rows``: each producer thread's cp.async copies hold
+the phase open until they land), so both complete without the producer waiting; a tile loaded whole through
+TMA gives the second at once. ``late=True`` models the other protocol, the Gluon backward's, where the producer
+signals a stage's rows one K step late, after waiting for its own copies and for the stage it fills next. The mbarrier
+model: a count of completed phases c and the arrivals of the current phase; ``wait(p)`` passes while
+``c % 2 != p`` (a fresh barrier passes parity 1). The actors run in random interleavings over random tile
 sequences (kinds, K steps 0-8); a state where every live actor waits is a deadlock.
 
-Answer: the pull form runs at any depth; the gathering form deadlocks at 2 stages (the late signal waits on a
-release that needs it) and runs at 3 and 4; hence the launcher's 3-4 stage refusal.
+Answer: the forward's pull and gathering forms run at any depth; with the late signal the gathering form
+deadlocks at 2 stages (it waits on a release that needs it) and runs at 3 and 4.
 
-The Gluon backward's protocol (``run_backward``: its gathered phase-A tiles, its a_ready wait before phase-B
-tiles, and the phase-A accumulators handed to the epilogue partition through one buffer a math group) likewise
-runs at 3 and 4 stages and deadlocks at 2; its kernel runs 3. A protocol with the hand-over's parity off by one
-deadlocks at every depth in the model (``tests/test_megakernel_bwd_gluon.py`` runs both checks).
+The Gluon backward's protocol (``run_backward``: its gathered phase-A tiles, signalled late, its a_ready wait
+before phase-B tiles, and the phase-A accumulators handed to the epilogue partition through one buffer a math
+group) likewise runs at 3 and 4 stages and deadlocks at 2; its kernel runs 3 (``tests/test_megakernel_bwd_gluon.py``
+runs both). With its rows tracked by the barrier (``late=False``, not what the kernel does:
+docs/experiments/gluon-backward-tracked-gather.md) it would run at 2 as well.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class Barrier:
         return self.phases % 2 != parity
 
 
-def producer(tiles, S, ready, empty, gather):
+def producer(tiles, S, ready, empty, gather, late=False):
     it = 0
     for kind, ks in tiles:
         for k in range(ks):
@@ -47,12 +51,12 @@ def producer(tiles, S, ready, empty, gather):
             while not empty[st].passes(((it // S) & 1) ^ 1):
                 yield "wait empty"
             ready[st].arrive()  # expect + the TMA bytes (their completion modelled at once)
-            if gather and kind != "gu":
-                ready[st].arrive()  # a whole-TMA tile's second arrival, at once
-            if gather and kind == "gu" and k > 0:
-                ready[(it + S - 1) % S].arrive()  # the previous step's gathered rows
+            if gather and (kind != "gu" or not late):
+                ready[st].arrive()  # a whole-TMA tile's second arrival, or the tracked rows', at once
+            if gather and kind == "gu" and late and k > 0:
+                ready[(it + S - 1) % S].arrive()  # late: the previous step's gathered rows
             it += 1
-        if gather and kind == "gu" and ks > 0:
+        if gather and kind == "gu" and late and ks > 0:
             ready[(it + S - 1) % S].arrive()
         yield "tile done"
 
@@ -90,25 +94,26 @@ def interleave(actors: dict, rng: random.Random) -> bool:
     return True
 
 
-def run(tiles, S: int, gather: bool, seed: int) -> bool:
+def run(tiles, S: int, gather: bool, seed: int, late: bool = False) -> bool:
     """True when every actor finishes; False on a deadlock."""
     rng = random.Random(seed)
     ready = [Barrier(2 if gather else 1) for _ in range(S)]
     empty = [Barrier(2) for _ in range(S)]
-    actors = {"producer": producer(tiles, S, ready, empty, gather),
+    actors = {"producer": producer(tiles, S, ready, empty, gather, late),
               "group 0": math_group(tiles, S, ready, empty),
               "group 1": math_group(tiles, S, ready, empty)}
     return interleave(actors, rng)
 
 
-# ---- the Gluon backward (kernels/megakernel_bwd_gluon.py): phase-A tiles gathered (late signal), phase-B tiles
+# ---- the Gluon backward (kernels/megakernel_bwd_gluon.py): phase-A tiles gathered (signalled one step late, or
+# with ``late=False`` tracked by the barrier), phase-B tiles
 # through TMA after the producer's a_ready wait, and the phase-A accumulators handed to an epilogue partition
 # through one shared-memory buffer a math group (dh_full / dh_free, one arrival each), which a phase-B tile's d_x
 # stores also use (they wait on dh_free too). a_ready is modelled within one program: a phase-B tile waits for
 # the epilogue signals of every phase-A tile before it (the kernel's minibatch p - 1 precedes its B tiles in every
 # program's sequence, so one program's view is the binding one).
 
-def bwd_producer(tiles, S, ready, empty, signals):
+def bwd_producer(tiles, S, ready, empty, signals, late=True):
     it = 0
     a_before = 0
     for kind, ks in tiles:
@@ -128,10 +133,12 @@ def bwd_producer(tiles, S, ready, empty, signals):
                 while not empty[st].passes(((it // S) & 1) ^ 1):
                     yield "wait empty"
                 ready[st].arrive()  # the weight tile's TMA bytes
-                if k > 0:
-                    ready[(it + S - 1) % S].arrive()  # the previous step's gathered rows
+                if not late:
+                    ready[st].arrive()  # the gathered rows, tracked by the barrier (modelled at once)
+                elif k > 0:
+                    ready[(it + S - 1) % S].arrive()  # late: the previous step's gathered rows
                 it += 1
-            if ks > 0:
+            if late and ks > 0:
                 ready[(it + S - 1) % S].arrive()
         if kind in ("a", "ae"):
             a_before += 1
@@ -175,14 +182,14 @@ def bwd_epilogue(tiles, dh_full, dh_free, signals):
         yield "tile done"
 
 
-def run_backward(tiles, S: int, seed: int) -> bool:
+def run_backward(tiles, S: int, seed: int, late: bool = True) -> bool:
     """True when every actor of the Gluon backward's protocol finishes; False on a deadlock."""
     rng = random.Random(seed)
     ready = [Barrier(2) for _ in range(S)]
     empty = [Barrier(2) for _ in range(S)]
     dh_full, dh_free = [Barrier(1), Barrier(1)], [Barrier(1), Barrier(1)]
     signals = [0]
-    actors = {"producer": bwd_producer(tiles, S, ready, empty, signals),
+    actors = {"producer": bwd_producer(tiles, S, ready, empty, signals, late),
               "group 0": bwd_math(tiles, S, ready, empty, dh_full[0], dh_free[0]),
               "group 1": bwd_math(tiles, S, ready, empty, dh_full[1], dh_free[1]),
               "epilogue": bwd_epilogue(tiles, dh_full, dh_free, signals)}
@@ -193,24 +200,26 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=3000)
     args = ap.parse_args()
-    print(f"{'backward':<10}{'stages':>7}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
-    for S in (2, 3, 4):
-        bad = 0
-        for trial in range(args.trials):
-            rng = random.Random(trial)
-            tiles = [(rng.choice(["a", "ae", "b"]), rng.choice([1, 2, 3, 4, 8])) for _ in range(rng.randint(0, 8))]
-            bad += not run_backward(tiles, S, trial)
-        print(f"{'gluon':<10}{S:>7}{bad:>12}")
-    print(f"{'form':<10}{'stages':>7}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
-    for gather in (False, True):
+    print(f"{'form':<22}{'stages':>7}{'deadlocked':>12}  (of {args.trials} random tile sequences)")
+    for late in (True, False):
+        for S in (2, 3, 4):
+            bad = 0
+            for trial in range(args.trials):
+                rng = random.Random(trial)
+                tiles = [(rng.choice(["a", "ae", "b"]), rng.choice([1, 2, 3, 4, 8]))
+                         for _ in range(rng.randint(0, 8))]
+                bad += not run_backward(tiles, S, trial, late)
+            print(f"{'backward' + (', late' if late else ', tracked'):<22}{S:>7}{bad:>12}")
+    for gather, late in ((False, False), (True, False), (True, True)):
         for S in (2, 3, 4):
             bad = 0
             for trial in range(args.trials):
                 rng = random.Random(trial)
                 tiles = [(rng.choice(["gu", "dn", "sh"]), rng.choice([0, 1, 2, 3, 4, 8]))
                          for _ in range(rng.randint(0, 6))]
-                bad += not run(tiles, S, gather, trial)
-            print(f"{'gather' if gather else 'pull':<10}{S:>7}{bad:>12}")
+                bad += not run(tiles, S, gather, trial, late)
+            form = ("forward, gather" + (", late" if late else "")) if gather else "forward, pull"
+            print(f"{form:<22}{S:>7}{bad:>12}")
     return 0
 
 

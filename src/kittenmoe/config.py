@@ -196,7 +196,7 @@ class KernelConfig:
         tiles (its TMA ring is 3 stages deep whatever ``num_stages``), I and S multiples of 128 and H of 256;
         ``launch_forward.forward_gluon_refusal`` says what a launch lacks, and the launch raises
         NotImplementedError then), or "gluon-gather" (the same kernel without the pull: a 4-warp producer
-        gathers each gate|up tile's rows from x by cp.async, the ring ``num_stages`` deep, 3-4). The same bits.
+        gathers each gate|up tile's rows from x by cp.async, the ring ``num_stages`` deep, 2-4). The same bits.
         "auto": "gluon-gather" for each launch it can run (a Hopper GPU, Gluon's Hopper API, no interpreter, and
         ``forward_gluon_refusal`` None for it), else "triton"; the choice is per launch and changes no bits.
         ``default_config``: "auto" on CUDA with 2-byte operands (the forward 1.16-1.23x faster than the Triton

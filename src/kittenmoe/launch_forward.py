@@ -95,11 +95,9 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
         return "it records no trace"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
         return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
-    if config.forward_kernel == "gluon-gather" and config.num_stages < 3:
-        # the producer signals a stage's gathered rows one K step late, after it has waited for the stage it
-        # fills next: with 2 stages that stage is the one the math groups release only once they have the late
-        # signal, and the ring deadlocks
-        return f"its ring is 3-4 stages deep (num_stages={config.num_stages})"
+    if config.forward_kernel == "gluon-gather" and config.num_stages < 2:
+        # the math groups hand a stage back one K step after reading it, once the next step's wgmmas are issued
+        return f"its ring is 2-4 stages deep (num_stages={config.num_stages})"
     if (config.block_m, config.block_n, config.block_k) != (128, 128, 64):
         return (f"its tile is block_m=128, block_n=128, block_k=64 (got {config.block_m}, {config.block_n}, "
                 f"{config.block_k})")
@@ -377,7 +375,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
         ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
-        # gather: the ring's depth is num_stages (3 or 4); 4 x 48 KB leave room for one 16 KB store buffer a math
+        # gather: the ring's depth is num_stages (2-4); 4 x 48 KB leave room for one 16 KB store buffer a math
         # group. The pull form keeps its 3 stages and two buffers a group.
         **(dict(STAGES=min(config.num_stages, 4), ONE_BUF=config.num_stages >= 4, GATHER=True) if gather
            else dict(STAGES=3, ONE_BUF=False, GATHER=False)),

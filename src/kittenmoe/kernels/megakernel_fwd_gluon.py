@@ -172,12 +172,24 @@ def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, em
 
 
 @gluon.jit
+def _copy_rows(a_st, src, ok, ready_st):
+    """A producer's share of one stage's gathered A rows: cp.async of ``src`` (rows where ``ok``, zeros
+    elsewhere) into ``a_st``, and the stage's second ``ready`` arrival once every producer thread's copies have
+    landed. Each thread has the barrier track its copies (``cp.async.mbarrier.arrive`` without ``.noinc``: the
+    pending count goes up now and down when they complete), so after a partition barrier one arrival completes
+    the phase only when all of them have; the producer never waits for its copies and keeps every stage of the
+    ring in flight. The math groups fence for the async proxy after their wait (``_mma_tile``)."""
+    async_copy.async_copy_global_to_shared(a_st, src, mask=ok)
+    async_copy.mbarrier_arrive(ready_st)
+    gl.thread_barrier()  # every thread's tracking is registered before the one arrival
+    mbarrier.arrive(ready_st, count=1)
+
+
+@gluon.jit
 def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_row, b0, b1, ks, it,
                  a_s, b0_s, b1_s, ready, empty):
     """Producer (4 warps), a routed gate|up tile with GATHER: its A rows straight from x (row t of route
-    t*K + j; padding rows zero) by cp.async, 16-byte vectors, one K step in flight behind the one issued; the
-    weight tiles through TMA. Each stage's second ``ready`` arrival comes once every producer thread's copies
-    of it are complete and fenced for the async proxy (the wgmmas read shared memory through it)."""
+    t*K + j; padding rows zero) by cp.async, 16-byte vectors (``_copy_rows``); the weight tiles through TMA."""
     STAGES: gl.constexpr = a_s.shape[0]
     # [32, 32] a pass with 4 warps, 8 vectors a thread. (The warps are the context's: the 1-warp producer of the
     # pull form traces this too, never running it.)
@@ -193,18 +205,8 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
         mbarrier.expect(ready.index(st), 2 * b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
         tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
-        async_copy.async_copy_global_to_shared(a_s.index(st), base + k * BK, mask=ok)
-        async_copy.commit_group()
-        if k > 0:
-            async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
-            fence_async_shared()
-            gl.thread_barrier()  # ... and every producer thread's
-            mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
+        _copy_rows(a_s.index(st), base + k * BK, ok, ready.index(st))
         it += 1
-    async_copy.wait_group(0)
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
     return it
 
 
@@ -213,9 +215,10 @@ def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout
               store_a=False, xr_desc=None, a_row=0):
     """One math group's two accumulators over the tile's K steps: rows ROWS0.. of A against both weight tiles,
     one step's wgmmas in flight; a stage goes back to the producer (``empty``, count 2: both groups read it) once
-    the wgmmas that read it are done. ``store_a`` (GATHER, kept activations, the row tile's first column tile):
-    each step's whole A block also goes to x_routed by a TMA store, which must have read the stage before it
-    goes back."""
+    the wgmmas that read it are done. ``xr_desc`` given: a gathered tile (GATHER), whose A rows cp.async wrote,
+    so each step fences for the async proxy (wgmma and TMA read shared memory through it) after its wait;
+    ``store_a`` (kept activations, the row tile's first column tile): each step's whole A block also goes to
+    x_routed by a TMA store, which must have read the stage before it goes back."""
     STAGES: gl.constexpr = a_s.shape[0]
     acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
@@ -223,6 +226,7 @@ def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
         if xr_desc is not None:
+            fence_async_shared()
             if store_a:
                 tma.async_copy_shared_to_global(xr_desc, [a_row, k * BK], a_s.index(st))
         a = a_s.index(st).slice(ROWS0, HALF)
