@@ -19,6 +19,9 @@ from kittenmoe.reference import moe_reference
 from kittenmoe.testing import assert_close, make_weights, routing_uniform
 
 SHAPE = get_shape("tiny")  # E=8 H=32 I=16 K=2, shared width 16
+# small tiles for the interpreter (cases that pass a config reach the megakernel's launch checks, not the tune cache)
+SMALL_CONFIG = KernelConfig(block_m=16, block_n=32, block_k=32, num_stages=1, num_warps=4, minibatch_size=64,
+                            num_comm_programs_fwd=1, num_comm_programs_bwd=1)
 
 
 def _inputs(t: int, dtype=torch.float32, seed: int = 0, requires_grad: bool = False):
@@ -180,6 +183,11 @@ def _bad(case: str):
         "fp8_on_torch": lambda: kw.update(backend="torch", fp8=kittenmoe.FP8Config()),
         "expert_id_high": lambda: a.update(ids=torch.where(ids == ids[0, 0], E, ids)),
         "expert_id_negative": lambda: a.update(ids=torch.where(ids == ids[0, 0], -1, ids)),
+        "fp8_name": lambda: kw.update(fp8="e4m3"),
+        "w13_zero_width": lambda: (a.update(w13=torch.empty(E, 0, H), w2=torch.empty(E, H, 0)),
+                                   kw.update(config=SMALL_CONFIG)),
+        "x_zero_hidden": lambda: (a.update(x=torch.empty(T, 0), w13=torch.empty(E, 2 * SHAPE.i, 0),
+                                           w2=torch.empty(E, 0, SHAPE.i)), kw.update(config=SMALL_CONFIG)),
     }[case]
     edit()
     return (a["x"], a["ids"], a["wts"], a["w13"], a["w2"], a["sw13"], a["sw2"]), kw
@@ -217,6 +225,9 @@ BAD_INPUTS = [
     ("fp8_on_torch", NotImplementedError, "fp8 runs the megakernel only"),  # e4m3 on the torch backend
     ("expert_id_high", ValueError, "expert id outside [0, E=8)"),  # id E: found on device, raised
     ("expert_id_negative", ValueError, "expert id outside [0, E=8)"),  # id -1
+    ("fp8_name", TypeError, "fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got str"),  # a name
+    ("w13_zero_width", ValueError, "w13 must be [E, 2*I, H] with I >= 1 and H >= 1"),  # I = 0: experts of no width
+    ("x_zero_hidden", ValueError, "w13 must be [E, 2*I, H] with I >= 1 and H >= 1"),  # H = 0: tokens of no width
 ]
 
 
@@ -229,7 +240,8 @@ def test_bad_input_gets_a_clear_error(case, exc, match):
         kittenmoe.moe(*args, **kw)
 
 
-@pytest.mark.parametrize("case", ["x_hidden", "ids_float", "k_above_e", "expert_id_high"])
+@pytest.mark.parametrize("case", ["x_hidden", "ids_float", "k_above_e", "expert_id_high", "fp8_name", "w13_zero_width",
+                                  "x_zero_hidden"])
 def test_bad_input_refused_by_the_megakernel_too(case):
     """The same checks guard the megakernel path: host-side before launch; ids out of range are found on
     device and raised as MegakernelError (at once on CPU, at ``kittenmoe.check_errors()`` on CUDA)."""
@@ -248,6 +260,44 @@ def test_layer_refuses_bad_input(bad, exc, match):
     layer = kittenmoe.MoELayer(SHAPE, backend="torch")
     with pytest.raises(exc, match=match):
         layer(bad())
+
+
+def test_swiglu_limit_takes_any_real_number():
+    """A limit from a numpy scalar or an int (a config file's value) is the same clamp as the float."""
+    import numpy as np
+
+    x, ids, wts, w = _inputs(12, seed=7)
+    want = _call(x, ids, wts, w, backend="torch", swiglu_limit=0.5)
+    assert torch.equal(_call(x, ids, wts, w, backend="torch", swiglu_limit=np.float32(0.5)), want)
+    assert not torch.equal(_call(x, ids, wts, w, backend="torch", swiglu_limit=2), want)  # (the clamp acts)
+
+
+@pytest.mark.parametrize("dtype", [
+    torch.int32,  # integer parameters cannot train
+    torch.float8_e4m3fn,  # e4m3 comes from fp8=FP8Config() over bf16 weights, not from the parameters' dtype
+    torch.complex64,  # no complex experts
+    "bfloat16",  # a dtype's name
+])
+def test_layer_refuses_a_parameter_dtype_it_cannot_run(dtype):
+    with pytest.raises(TypeError, match="MoELayer: dtype must be one of torch.float32, torch.bfloat16"):
+        kittenmoe.MoELayer(SHAPE, dtype=dtype, backend="torch")
+
+
+@pytest.mark.parametrize("wrt", ["x", "w13"])  # a second derivative in the activations, or in the weights
+def test_double_backward_through_the_megakernel_is_refused(wrt):
+    """The megakernel backward has no derivative: a gradient of its gradients (create_graph=True, as a gradient
+    penalty takes) raises instead of coming out zero, while the first-order gradients under create_graph are the
+    usual ones. The torch backend differentiates twice."""
+    x, ids, wts, w = _inputs(9, seed=11, requires_grad=True)
+    target = x if wrt == "x" else w.w13_E2IH
+    plain, = torch.autograd.grad(_call(x, ids, wts, w, backend="megakernel").square().sum(), x)
+    g, = torch.autograd.grad(_call(x, ids, wts, w, backend="megakernel").square().sum(), x, create_graph=True)
+    assert torch.equal(g, plain)
+    with pytest.raises(NotImplementedError, match="megakernel's backward is not differentiable"):
+        torch.autograd.grad(g.square().sum(), target)
+    g, = torch.autograd.grad(_call(x, ids, wts, w, backend="torch").square().sum(), x, create_graph=True)
+    g2, = torch.autograd.grad(g.square().sum(), target)
+    assert torch.isfinite(g2).all() and g2.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- the package surface

@@ -455,8 +455,26 @@ BAD_SHAPES = [
     # negative shared width
     pytest.param(dict(e=4, h=8, i=8, k=1, shared_i=-1), r"shared_i must be >= 0", id="shared_i-negative"),
     # non-positive SwiGLU clamp
-    pytest.param(dict(e=4, h=8, i=8, k=1, swiglu_limit=0.0), r"swiglu_limit must be > 0 or None",
+    pytest.param(dict(e=4, h=8, i=8, k=1, swiglu_limit=0.0), r"ModelShape.swiglu_limit must be a positive number",
                  id="swiglu-limit-0"),
+    # True is not a clamp (it would run as a limit of 1.0)
+    pytest.param(dict(e=4, h=8, i=8, k=1, swiglu_limit=True), r"ModelShape.swiglu_limit must be a positive number",
+                 id="swiglu-limit-bool"),
+    # a limit as text (from a config file), not a number
+    pytest.param(dict(e=4, h=8, i=8, k=1, swiglu_limit="7"), r"ModelShape.swiglu_limit must be a positive number",
+                 id="swiglu-limit-str"),
+    # a scaling factor as text: the router would fail deep in its multiply
+    pytest.param(dict(e=4, h=8, i=8, k=1, routed_scaling_factor="2.5"),
+                 r"ModelShape.routed_scaling_factor must be a finite number > 0, got '2.5'", id="rsf-str"),
+    # a NaN scaling factor: every output NaN
+    pytest.param(dict(e=4, h=8, i=8, k=1, routed_scaling_factor=float("nan")),
+                 r"ModelShape.routed_scaling_factor must be a finite number > 0", id="rsf-nan"),
+    # a zero scaling factor: the routed experts silently contribute nothing
+    pytest.param(dict(e=4, h=8, i=8, k=1, routed_scaling_factor=0), r"routed_scaling_factor must be a finite number",
+                 id="rsf-0"),
+    # renormalize as text: any non-empty string is truthy, so "false" would renormalize
+    pytest.param(dict(e=4, h=8, i=8, k=1, renormalize="false"), r"ModelShape.renormalize must be a bool, got 'false'",
+                 id="renormalize-str"),
 ]
 
 

@@ -888,6 +888,32 @@ def test_ep_needs_symmetric_peers():
                               w.shared_w2_HS, None, peers=LocalPeers(2))
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(swiglu_limit=-1.0), ValueError, "swiglu_limit must be a positive number"),  # a clamp below zero
+    (dict(swiglu_limit=True), ValueError, "swiglu_limit must be a positive number"),  # True is not a limit
+    (dict(fp8="e4m3"), TypeError, "fp8 must be None, a kittenmoe.fp8.FP8Config"),  # a name for the FP8 options
+])
+def test_ep_refuses_bad_options_before_any_collective(kw, exc, match):
+    """moe_ep checks its swiglu_limit and fp8 as kittenmoe.moe does, before the ranks compare anything: every
+    rank passing the same bad limit would otherwise agree on it and compute a wrong clamp. The peers are a stub
+    (no process group on CPU) that records the collectives asked of it."""
+    from kittenmoe.ep import moe_ep
+
+    peers = object.__new__(SymmetricPeers)
+    asked = []
+    peers.num_ranks, peers.rank, peers.max_tokens, peers.device = 1, 0, None, torch.device("cpu")
+    peers.agree = lambda what, value: asked.append(what)
+    gen = torch.Generator().manual_seed(0)
+    w = make_weights(TINY, generator=gen)
+    x = torch.randn(4, TINY.h, generator=gen)
+    ids = torch.zeros(4, TINY.k, dtype=torch.int64)
+    args = {"swiglu_limit": None, **kw}
+    with pytest.raises(exc, match=match):
+        moe_ep(x, ids, torch.ones(4, TINY.k), w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS,
+               peers=peers, **args)
+    assert not asked
+
+
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])  # zero, negative, float, bool: not a positive int
 def test_symmetric_peers_rejects_bad_max_tokens(bad):
     """max_tokens is checked before anything distributed happens (so this runs on CPU without a group)."""

@@ -359,7 +359,46 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+class _NotDifferentiable(torch.autograd.Function):
+    """The identity on a megakernel backward's gradients, linked to that backward's inputs, whose own backward
+    refuses: the kernels have no derivative, so a gradient of these gradients (double backward) would otherwise
+    come out zero or None without a word."""
+
+    @staticmethod
+    def forward(ctx, message, n, *tensors):  # n gradients, then the backward's inputs (the graph's edges)
+        ctx.message = message
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(ctx.message)
+
+
+def refuse_double_backward(what: str, gradients, ctx, d_out_TH, instead: str = "") -> tuple:
+    """``gradients(ctx, d_out_TH)``: a megakernel backward's gradients. Under ``create_graph=True`` (grad mode on
+    inside a backward) they are computed without a graph and handed on through ``_NotDifferentiable``, linked to
+    ``d_out_TH`` and the tensors ``ctx`` saved, so that differentiating them raises (naming ``what``, then
+    ``instead``) instead of giving zero; otherwise as they are (one grad-mode read, no device work)."""
+    if not torch.is_grad_enabled():
+        return gradients(ctx, d_out_TH)
+    with torch.no_grad():
+        grads = gradients(ctx, d_out_TH)
+    at = [i for i, g in enumerate(grads) if isinstance(g, Tensor)]
+    links = [t for t in (d_out_TH, *ctx.saved_tensors) if isinstance(t, Tensor)]
+    out = list(grads)
+    message = (f"{what}'s backward is not differentiable: a gradient of its gradients (double backward, "
+               f"create_graph=True) is not supported{instead}")
+    for i, g in zip(at, _NotDifferentiable.apply(message, len(at), *(grads[i] for i in at), *links)):
+        out[i] = g
+    return tuple(out)
+
+
 def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up, _d_shared_gate_up):
+    return refuse_double_backward("the megakernel", _gradients, ctx, d_out_TH,
+                                  "; backend='torch' (kittenmoe.moe, MoELayer) runs it in differentiable torch ops")
+
+
+def _gradients(ctx, d_out_TH):
     (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
      gate_up, shared_gate_up, *fp8_tensors) = ctx.saved_tensors
     if d_out_TH is None:  # the output did not reach the loss

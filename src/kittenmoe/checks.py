@@ -8,6 +8,8 @@ Expert ids out of range are data, so they are found on device
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -16,6 +18,16 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+
+def check_swiglu_limit(swiglu_limit, name: str = "swiglu_limit") -> float | None:
+    """The SwiGLU clamp as a float, or None (no clamp): a real number > 0 (inf clamps nothing), never a bool,
+    a string or NaN; ValueError naming ``name`` otherwise."""
+    if swiglu_limit is None:
+        return None
+    if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, numbers.Real) or math.isnan(swiglu_limit) \
+            or not swiglu_limit > 0:
+        raise ValueError(f"{name} must be a positive number or None, got {swiglu_limit!r}")
+    return float(swiglu_limit)
 
 
 def interpreting() -> bool:
@@ -103,6 +115,8 @@ def check_moe_inputs(
     if two_i % 2:
         raise ValueError(f"w13 must be [E, 2*I, H] (gate rows then up rows); dim 1 = {two_i} is odd")
     i = two_i // 2
+    if i < 1 or h < 1:  # as ModelShape: a zero width is no layer (and the kernels would tile it by zero)
+        raise ValueError(f"w13 must be [E, 2*I, H] with I >= 1 and H >= 1, got {tuple(w13_E2IH.shape)}")
     if tuple(w2_EHI.shape) != (e, h, i):
         raise ValueError(f"w2 must be [E, H, I] = {(e, h, i)} to match w13 {tuple(w13_E2IH.shape)}, "
                          f"got {tuple(w2_EHI.shape)}")

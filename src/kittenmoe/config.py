@@ -9,6 +9,8 @@ A name such as ``w13_E2IH`` is a tensor of shape [E, 2*I, H].
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -56,8 +58,14 @@ class ModelShape:
             raise ValueError(f"ModelShape.shared_i must be >= 0 (0 = no shared expert), got {self.shared_i}")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"ModelShape.score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
-        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
-            raise ValueError(f"ModelShape.swiglu_limit must be > 0 or None, got {self.swiglu_limit}")
+        if not isinstance(self.renormalize, bool):
+            raise ValueError(f"ModelShape.renormalize must be a bool, got {self.renormalize!r}")
+        rsf = self.routed_scaling_factor
+        if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real) or not math.isfinite(rsf) or rsf <= 0:
+            raise ValueError(f"ModelShape.routed_scaling_factor must be a finite number > 0, got {rsf!r}")
+        from kittenmoe.checks import check_swiglu_limit  # (imports torch, which this module imports where it needs it)
+
+        check_swiglu_limit(self.swiglu_limit, "ModelShape.swiglu_limit")
 
     @property
     def shared_width(self) -> int:

@@ -38,9 +38,9 @@ import triton.language as tl
 
 from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.autoconfig import auto_config
-from kittenmoe.checks import check_moe_inputs
+from kittenmoe.checks import check_moe_inputs, check_swiglu_limit
 from kittenmoe.config import KernelConfig
-from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, resolve_expert_weights
+from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, check_fp8_option, resolve_expert_weights
 from kittenmoe.functional import contiguous_activations, no_tokens_output
 from kittenmoe.peers import SymmetricPeers
 from kittenmoe.schedule import NO_ROUTE
@@ -73,6 +73,7 @@ def all_gather_routing(peers: SymmetricPeers) -> torch.Tensor:
 
 def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, swiglu_limit,
            config, allow_empty: bool = False):
+    check_swiglu_limit(swiglu_limit)
     if not isinstance(peers, SymmetricPeers):
         raise TypeError(f"peers must be a kittenmoe.SymmetricPeers (one process per rank), got "
                         f"{type(peers).__name__}; for R virtual ranks in one process use "
@@ -254,6 +255,12 @@ class _MoEEP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out_TH):
+        from kittenmoe.autograd import refuse_double_backward
+
+        return refuse_double_backward("kittenmoe.moe_ep", _MoEEP._gradients, ctx, d_out_TH)
+
+    @staticmethod
+    def _gradients(ctx, d_out_TH):
         from kittenmoe.autograd import report_device_errors
 
         (x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w13_2SH, shared_w2_HS, x_routed,
@@ -291,6 +298,7 @@ def moe_ep(
     still serves its experts to the others (collective), returns ``[0, H]``, and gets zero token gradients and
     its experts' gradients from the other ranks' rows. Without ``max_tokens`` every rank brings the same T
     (checked collectively), so T = 0 on one means T = 0 on all: ``[0, H]`` and zero gradients everywhere."""
+    check_fp8_option(fp8)
     x_TH, topk_ids_TK, topk_weights_TK = contiguous_activations(x_TH, topk_ids_TK, topk_weights_TK)
     # the launches check again; the dims are needed here for T = 0 and the config (the collective part of the
     # check runs once per new problem: SymmetricPeers.agree remembers what the ranks agreed on)

@@ -388,9 +388,15 @@ def expert_weight_operands(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor):
         return q13, s13, q2, s2, fp8, q13t, q2t
     if isinstance(fp8, FP8ExpertWeights):
         return fp8.w13_q, fp8.w13_scale, fp8.w2_q, fp8.w2_scale, fp8.cfg, fp8.w13_qt, fp8.w2_qt
-    if fp8 is not None:
-        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
+    check_fp8_option(fp8)
     return None
+
+
+def check_fp8_option(fp8) -> None:
+    """The ``fp8`` argument of the differentiable entry points is None, an ``FP8Config`` or ``FP8ExpertWeights``:
+    TypeError otherwise (checked before anything reads it, the config choice included)."""
+    if fp8 is not None and not isinstance(fp8, (FP8Config, FP8ExpertWeights)):
+        raise TypeError(f"fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got {type(fp8).__name__}")
 
 
 def resolve_expert_weights(fp8, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor) -> FP8ExpertWeights | None:

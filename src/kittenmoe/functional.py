@@ -21,8 +21,9 @@ import torch
 
 from kittenmoe import autograd, torch_backend
 from kittenmoe.autoconfig import auto_config
-from kittenmoe.checks import check_moe_inputs
+from kittenmoe.checks import check_moe_inputs, check_swiglu_limit
 from kittenmoe.config import KernelConfig
+from kittenmoe.fp8 import check_fp8_option
 
 Backend = Literal["auto", "torch", "megakernel"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "megakernel")
@@ -107,9 +108,8 @@ def moe(
     """
     check_backend(backend)
     check_config(config)
-    if swiglu_limit is not None and (isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float))
-                                     or not swiglu_limit > 0):
-        raise ValueError(f"swiglu_limit must be a positive number or None, got {swiglu_limit!r}")
+    check_fp8_option(fp8)
+    swiglu_limit = check_swiglu_limit(swiglu_limit)
     x_TH, topk_ids_TK, topk_weights_TK = contiguous_activations(x_TH, topk_ids_TK, topk_weights_TK)
     dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH,
                             shared_w2_HS, allow_empty=True)

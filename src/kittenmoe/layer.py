@@ -30,7 +30,7 @@ from kittenmoe import launch_common
 from kittenmoe.autoconfig import auto_config
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, check_config, moe, resolve_backend
-from kittenmoe.checks import canonical_device
+from kittenmoe.checks import FLOAT_DTYPES, canonical_device
 from kittenmoe.reference import route
 
 if TYPE_CHECKING:
@@ -88,6 +88,9 @@ class MoELayer(nn.Module):
         super().__init__()
         if not isinstance(shape, ModelShape):
             raise TypeError(f"MoELayer needs a kittenmoe.ModelShape, got {type(shape).__name__}")
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"MoELayer: dtype must be one of {', '.join(map(str, FLOAT_DTYPES))} (the parameters'; "
+                            f"e4m3 experts take fp8=kittenmoe.FP8Config()), got {dtype!r}")
         if fp8 is not None:
             from kittenmoe.fp8 import FP8Config
 
