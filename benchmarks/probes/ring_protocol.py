@@ -43,36 +43,51 @@ class Barrier:
         return self.phases % 2 != parity
 
 
+def fill_tile(ks, it, S, ready, empty, second, late):
+    """The producer's K steps of one tile into the ring from ring use ``it``; returns the next use. ``second``:
+    each stage's ``ready`` takes a second arrival (a gathering ring), at once (a whole-TMA tile, or gathered rows
+    the barrier tracks) or, with ``late``, one step late (gathered rows signalled after the producer's wait)."""
+    for k in range(ks):
+        st = it % S
+        while not empty[st].passes(((it // S) & 1) ^ 1):
+            yield "wait empty"
+        ready[st].arrive()  # expect + the TMA bytes (their completion modelled at once)
+        if second and not late:
+            ready[st].arrive()  # a whole-TMA tile's second arrival, or the tracked rows', at once
+        elif second and k > 0:
+            ready[(it + S - 1) % S].arrive()  # late: the previous step's gathered rows
+        it += 1
+    if second and late and ks > 0:
+        ready[(it + S - 1) % S].arrive()
+    return it
+
+
+def consume_tile(ks, it, S, ready, empty):
+    """A math group's K steps of one tile from ring use ``it``, a step's stage released one step later;
+    returns the next use."""
+    for k in range(ks):
+        st = it % S
+        while not ready[st].passes((it // S) & 1):
+            yield "wait ready"
+        if k > 0:
+            empty[(it + S - 1) % S].arrive()
+        it += 1
+    if ks > 0:
+        empty[(it + S - 1) % S].arrive()
+    return it
+
+
 def producer(tiles, S, ready, empty, gather, late=False):
     it = 0
     for kind, ks in tiles:
-        for k in range(ks):
-            st = it % S
-            while not empty[st].passes(((it // S) & 1) ^ 1):
-                yield "wait empty"
-            ready[st].arrive()  # expect + the TMA bytes (their completion modelled at once)
-            if gather and (kind != "gu" or not late):
-                ready[st].arrive()  # a whole-TMA tile's second arrival, or the tracked rows', at once
-            if gather and kind == "gu" and late and k > 0:
-                ready[(it + S - 1) % S].arrive()  # late: the previous step's gathered rows
-            it += 1
-        if gather and kind == "gu" and late and ks > 0:
-            ready[(it + S - 1) % S].arrive()
+        it = yield from fill_tile(ks, it, S, ready, empty, gather, late and kind == "gu")
         yield "tile done"
 
 
 def math_group(tiles, S, ready, empty):
     it = 0
     for _, ks in tiles:
-        for k in range(ks):
-            st = it % S
-            while not ready[st].passes((it // S) & 1):
-                yield "wait ready"
-            if k > 0:
-                empty[(it + S - 1) % S].arrive()
-            it += 1
-        if ks > 0:
-            empty[(it + S - 1) % S].arrive()
+        it = yield from consume_tile(ks, it, S, ready, empty)
         yield "tile done"
 
 
@@ -120,26 +135,9 @@ def bwd_producer(tiles, S, ready, empty, signals, late=True):
         if kind == "b":
             while signals[0] < a_before:
                 yield "wait a_ready"
-            for k in range(ks):
-                st = it % S
-                while not empty[st].passes(((it // S) & 1) ^ 1):
-                    yield "wait empty"
-                ready[st].arrive()
-                ready[st].arrive()  # the whole-TMA tile's second arrival, at once
-                it += 1
+            it = yield from fill_tile(ks, it, S, ready, empty, True, False)  # whole through TMA
         elif kind == "a":
-            for k in range(ks):
-                st = it % S
-                while not empty[st].passes(((it // S) & 1) ^ 1):
-                    yield "wait empty"
-                ready[st].arrive()  # the weight tile's TMA bytes
-                if not late:
-                    ready[st].arrive()  # the gathered rows, tracked by the barrier (modelled at once)
-                elif k > 0:
-                    ready[(it + S - 1) % S].arrive()  # late: the previous step's gathered rows
-                it += 1
-            if late and ks > 0:
-                ready[(it + S - 1) % S].arrive()
+            it = yield from fill_tile(ks, it, S, ready, empty, True, late)  # gathered rows
         if kind in ("a", "ae"):
             a_before += 1
         yield "tile done"
@@ -151,15 +149,7 @@ def bwd_math(tiles, S, ready, empty, dh_full, dh_free):
     for kind, ks in tiles:
         if kind == "ae":
             continue
-        for k in range(ks):
-            st = it % S
-            while not ready[st].passes((it // S) & 1):
-                yield "wait ready"
-            if k > 0:
-                empty[(it + S - 1) % S].arrive()
-            it += 1
-        if ks > 0:
-            empty[(it + S - 1) % S].arrive()
+        it = yield from consume_tile(ks, it, S, ready, empty)
         while not dh_free.passes((nh & 1) ^ 1):  # the last accumulator handed over has been taken
             yield "wait dh_free"
         if kind == "a":
