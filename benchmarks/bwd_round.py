@@ -23,6 +23,7 @@ import triton
 
 from kittenmoe.baselines import grouped_mm_forward
 from kittenmoe.bench import measure_interleaved, parse_config_overrides, parse_problem
+from kittenmoe.bench.timing import sync_warnings
 from kittenmoe.config import KernelConfig, SEED_SHAPES, SLICE_TOKENS, TEST_SHAPES, default_config
 from kittenmoe.launch_backward import megakernel_backward_multirank
 from kittenmoe.launch_forward import megakernel_forward_multirank
@@ -79,7 +80,6 @@ def gaps(label, fn, out_dir, n=5):
     largest idle gaps with the kernels either side. Synchronizing calls are listed from
     ``torch.cuda.set_sync_debug_mode('warn')``'s warnings."""
     import time
-    import warnings
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -93,15 +93,7 @@ def gaps(label, fn, out_dir, n=5):
     host_ms = (time.perf_counter() - t0) * 1e3 / n
     torch.cuda.synchronize()
     loop_ms = b.elapsed_time(e) / n
-    mode = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode(mode)
-    syncs = sorted({str(w.message).splitlines()[0][:120] for w in caught if "synchroniz" in str(w.message).lower()})
+    syncs = sorted({str(w.message).splitlines()[0][:120] for w in sync_warnings(fn)})
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:

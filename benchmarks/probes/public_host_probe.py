@@ -15,34 +15,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 import torch
 
 import kittenmoe
+from kittenmoe.bench.timing import sync_warnings
 from kittenmoe.config import ModelShape
 from kittenmoe.testing import make_weights, routing_uniform
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_probe import calls_ms, profile_calls
-
-
-def synchronizing_calls(fn) -> list[str]:
-    """The stacks of the host-device syncs torch reports in one call of ``fn`` (``.item()``, a copy to the host,
-    ``nonzero`` ...): each one serialises the host with the GPU, so a call's host time adds to its GPU time."""
-    found = []
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            found.append(f"{w.filename}:{w.lineno}: {w.message}")
-    return found
 
 
 def main() -> int:
@@ -73,10 +55,10 @@ def main() -> int:
     for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
         for _ in range(5):  # compile, tune-cache lookups, allocator warm
             fn()
-        syncs = synchronizing_calls(fn)
+        syncs = sync_warnings(fn)
         print(f"\n{name}: {len(syncs)} synchronizing torch call(s) a call (torch.cuda.set_sync_debug_mode)")
-        for where in syncs[:3]:
-            print(where)
+        for w in syncs[:3]:
+            print(f"{w.filename}:{w.lineno}: {w.message}")
         host = calls_ms(fn, args.calls, hold_gpu=True)
         wall = calls_ms(fn, args.calls, hold_gpu=False)
         st = profile_calls(fn, args.calls)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -80,6 +81,22 @@ class Interleaved:
     round_ms: tuple[float, ...]
     p20: float
     p80: float
+
+
+def sync_warnings(fn: Callable[[], object]) -> list[warnings.WarningMessage]:
+    """The warnings of the host-device syncs torch reports in one call of ``fn`` (``.item()``, a copy to the host,
+    ``nonzero`` ...; ``torch.cuda.set_sync_debug_mode("warn")``, the previous mode restored after). Each such
+    sync serialises the host with the GPU, so a call's host time adds to its GPU time."""
+    torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+    return [w for w in caught if "synchroniz" in str(w.message).lower()]
 
 
 def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
