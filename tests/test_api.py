@@ -183,6 +183,8 @@ def _bad(case: str):
         "fp8_on_torch": lambda: kw.update(backend="torch", fp8=kittenmoe.FP8Config()),
         "expert_id_high": lambda: a.update(ids=torch.where(ids == ids[0, 0], E, ids)),
         "expert_id_negative": lambda: a.update(ids=torch.where(ids == ids[0, 0], -1, ids)),
+        "expert_id_no_route": lambda: a.update(ids=torch.where(ids == ids[0, 0], 2**31 - 1, ids.int())),
+        "expert_id_int64_wraps": lambda: a.update(ids=torch.where(ids == ids[0, 0], 2**32 + 1, ids.long())),
         "fp8_name": lambda: kw.update(fp8="e4m3"),
         "w13_zero_width": lambda: (a.update(w13=torch.empty(E, 0, H), w2=torch.empty(E, H, 0)),
                                    kw.update(config=SMALL_CONFIG)),
@@ -225,6 +227,9 @@ BAD_INPUTS = [
     ("fp8_on_torch", NotImplementedError, "fp8 runs the megakernel only"),  # e4m3 on the torch backend
     ("expert_id_high", ValueError, "expert id outside [0, E=8)"),  # id E: found on device, raised
     ("expert_id_negative", ValueError, "expert id outside [0, E=8)"),  # id -1
+    # 2**31 - 1 in int32: the padding tokens' NO_ROUTE inside the launchers, from a caller a route dropped
+    ("expert_id_no_route", ValueError, "expert id outside [0, E=8)"),
+    ("expert_id_int64_wraps", ValueError, "expert id outside [0, E=8)"),  # int64 2**32 + 1: expert 1 once cast
     ("fp8_name", TypeError, "fp8 must be None, a kittenmoe.fp8.FP8Config or FP8ExpertWeights, got str"),  # a name
     ("w13_zero_width", ValueError, "w13 must be [E, 2*I, H] with I >= 1 and H >= 1"),  # I = 0: experts of no width
     ("x_zero_hidden", ValueError, "w13 must be [E, 2*I, H] with I >= 1 and H >= 1"),  # H = 0: tokens of no width
@@ -240,15 +245,30 @@ def test_bad_input_gets_a_clear_error(case, exc, match):
         kittenmoe.moe(*args, **kw)
 
 
-@pytest.mark.parametrize("case", ["x_hidden", "ids_float", "k_above_e", "expert_id_high", "fp8_name", "w13_zero_width",
-                                  "x_zero_hidden"])
+@pytest.mark.parametrize("case", ["x_hidden", "ids_float", "k_above_e", "expert_id_high", "expert_id_no_route",
+                                  "expert_id_int64_wraps", "fp8_name", "w13_zero_width", "x_zero_hidden"])
 def test_bad_input_refused_by_the_megakernel_too(case):
     """The same checks guard the megakernel path: host-side before launch; ids out of range are found on
     device and raised as MegakernelError (at once on CPU, at ``kittenmoe.check_errors()`` on CUDA)."""
     args, kw = _bad(case)
     exc = next(e for c, e, _ in BAD_INPUTS if c == case)
-    with pytest.raises(kittenmoe.MegakernelError if case == "expert_id_high" else exc):
+    with pytest.raises(kittenmoe.MegakernelError if case.startswith("expert_id") else exc):
         kittenmoe.moe(*args, backend="megakernel", **kw)
+
+
+@pytest.mark.parametrize("backend", ["megakernel", "auto"])  # asked for by name, or what auto means on CUDA
+def test_float64_on_the_megakernel_points_at_the_torch_backend(backend, monkeypatch):
+    """float64 is the torch backend's precision: the megakernel refuses it by name, at the call and when a layer
+    is built, instead of failing later in its config lookup; the torch backend runs it."""
+    x, ids, wts, w = _inputs(12, dtype=torch.float64, seed=5)
+    assert _call(x, ids, wts, w, backend="torch").dtype == torch.float64
+    if backend == "auto":  # auto resolves to the megakernel on CUDA: the check's path, without a GPU
+        monkeypatch.setattr(kittenmoe.functional, "resolve_backend", lambda b, d: "megakernel")
+    with pytest.raises(TypeError, match="the megakernel runs .* operands, got torch.float64; backend='torch'"):
+        _call(x, ids, wts, w, backend=backend)
+    if backend == "megakernel":
+        with pytest.raises(TypeError, match="MoELayer: the megakernel runs"):
+            kittenmoe.MoELayer(SHAPE, dtype=torch.float64, backend="megakernel")
 
 
 @pytest.mark.parametrize("bad,exc,match", [

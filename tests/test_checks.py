@@ -658,3 +658,21 @@ def test_default_config_refuses_pins_it_cannot_run(monkeypatch, kwargs, pins, ma
     e = kwargs.pop("e", e)
     with pytest.raises(ValueError, match=match):
         default_config(t, h, i, e, k, device="cuda", **{"s": 2048, **kwargs}, overrides=pins)
+
+
+@pytest.mark.parametrize("launcher", ["forward", "backward"])  # both multirank launchers, before any launch
+@pytest.mark.parametrize("limit", [-1.0, float("nan"), "7"])  # a clamp below zero, NaN, a string from a config
+def test_multirank_launchers_refuse_a_bad_swiglu_limit(launcher, limit):
+    from kittenmoe.launch_backward import megakernel_backward_multirank
+    from kittenmoe.launch_forward import megakernel_forward_multirank
+
+    g = torch.Generator().manual_seed(4)
+    w = make_weights(SHAPE, generator=g)
+    x = [torch.randn(6, SHAPE.h, generator=g)]
+    ids, wts = routing_uniform(6, SHAPE.e, SHAPE.k, generator=g)
+    args = (x, [ids], [wts], w.w13_E2IH, w.w2_EHI, w.shared_w13_2SH, w.shared_w2_HS, limit)
+    with pytest.raises(ValueError, match="swiglu_limit must be a positive number"):
+        if launcher == "forward":
+            megakernel_forward_multirank(*args)
+        else:
+            megakernel_backward_multirank([torch.randn(6, SHAPE.h, generator=g)], *args)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kittenmoe.schedule import NO_ROUTE, Schedule, build_schedule
+from kittenmoe.schedule import NO_ROUTE, Schedule, build_schedule, ids_int32
 
 BLOCK_MS = (1, 2, 4, 16)
 
@@ -299,6 +299,28 @@ def test_no_route_is_skipped_not_invalid(impl):
             assert torch.equal(x, y[:x.shape[0]]), f"rank {rank}: {f}"
         # token indices t*K + j are the same (padding sits after the real tokens)
         assert torch.equal(a.peer_token_idx, b.peer_token_idx[:a.capacity])
+
+
+@pytest.mark.parametrize("padding", [False, True])  # a caller's ids, or the launchers' with padding tokens
+def test_ids_int32_never_turns_a_wrong_id_into_a_route(padding):
+    """int64 ids past int32 would wrap into range in a plain cast (2**32 + 3 -> expert 3); ids_int32 makes them
+    -1, which the schedule counts invalid. NO_ROUTE stays only as padding; from a caller it is invalid, not a
+    dropped route. Valid ids keep their values, and padded int32 ids come back as the same tensor."""
+    valid = torch.randint(0, 12, (3, 5, 4), generator=torch.Generator().manual_seed(3))
+    wrong = torch.tensor([2**32 + 3, -(2**32) + 1, 2**31, -1, -(2**31), NO_ROUTE], dtype=torch.int64)
+    ids = valid.clone()
+    ids.view(-1)[:wrong.numel()] = wrong
+    got = ids_int32(ids, padding=padding)
+    assert got.dtype == torch.int32
+    want = valid.to(torch.int32)
+    want.view(-1)[:wrong.numel()] = -1
+    if padding:
+        want.view(-1)[wrong.numel() - 1] = NO_ROUTE
+    assert torch.equal(got, want)
+    for rank in range(3):  # the schedule counts every wrong id (NO_ROUTE aside as padding)
+        assert build_schedule(got, rank, 4, 4).num_invalid.item() == wrong.numel() - padding
+    narrow = ids.clamp(-1, NO_ROUTE).to(torch.int32)
+    assert (ids_int32(narrow, padding=True) is narrow) if padding else torch.equal(ids_int32(narrow), want)
 
 
 # ---------------------------------------------------------------- determinism

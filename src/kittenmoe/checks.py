@@ -16,7 +16,17 @@ from dataclasses import dataclass
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# The megakernels' operand dtypes: what their configs (heuristic and tuned) and GPU tests cover. float64 is the
+# torch backend's (the reference precision), never the megakernels'.
+MEGAKERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_megakernel_dtype(dtype: torch.dtype, who: str) -> None:
+    """TypeError naming ``who`` unless the megakernels run operands of ``dtype`` (``MEGAKERNEL_DTYPES``)."""
+    if dtype not in MEGAKERNEL_DTYPES:
+        raise TypeError(f"{who}: the megakernel runs {', '.join(str(d) for d in MEGAKERNEL_DTYPES)} operands, "
+                        f"got {dtype}; backend='torch' runs the layer in {dtype}")
 
 
 def check_swiglu_limit(swiglu_limit, name: str = "swiglu_limit") -> float | None:

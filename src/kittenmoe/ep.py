@@ -38,12 +38,12 @@ import triton.language as tl
 
 from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.autoconfig import auto_config
-from kittenmoe.checks import check_moe_inputs, check_swiglu_limit
+from kittenmoe.checks import check_megakernel_dtype, check_moe_inputs, check_swiglu_limit
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, check_fp8_option, resolve_expert_weights
 from kittenmoe.functional import contiguous_activations, no_tokens_output
 from kittenmoe.peers import SymmetricPeers
-from kittenmoe.schedule import NO_ROUTE
+from kittenmoe.schedule import NO_ROUTE, ids_int32
 
 
 @triton.jit
@@ -85,6 +85,7 @@ def _check(peers, x_TH, topk_ids_TK, topk_weights_TK, w13_L2IH, w2_LHI, shared_w
     dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_L2IH, w2_LHI, shared_w13_2SH,
                             shared_w2_HS, expert_parallel=peers.num_ranks,
                             allow_empty=allow_empty or peers.max_tokens is not None)
+    check_megakernel_dtype(w13_L2IH.dtype, "kittenmoe.moe_ep")
     if w13_L2IH.device != peers.device:
         raise ValueError(f"weights on {w13_L2IH.device}, peers on {peers.device}")
     if peers.max_tokens is not None and dims.t > peers.max_tokens:
@@ -154,7 +155,7 @@ def megakernel_forward_ep(
     N = token_slots(peers, T)
     dtype = w13_L2IH.dtype
     _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
-    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], topk_ids_TK, T, NO_ROUTE)
+    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], ids_int32(topk_ids_TK), T, NO_ROUTE)
     combine = peers.alloc("combine", (N * K, H), dtype)[rank]
     peers.barrier()
     ids_all = all_gather_routing(peers)
@@ -217,7 +218,7 @@ def megakernel_backward_ep(
     _put_tokens(peers.alloc("x", (N, H), dtype)[rank], x_TH, T, 0.0)
     _put_tokens(peers.alloc("d_out", (N, H), dtype)[rank], d_out_TH, T, 0.0)
     _put_tokens(peers.alloc("w", (N * K,), torch.float32)[rank], topk_weights_TK.reshape(-1), T * K, 0.0)
-    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], topk_ids_TK, T, NO_ROUTE)
+    _put_tokens(peers.alloc("ids", (N, K), torch.int32)[rank], ids_int32(topk_ids_TK), T, NO_ROUTE)
     dx_comb = peers.alloc("dx_comb", (N * K, H), dtype)[rank]
     dw_comb = peers.alloc("dw_comb", (N * K,), torch.float32)[rank]
     peers.barrier()

@@ -21,9 +21,10 @@ import torch
 
 from kittenmoe import autograd, torch_backend
 from kittenmoe.autoconfig import auto_config
-from kittenmoe.checks import check_moe_inputs, check_swiglu_limit
+from kittenmoe.checks import check_megakernel_dtype, check_moe_inputs, check_swiglu_limit
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import check_fp8_option
+from kittenmoe.schedule import ids_int32
 
 Backend = Literal["auto", "torch", "megakernel"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "megakernel")
@@ -113,6 +114,9 @@ def moe(
     x_TH, topk_ids_TK, topk_weights_TK = contiguous_activations(x_TH, topk_ids_TK, topk_weights_TK)
     dims = check_moe_inputs([x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH,
                             shared_w2_HS, allow_empty=True)
+    # int32 ids with every id outside [0, 2**31 - 1) made -1: counted invalid and raised, never wrapped into range
+    # or taken for a padding token's NO_ROUTE (a route dropped)
+    topk_ids_TK = ids_int32(topk_ids_TK)
     which = resolve_backend(backend, x_TH.device)
     if fp8 is not None and which != "megakernel":
         raise NotImplementedError(f"fp8 runs the megakernel only (CUDA, or CPU under TRITON_INTERPRET=1); the "
@@ -120,6 +124,7 @@ def moe(
     if dims.t == 0:
         return no_tokens_output(x_TH, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS)
     if which == "megakernel":
+        check_megakernel_dtype(x_TH.dtype, "kittenmoe.moe")
         if config is None:
             config = auto_config(dims.t, dims.h, dims.i, dims.e, dims.k, dims.s, 1, x_TH.device, x_TH.dtype, fp8)
         return autograd.moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,

@@ -18,13 +18,14 @@ import torch
 import triton
 
 from kittenmoe import launch_common as lc
+from kittenmoe.checks import check_swiglu_limit
 from kittenmoe.config import KernelConfig, check_shared_memory, gluon_wgrad_gradient_ok, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, Saved, check_errors,
                                      check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import build_schedule
+from kittenmoe.schedule import build_schedule, ids_int32
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
@@ -585,6 +586,7 @@ def megakernel_backward_multirank(
     """
     config = config or KernelConfig()
     check_fp8_type(fp8)
+    swiglu_limit = check_swiglu_limit(swiglu_limit)
     dims, peers = prepare_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
@@ -598,7 +600,7 @@ def megakernel_backward_multirank(
     if not config.combine_gather:  # which pushes nothing: no d_x / d_w combine buffers (as the forward's)
         dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)
         dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)
-    ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])
+    ids_all = torch.stack([ids_int32(ids, padding=True) for ids in topk_ids_RTK])
     # each rank writes its experts' slice
     d_w13 = torch.empty(w13_E2IH.shape, dtype=dtype, device=dev)
     d_w2 = torch.empty(w2_EHI.shape, dtype=dtype, device=dev)

@@ -17,13 +17,14 @@ import torch
 import triton
 
 from kittenmoe import launch_common as lc
+from kittenmoe.checks import check_swiglu_limit
 from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, RingGeometry, Saved,
                                      check_errors, check_fp8, check_fp8_type, prepare_inputs, route_rows,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import Schedule, build_schedule
+from kittenmoe.schedule import Schedule, build_schedule, ids_int32
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
@@ -463,6 +464,7 @@ def megakernel_forward_multirank(
     """
     config = config or KernelConfig()
     check_fp8_type(fp8)
+    swiglu_limit = check_swiglu_limit(swiglu_limit)
     dims, peers = prepare_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH,
                            shared_w2_HS, peers)
     dev, dtype = w13_E2IH.device, w13_E2IH.dtype
@@ -473,7 +475,7 @@ def megakernel_forward_multirank(
     # shared by layers of different configs would then do on every call.)
     # (A None per rank then: rank_forward_epilogue reads y_routed instead.)
     cb = [None] * R if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
-    ids_all = torch.stack([ids.to(torch.int32) for ids in topk_ids_RTK])  # the routing all-gather
+    ids_all = torch.stack([ids_int32(ids, padding=True) for ids in topk_ids_RTK])  # the routing all-gather
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,

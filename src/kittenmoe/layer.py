@@ -30,7 +30,7 @@ from kittenmoe import launch_common
 from kittenmoe.autoconfig import auto_config
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.functional import Backend, check_config, moe, resolve_backend
-from kittenmoe.checks import FLOAT_DTYPES, canonical_device
+from kittenmoe.checks import FLOAT_DTYPES, canonical_device, check_megakernel_dtype
 from kittenmoe.reference import route
 
 if TYPE_CHECKING:
@@ -101,7 +101,8 @@ class MoELayer(nn.Module):
                                  f"I={shape.i}")
         check_config(config)
         device = torch.device("cpu") if device is None else canonical_device(device)
-        check_backend_runs(backend, device)
+        if check_backend_runs(backend, device) == "megakernel":
+            check_megakernel_dtype(dtype, "MoELayer")
         self.shape = shape
         self.backend = backend
         self.config = config

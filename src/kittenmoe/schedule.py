@@ -67,6 +67,20 @@ def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
         raise ValueError(f"topk_ids_RTK must be [R, T, K], got shape {tuple(topk_ids_RTK.shape)}")
 
 
+def ids_int32(topk_ids: torch.Tensor, padding: bool = False) -> torch.Tensor:
+    """Routing ids as the int32 the schedule and kernels read, without a wrong id turning into a valid one.
+
+    A plain cast wraps int64 ids: 2**32 + 3 would route to expert 3. Here every id outside ``[0, NO_ROUTE)``
+    becomes -1, which the schedule counts as invalid (``Schedule.num_invalid``) and the entries raise.
+    ``padding``: ``NO_ROUTE`` stays as it is (the launchers' and ``ep``'s padding tokens, never dispatched);
+    without it, as for a caller's own ids, ``NO_ROUTE`` is invalid too, not a route silently dropped. An int32
+    tensor with ``padding`` comes back as it is (no id of it can wrap)."""
+    if padding and topk_ids.dtype == torch.int32:
+        return topk_ids
+    top = NO_ROUTE if padding else NO_ROUTE - 1  # (both fit int32: the comparison never overflows)
+    return torch.where((topk_ids >= 0) & (topk_ids <= top), topk_ids, -1).to(torch.int32)
+
+
 def _check_args(R: int, rank: int, L: int, block_m: int) -> None:
     if not 0 <= rank < R:
         raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
