@@ -1088,6 +1088,39 @@ def test_gpu_ep_mismatched_problem_raises_on_every_rank(gpu_worlds):
 
 
 
+
+def _task_ep_bad_ids(rank, world, p):
+    """Rank 1 routes one token to id 2**31 - 1 (the padding tokens' NO_ROUTE) and one to the int64 id 2**32 + 1
+    (expert 1 if cast to int32): neither may be taken for padding or wrap into range. Every rank's schedule counts
+    them, so every rank's forward raises at check_errors."""
+    from kittenmoe.ep import megakernel_forward_ep
+    from kittenmoe.launch_common import MegakernelError
+
+    dev = torch.device("cuda", rank_gpu(rank))
+    a = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in p.items()}
+    ids = a["ids"].long()
+    if rank == 1:
+        ids[3, 0], ids[5, 1] = 2**31 - 1, 2**32 + 1
+    peers = SymmetricPeers()
+    try:
+        fwd = megakernel_forward_ep(a["x"], ids, a["w"], a["w13"], a["w2"], None, None, None, peers=peers)
+        try:
+            fwd.check_errors()
+        except MegakernelError as e:
+            return str(e)
+    finally:
+        peers.destroy()
+    raise AssertionError(f"rank {rank}: NO_ROUTE and a wrapping int64 id from a caller were not flagged")
+
+
+_TASKS["ep_bad_ids"] = _task_ep_bad_ids
+
+
+@pytest.mark.gpu
+def test_gpu_ep_caller_ids_never_padding_or_wrapped(gpu_worlds):
+    for m in gpu_worlds(2).run_ok("ep_bad_ids", _small_ep_payloads(), timeout_s=EP_TIMEOUT_S):
+        assert "expert id" in m, m
+
 _KEEP_ALIVE: list = []  # objects whose destructors must not run before a task's answer is sent
 
 
