@@ -676,3 +676,23 @@ def test_multirank_launchers_refuse_a_bad_swiglu_limit(launcher, limit):
             megakernel_forward_multirank(*args)
         else:
             megakernel_backward_multirank([torch.randn(6, SHAPE.h, generator=g)], *args)
+
+
+def test_routes_past_int32_are_refused_before_any_work():
+    """Routes and routed rows are indexed in int32: a batch with 2**31 routes (or fewer routes whose padding
+    crosses the bound) is refused with the count, from shapes alone (meta tensors: nothing is allocated)."""
+    from kittenmoe.checks import check_moe_inputs
+    from kittenmoe.schedule import build_schedule
+
+    meta = dict(device="meta")
+    h, i, e, k = 8, 8, 8, 8
+    w13, w2 = torch.empty(e, 2 * i, h, **meta), torch.empty(e, h, i, **meta)
+    t = 2**28  # x 8 routes = 2**31
+    x, ids, wts = torch.empty(t, h, **meta), torch.empty(t, k, dtype=torch.int64, **meta), torch.empty(t, k, **meta)
+    with pytest.raises(ValueError, match="2147483648 routes; routes and routed rows are indexed in int32"):
+        check_moe_inputs([x], [ids], [wts], w13, w2, None, None)
+    # one route fewer than the bound passes the entry's check; its padding to 128-row tiles crosses it
+    t, k = 2**30 - 1, 2
+    ids = torch.empty(1, t, k, dtype=torch.int32, **meta)
+    with pytest.raises(ValueError, match="routed rows a rank at worst; routes and rows are indexed in int32"):
+        build_schedule(ids, 0, 4, 128)

@@ -159,6 +159,10 @@ def check_moe_inputs(
         raise ValueError("topk_ids has K=0 columns; at least one expert per token is needed")
     if k > e * expert_parallel:
         raise ValueError(f"top-k K={k} exceeds the number of experts E={e * expert_parallel}")
+    routes = r * expert_parallel * t * k  # what one rank's schedule may receive, every rank's routes
+    if routes >= 2**31 - 1:  # (schedule.NO_ROUTE: routes and routed rows are indexed in int32)
+        raise ValueError(f"{r * expert_parallel} rank(s) x T={t} x K={k} = {routes} routes; routes and routed rows "
+                         f"are indexed in int32, so fewer than 2**31 - 1: split the batch into smaller calls")
 
     s = check_shared_expert(shared_w13_2SH, shared_w2_HS, h, w13_E2IH.dtype, device)
     return MoEDims(r=r, t=t, h=h, i=i, e=e, k=k, s=s)

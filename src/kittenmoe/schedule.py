@@ -81,13 +81,18 @@ def ids_int32(topk_ids: torch.Tensor, padding: bool = False) -> torch.Tensor:
     return torch.where((topk_ids >= 0) & (topk_ids <= top), topk_ids, -1).to(torch.int32)
 
 
-def _check_args(R: int, rank: int, L: int, block_m: int) -> None:
+def _check_args(R: int, T: int, K: int, rank: int, L: int, block_m: int) -> None:
     if not 0 <= rank < R:
         raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
     if L < 1:
         raise ValueError(f"build_schedule: experts_per_rank must be >= 1, got {L}")
     if block_m < 1:
         raise ValueError(f"build_schedule: block_m must be >= 1, got {block_m}")
+    rows = routed_capacity(R, T, K, L, block_m)
+    if rows >= NO_ROUTE:  # the tables and the kernels index routes and routed rows in int32
+        raise ValueError(f"build_schedule: {R} x {T} x {K} routes and each expert's padding make {rows} routed rows "
+                         f"a rank at worst; routes and rows are indexed in int32 (below {NO_ROUTE}): split the "
+                         f"batch into smaller calls")
 
 
 def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int, block_m: int,
@@ -110,7 +115,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
         raise ValueError(f"build_schedule: impl must be 'torch' or 'triton', got {impl!r}")
     R, T, K = topk_ids_RTK.shape
     L = experts_per_rank
-    _check_args(R, rank, L, block_m)
+    _check_args(R, T, K, rank, L, block_m)
     dev = topk_ids_RTK.device
     P = T * K  # routes per source rank
     C = routed_capacity(R, T, K, L, block_m)
@@ -192,7 +197,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
 
     R, T, K = topk_ids_RTK.shape
     L = experts_per_rank
-    _check_args(R, rank, L, block_m)
+    _check_args(R, T, K, rank, L, block_m)
     dev = topk_ids_RTK.device
     check_triton_device(dev, "build_schedule(impl='triton')")
     P = T * K
