@@ -14,11 +14,18 @@
 #   bash scripts/sonicmoe_wheels.sh pack-cache DIR
 #                                            on the GPU machine, after SonicMoE ran: QuACK's cache into
 #                                            DIR/quack-cache.tar.gz (carry it back as .sonic/quack-cache.tar.gz)
+#   PY312=python3.12 bash scripts/sonicmoe_wheels.sh precompile
+#                                            on a machine without a GPU, with a Python 3.12 that has torch (any
+#                                            build): compile every GEMM candidate SonicMoE's autotuner will try on
+#                                            sm_90 (scripts/sonic_precompile.py, about 3 minutes on 2 cores) into
+#                                            .sonic/quack-cache.tar.gz, over what that archive already holds
 #
 # QuACK keeps each GEMM's autotuning result and compiled objects in QUACK_CACHE_DIR (QUACK_CACHE_AUTOTUNING=1).
 # On a fresh machine every GEMM of each SonicMoE pass compiles its candidates and times them on its first call,
 # which is where the first calls' minutes go; unpack fills the cache from a carried .sonic/quack-cache.tar.gz
-# (the same GPU model and versions: QuACK's cache keys hold its version and each config).
+# (the same GPU model and versions: QuACK's cache keys hold its version and each config). The compiled objects
+# hold no shape and build without a GPU (precompile), so only the autotuner's timing, per shape, is left to the
+# GPU machine; its results (JSON, keyed by shape) come back in pack-cache's archive.
 #
 # Pinned: sonic-moe 0.1.2.post1 (kittenmoe.baselines_sonic is written against it), quack-kernels 0.3.11,
 # nvidia-cutlass-dsl and nvidia-cutlass-dsl-libs-base 4.4.2, cuda-python and cuda-bindings 13.0.3, cuda-pathfinder,
@@ -110,8 +117,27 @@ pack_cache() {
   echo "QuACK cache: $(du -sh "$cache" | cut -f1) -> $out/quack-cache.tar.gz ($(du -h "$out/quack-cache.tar.gz" | cut -f1))"
 }
 
+precompile() {
+  local py=${PY312:-python3.12}
+  "$py" -c 'import sys, torch; assert sys.version_info[:2] == (3, 12), sys.version' || {
+    echo "error: precompile needs a Python 3.12 with torch (PY312=...): QuACK's cache keys hold the minor version" >&2
+    exit 1
+  }
+  local site=$PWD/$DIR/site cache=$PWD/$DIR/precompile-cache
+  eval "$(unpack)"  # the same folder the GPU machine uses, and PYTHONPATH
+  rm -rf "$cache"
+  mkdir -p "$cache"
+  [[ -f $DIR/quack-cache.tar.gz ]] && tar xzf "$DIR/quack-cache.tar.gz" -C "$cache"
+  QUACK_CACHE_DIR=$cache PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages "$py" scripts/sonic_precompile.py
+  tar czf "$DIR/quack-cache.tar.gz.tmp" -C "$cache" .
+  mv "$DIR/quack-cache.tar.gz.tmp" "$DIR/quack-cache.tar.gz"
+  rm -rf "$cache" "$site"  # the unpacked tree (220 MB) must not travel with a device call's carry
+  echo "$DIR/quack-cache.tar.gz: $(du -h "$DIR/quack-cache.tar.gz" | cut -f1)"
+}
+
 case ${1:-} in
   pack) pack ;;
+  precompile) precompile ;;
   unpack) unpack ;;
   pack-cache) pack_cache "${2:-}" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; [[ -z ${1:-} ]] || exit 2 ;;
