@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
 import time
 
@@ -88,7 +89,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="64,256,128,8,2",
                     help="T,H,I,E,K of the small problem run on the CPU (the compile keys hold no shape)")
-    T, H, I, E, K = (int(v) for v in ap.parse_args().shape.split(","))
+    ap.add_argument("--single-cta", action="store_true",
+                    help="also each 2-CTA candidate with a 1 x 1 cluster (benchmarks/probes/cluster_probe.py)")
+    args = ap.parse_args()
+    T, H, I, E, K = (int(v) for v in args.shape.split(","))
+    if args.single_cta:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "probes"))
+        from cluster_probe import add_single_cta_candidates
+
+        add_single_cta_candidates()
     g = torch.Generator().manual_seed(0)
     x_TH = torch.randn(T, H, generator=g).to(torch.bfloat16).requires_grad_()
     ids_TK = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)

@@ -14,11 +14,12 @@
 #   bash scripts/sonicmoe_wheels.sh pack-cache DIR
 #                                            on the GPU machine, after SonicMoE ran: QuACK's cache into
 #                                            DIR/quack-cache.tar.gz (carry it back as .sonic/quack-cache.tar.gz)
-#   PY312=python3.12 bash scripts/sonicmoe_wheels.sh precompile
+#   PY312=python3.12 bash scripts/sonicmoe_wheels.sh precompile [--single-cta]
 #                                            on a machine without a GPU, with a Python 3.12 that has torch (any
 #                                            build): compile every GEMM candidate SonicMoE's autotuner will try on
 #                                            sm_90 (scripts/sonic_precompile.py, about 3 minutes on 2 cores) into
 #                                            .sonic/quack-cache.tar.gz, over what that archive already holds
+#                                            (--single-cta: also benchmarks/probes/cluster_probe.py's candidates)
 #
 # QuACK keeps each GEMM's autotuning result and compiled objects in QUACK_CACHE_DIR (QUACK_CACHE_AUTOTUNING=1).
 # On a fresh machine every GEMM of each SonicMoE pass compiles its candidates and times them on its first call,
@@ -128,7 +129,7 @@ precompile() {
   rm -rf "$cache"
   mkdir -p "$cache"
   [[ -f $DIR/quack-cache.tar.gz ]] && tar xzf "$DIR/quack-cache.tar.gz" -C "$cache"
-  QUACK_CACHE_DIR=$cache PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages "$py" scripts/sonic_precompile.py
+  QUACK_CACHE_DIR=$cache PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages "$py" scripts/sonic_precompile.py "$@"
   tar czf "$DIR/quack-cache.tar.gz.tmp" -C "$cache" .
   mv "$DIR/quack-cache.tar.gz.tmp" "$DIR/quack-cache.tar.gz"
   rm -rf "$cache" "$site"  # the unpacked tree (220 MB) must not travel with a device call's carry
@@ -137,7 +138,7 @@ precompile() {
 
 case ${1:-} in
   pack) pack ;;
-  precompile) precompile ;;
+  precompile) shift; precompile "$@" ;;
   unpack) unpack ;;
   pack-cache) pack_cache "${2:-}" ;;
   *) sed -n '2,/^set -euo/p' "$0" | sed '$d'; [[ -z ${1:-} ]] || exit 2 ;;
