@@ -11,6 +11,11 @@ fastest single-CTA candidate; ``--out`` gets the JSON.
 
     PYTHONPATH=src python3 benchmarks/probes/cluster_probe.py --shape 8192,2048,768,128,8 --out $OUT
 
+``--gluon-build`` (no GPU: ``PYTHONPATH=src:tools``, with the device's Triton) instead compiles for sm_90 a Gluon
+kernel whose TMA-loaded tile two CTAs of a cluster share (``cga_layout`` [[0, 0]], ``num_ctas=2``) and prints
+the PTX's cluster and bulk-copy lines: Triton 3.6 gives ``.reqnctapercluster 2`` and one plain
+``cp.async.bulk.tensor`` a CTA, no ``.multicast::cluster``.
+
 SonicMoE from a carried .sonic (``eval "$(bash scripts/sonicmoe_wheels.sh unpack)"``); the single-CTA candidates
 compile on the first call unless ``scripts/sonic_precompile.py --single-cta`` built them (about 25 s of compile
 a GEMM call on the GPU machine's 16 cores otherwise).
@@ -85,11 +90,55 @@ def summarise(call: dict) -> dict:
     return {"gemm": call["gemm"], "best_2cta": best_duo, "same_tile_1cta": same, "best_1cta": best_solo}
 
 
+def gluon_build() -> list[str]:
+    """The sm_90 PTX lines of a 2-CTA Gluon kernel that name the cluster or issue a bulk tensor copy."""
+    import torch
+    from sm90_build import compile_only_sm90
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    shared = [[0, 0]]  # both CTAs hold the whole tile: the layout a multicast load would fill
+    tile_l = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2, cga_layout=shared)
+    bar_l = mbarrier.MBarrierLayout(cga_layout=[[0]])
+    reg_l = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0], cga_layout=shared)
+
+    @gluon.jit
+    def shared_tile(desc, out_ptr,  # desc: [256, 64] bf16 in blocks of [128, 64]; out_ptr: [128, 64]
+                    TILE_L: gl.constexpr, BAR_L: gl.constexpr, REG_L: gl.constexpr):
+        s = gl.allocate_shared_memory(gl.bfloat16, [128, 64], TILE_L)
+        bar = gl.allocate_shared_memory(gl.int64, [1, 1], BAR_L)
+        mbarrier.init(bar.index(0), count=1)
+        fence_async_shared()
+        mbarrier.expect(bar.index(0), desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [0, 0], bar.index(0), s)
+        mbarrier.wait(bar.index(0), 0)
+        r = gl.arange(0, 128, gl.SliceLayout(1, REG_L))[:, None]
+        c = gl.arange(0, 64, gl.SliceLayout(0, REG_L))[None, :]
+        gl.store(out_ptr + r * 64 + c, s.load(REG_L))
+
+    x = torch.randn(256, 64).to(torch.bfloat16)
+    desc = TensorDescriptor.from_tensor(x, [128, 64], tile_l)
+    with compile_only_sm90() as built:
+        shared_tile[(1,)](desc, torch.empty(128, 64, dtype=torch.bfloat16), tile_l, bar_l, reg_l,
+                          num_warps=4, num_ctas=2)
+    ptx = built[-1].kernel.asm["ptx"]
+    return [ln.strip() for ln in ptx.splitlines()
+            if "cp.async.bulk.tensor" in ln or ln.strip().startswith((".explicitcluster", ".reqnctapercluster"))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="8192,2048,768,128,8", help="T,H,I,E,K")
     ap.add_argument("--out", default=None, help="folder for cluster-probe-<shape>.json")
+    ap.add_argument("--gluon-build", action="store_true", help="no GPU: the 2-CTA Gluon build's PTX lines")
     args = ap.parse_args()
+    if args.gluon_build:
+        lines = gluon_build()
+        print("\n".join(lines))
+        print(f"multicast loads: {sum('multicast::cluster' in ln for ln in lines)}")
+        return
     T, H, I, E, K = (int(v) for v in args.shape.split(","))
     os.environ["QUACK_PRINT_AUTOTUNING"] = "1"
     os.environ["QUACK_FORCE_CACHE_UPDATE"] = "1"  # time every candidate even where a tuning result is cached
