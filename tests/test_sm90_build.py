@@ -153,6 +153,9 @@ def test_megakernel_builds_for_sm90(spec, expected, prefetch_builds):
             assert b["timer"] == spec.get("trace", False), b
         # every wgmma's descriptor registers set on every path to it (a ptxas miscompile seen on the H200)
         assert not b["hgmma_unset"], b
+        # no counter released while a TMA store of the rows it announces may still be in flight (the Gluon
+        # forward's hidden rows were, behind tma.store_wait's .read form)
+        assert not b["early_releases"], b
         if b["name"] == BWD_GLUON[1]:
             assert b["warp_specialized"] and b["threads"] == 384 and b["stack"] == 0 and b["local"] == 0, b
         elif b["name"] == BWD_MEGA_GLUON[0]:  # 4 partitions of 128 threads sharing the register file, none spilling
@@ -227,6 +230,34 @@ def test_hgmma_descriptor_check_flags_the_three_way_tail_build():
     with gzip.open(os.path.join(ROOT, "tests", "data", "wgrad_gluon_three_way_tail.sass.gz"), "rt") as f:
         bad = hgmma_descriptors_unset(f.read())
     assert [b[:6] for b in bad] == ["0x18f0", "0x44f0"], bad
+
+
+# A gate|up tile's epilogue as the Gluon forward compiled it (Triton 3.6): the hidden rows' TMA store, then
+# tma.store_wait's .read form, the proxy fence, the barrier and the release of hid_ready.
+_PTX_SIGNAL = """\t@%p239 cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%rd9, {%r3290, %r3912}], [%r3291];
+\tcp.async.bulk.commit_group;
+\tcp.async.bulk.wait_group.read \t0;
+\tfence.proxy.async.global;
+\tbar.sync \t0, 128;
+\t@%p208 atom.global.gpu.release.add.u32 %r3293, [ %rd202 + 0 ], %r3294;
+"""
+
+
+def test_release_check_flags_a_signal_that_may_overtake_its_rows():
+    """sm90_build.releases_before_stores_land: the release after a TMA store and only the .read wait is
+    flagged; with ``cp.async.bulk.wait_group 0`` before the fence it is not; a release with no store before it
+    in its function (a TMA load's rows, ordinary stores) is not; a store in one function does not flag the
+    next function's release."""
+    from sm90_build import releases_before_stores_land
+
+    bad = releases_before_stores_land(_PTX_SIGNAL)
+    assert len(bad) == 1 and bad[0].startswith("line 6:") and "TMA store at line 1" in bad[0], bad
+    fixed = _PTX_SIGNAL.replace("\tfence.proxy", "\tcp.async.bulk.wait_group 0;\n\tfence.proxy")
+    assert releases_before_stores_land(fixed) == []
+    assert releases_before_stores_land(_PTX_SIGNAL.split("\n", 1)[1]) == []
+    two = _PTX_SIGNAL.split("\tcp.async.bulk.commit", 1)[0] + ".visible .entry next(\n" + \
+        _PTX_SIGNAL.split("\n", 1)[1]
+    assert releases_before_stores_land(two) == []
 
 
 def test_quantisers_build_for_sm90():

@@ -55,7 +55,9 @@ class Build:
     """One compiled kernel: its name, registers a thread, stack and local (spill) bytes, shared memory, threads
     a program, and what the code holds: wgmma, TMA, warp specialization (``ttg.warp_specialize``), timer
     reads (``%globaltimer``, the TRACE builds); ``hgmma_unset``: the SASS's wgmmas whose descriptor registers
-    some path leaves unset (``hgmma_descriptors_unset``; empty in a sound build)."""
+    some path leaves unset (``hgmma_descriptors_unset``; empty in a sound build); ``early_releases``: the PTX's
+    release atomics that may overtake a TMA store of the same thread (``releases_before_stores_land``; empty in
+    a sound build)."""
 
     name: str
     regs: int
@@ -68,6 +70,7 @@ class Build:
     warp_specialized: bool = False
     timer: bool = False
     hgmma_unset: tuple[str, ...] = ()
+    early_releases: tuple[str, ...] = ()
     kernel: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def line(self) -> str:
@@ -182,6 +185,32 @@ def _hgmma_unset_in(insns: list[tuple]) -> list[str]:
     return bad
 
 
+_BULK_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\w+\.global\.shared")
+_BULK_WRITTEN = re.compile(r"\bcp\.async\.bulk\.wait_group\s+0\s*;")  # not the .read form
+_RELEASE = re.compile(r"\b(atom|red)\.[\w.]*\brelease\b")
+
+
+def releases_before_stores_land(ptx: str) -> list[str]:
+    """The release atomics of a PTX listing reached, in program order, after a TMA store (``cp.async.bulk.tensor``
+    to global) with no ``cp.async.bulk.wait_group 0`` in between: such a release can publish a counter before
+    the stored rows are in global memory, where another program's load would read them stale.
+
+    Why: the Gluon forward signalled a gate|up tile's hidden rows after ``tma.store_wait``, which Triton 3.6
+    lowers to the ``.read`` form (the shared-memory source is read, nothing said about the global write).
+    Coarse: the listing is read straight through, not along its branches (each function's text in order)."""
+    bad, pending = [], None
+    for n, line in enumerate(ptx.splitlines(), 1):
+        if line.lstrip().startswith((".func", ".entry", ".visible .entry")):
+            pending = None
+        if _BULK_STORE.search(line):
+            pending = n
+        elif _BULK_WRITTEN.search(line):
+            pending = None
+        elif pending is not None and _RELEASE.search(line):
+            bad.append(f"line {n}: {line.strip()[:60]} (TMA store at line {pending})")
+    return bad
+
+
 def _resource_usage(cubin: bytes) -> tuple[int, int, int]:
     """(REG, STACK, LOCAL) from cuobjdump, shipped with Triton's NVIDIA backend."""
     out = _cuobjdump(cubin, "-res-usage")
@@ -198,7 +227,8 @@ def _build(name: str, k) -> Build:
     wgmma = "wgmma.mma_async" in ptx
     return Build(name, regs, stack, local, k.metadata.shared, wgmma, "cp.async.bulk.tensor" in ptx,
                  int(m[1]) if m else 0, "ttg.warp_specialize" in k.asm.get("ttgir", ""), "%globaltimer" in ptx,
-                 tuple(hgmma_descriptors_unset(sass(k.asm["cubin"]))) if wgmma else (), k)
+                 tuple(hgmma_descriptors_unset(sass(k.asm["cubin"]))) if wgmma else (),
+                 tuple(releases_before_stores_land(ptx)), k)
 
 
 @contextlib.contextmanager

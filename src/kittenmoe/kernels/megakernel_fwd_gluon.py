@@ -54,8 +54,20 @@ def _proxy_fence():
 
 
 @gluon.jit
+def _bulk_stores_done():
+    """``cp.async.bulk.wait_group 0``: this thread's TMA stores have written global memory. ``tma.store_wait``
+    is the ``.read`` form, which returns once a store has only read its shared-memory source: enough to reuse
+    the buffer, not to tell another program the rows are there (the release could overtake the rows, and a
+    down tile's TMA load read the stale hidden row). Threads that issued no store return at once."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _signal(cnt_ptr):
-    """Bump a counter once this partition's stores are done (fence, partition barrier, release)."""
+    """Bump a counter once this partition's stores are done: its TMA stores written (``_bulk_stores_done``; the
+    hidden rows a gate|up tile stores that way), then the proxy fence, the partition barrier and the release."""
+    _bulk_stores_done()
     _proxy_fence()
     gl.thread_barrier()
     gl.atomic_add(cnt_ptr, 1, sem="release")
