@@ -11,17 +11,17 @@ width, ``--layers`` deep; with ``--stack hf`` every ``experts_implementation`` t
 experts and kittenmoe; with either, ``no-routed-experts``, the floor, so that ``step - floor`` is the routed
 experts' share of the step. ``--compile both`` runs every provider also under ``torch.compile`` of the model.
 
-Each provider builds the same weights from one seed and trains on the same batches: bf16 parameters, AdamW,
-``--loss-steps`` steps whose losses are kept (every implementation must train the same model: the rows give each
-one's largest loss difference from the reference provider's, grouped_mm or torchtitan, beside eager's as the
-scale of bf16 noise), of which all after ``--warmup`` are timed with CUDA events (median). Providers run one
-after another, the floor first and last (the mean of the two is the floor), each model freed before the next
-(Dynamo reset too), so the peak memory of a provider (``max_memory_allocated`` from its build to its last step)
-is its own; the rows are rewritten after each provider. One more step runs under ``torch.cuda.set_sync_debug_mode("warn")``
-to count the host syncs a step makes; with ``--profile``, two more under ``torch.profiler`` give each row its
-heaviest GPU kernels. A provider that does not fit (out of memory) or cannot run here (a missing package, a CPU)
-gets a row saying so; kittenmoe failing for any other reason stops the run. Rows go to ``benchmarks/results/``
-as JSON.
+Each provider builds the same weights from one seed and trains on the same batches: bf16 parameters, AdamW
+(torch's fused kernels, torchtitan's default), ``--loss-steps`` steps whose losses are kept (every implementation
+must train the same model: the rows give each one's largest loss difference from the reference provider's,
+grouped_mm or torchtitan, beside eager's as the scale of bf16 noise), of which all after ``--warmup`` are timed
+with CUDA events (median). Providers run one after another, the floor first and last (the mean of the two is the
+floor), each model freed before the next (Dynamo reset too), so the peak memory of a provider
+(``max_memory_allocated`` from its build to its last step) is its own; the rows are rewritten after each
+provider. One more step runs under ``torch.cuda.set_sync_debug_mode("warn")`` to count the host syncs a step
+makes; with ``--profile``, two more under ``torch.profiler`` give each row its heaviest GPU kernels. A provider
+that does not fit (out of memory) or cannot run here (a missing package, a CPU) gets a row saying so; kittenmoe
+failing for any other reason stops the run. Rows go to ``benchmarks/results/`` as JSON.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from typing import Callable
 import torch
 
 from kittenmoe.bench.environment import command_line, environment, now_iso
-from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, TITAN_ATTENTION, Model, adamw, apply_titan,
-                                          build_hf, build_titan, hf_loss, hf_providers, titan_flavor, titan_loss,
-                                          titan_providers, zipf_batches)
+from kittenmoe.bench.train_models import (FLOOR, KITTENMOE, MODELS, OPTIMIZER, TITAN_ATTENTION, Model, adamw,
+                                          apply_titan, build_hf, build_titan, hf_loss, hf_providers, titan_flavor,
+                                          titan_loss, titan_providers, zipf_batches)
 
 
 def host_syncs(step: Callable[[], None]) -> list[str]:
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = dict(kind="train-step", stack=args.stack, model=args.model, layers=args.layers, batch=args.batch,
                  seq=args.seq, tokens_per_step=args.batch * args.seq, dtype=str(dtype).removeprefix("torch."),
                  h=spec.hidden, i=spec.moe_inter, e=spec.experts, k=spec.top_k, shared=spec.shared,
-                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, knobs=args.knobs,
+                 loss_steps=args.loss_steps, warmup=args.warmup, lr=args.lr, optimizer=OPTIMIZER,
+                 knobs=args.knobs,
                  **(dict(attention=args.titan_attention) if args.stack == "torchtitan" else {}),
                  **environment(device),
                  date=now_iso(), command=command_line(sys.argv if argv is None else ["benchmarks/train_step.py", *argv]))

@@ -134,7 +134,8 @@ def render_train() -> str:
             runs.setdefault(key, {}).setdefault(name, []).append(dict(r, _file=name))
     if not runs:
         return ""
-    lines = ["", "", "Whole training steps of published models at full width, truncated in depth (bf16, AdamW, every "
+    lines = ["", "", "Whole training steps of published models at full width, truncated in depth (bf16, AdamW: torch's "
+             "fused kernels in runs whose rows record `optimizer`, the foreach ones in those before; every "
              "provider of a run from the same weights on the same batches, one after another; median step after "
              "warm-up; routed share = (step - the step whose routed experts compute nothing) / step; loss diff = the "
              "largest difference from the reference provider's loss over the run's steps; ratios are within one run "

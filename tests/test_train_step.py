@@ -286,5 +286,6 @@ def test_adamw_one_group_of_dense_parameters():
     assert fuse_gate_up_storage(model) == 1
     opt = adamw(model, 1e-3)
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["lr"] == 1e-3
+    assert opt.param_groups[0]["fused"] is True  # torchtitan's default implementation, as the rows record it
     params = opt.param_groups[0]["params"]
     assert params == list(model.parameters()) and all(p.is_contiguous() for p in params)
