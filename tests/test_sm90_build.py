@@ -255,9 +255,9 @@ def test_release_check_flags_a_signal_that_may_overtake_its_rows():
     fixed = _PTX_SIGNAL.replace("\tfence.proxy", "\tcp.async.bulk.wait_group 0;\n\tfence.proxy")
     assert releases_before_stores_land(fixed) == []
     assert releases_before_stores_land(_PTX_SIGNAL.split("\n", 1)[1]) == []
-    two = _PTX_SIGNAL.split("\tcp.async.bulk.commit", 1)[0] + ".visible .entry next(\n" + \
-        _PTX_SIGNAL.split("\n", 1)[1]
-    assert releases_before_stores_land(two) == []
+    for header in (".visible .entry next(", ".func next(", ".visible .func next(", ".weak .func next("):
+        two = _PTX_SIGNAL.split("\tcp.async.bulk.commit", 1)[0] + header + "\n" + _PTX_SIGNAL.split("\n", 1)[1]
+        assert releases_before_stores_land(two) == [], header
 
 
 def test_quantisers_build_for_sm90():

@@ -188,6 +188,7 @@ def _hgmma_unset_in(insns: list[tuple]) -> list[str]:
 _BULK_STORE = re.compile(r"\bcp\.async\.bulk\.tensor\.\w+\.global\.shared")
 _BULK_WRITTEN = re.compile(r"\bcp\.async\.bulk\.wait_group\s+0\s*;")  # not the .read form
 _RELEASE = re.compile(r"\b(atom|red)\.[\w.]*\brelease\b")
+_FUNCTION = re.compile(r"^\s*(\.(visible|weak|extern)\s+)*\.(entry|func)\b")  # a kernel's or a function's header
 
 
 def releases_before_stores_land(ptx: str) -> list[str]:
@@ -200,7 +201,7 @@ def releases_before_stores_land(ptx: str) -> list[str]:
     Coarse: the listing is read straight through, not along its branches (each function's text in order)."""
     bad, pending = [], None
     for n, line in enumerate(ptx.splitlines(), 1):
-        if line.lstrip().startswith((".func", ".entry", ".visible .entry")):
+        if _FUNCTION.match(line):
             pending = None
         if _BULK_STORE.search(line):
             pending = n
