@@ -125,11 +125,10 @@ precompile() {
     exit 1
   }
   local site=$PWD/$DIR/site cache=$PWD/$DIR/precompile-cache
-  eval "$(unpack)"  # the same folder the GPU machine uses, and PYTHONPATH
   rm -rf "$cache"
-  mkdir -p "$cache"
-  [[ -f $DIR/quack-cache.tar.gz ]] && tar xzf "$DIR/quack-cache.tar.gz" -C "$cache"
-  QUACK_CACHE_DIR=$cache PYTHONPATH=$site:$site/nvidia_cutlass_dsl/python_packages "$py" scripts/sonic_precompile.py "$@"
+  # the same folder the GPU machine uses, with the carried archive's cache in $cache: PYTHONPATH, QUACK_CACHE_DIR
+  eval "$(QUACK_CACHE_DIR=$cache unpack)"
+  "$py" scripts/sonic_precompile.py "$@"
   tar czf "$DIR/quack-cache.tar.gz.tmp" -C "$cache" .
   mv "$DIR/quack-cache.tar.gz.tmp" "$DIR/quack-cache.tar.gz"
   rm -rf "$cache" "$site"  # the unpacked tree (220 MB) must not travel with a device call's carry
