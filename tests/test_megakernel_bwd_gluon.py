@@ -36,7 +36,7 @@ def test_config_names_the_backward_kernel():
 ])
 def test_auto_backward_kernel_off_hopper(change, want):
     args = dict(config=AUTO, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=0, gu_mode=1,
-                fp8=None, trace=False, phases=mb.PB_ALL)
+                fp8=None, phases=mb.PB_ALL)
     assert resolve_backward_kernel(**{**args, **change}) == want
 
 
@@ -71,7 +71,6 @@ def test_auto_backward_runs_the_triton_kernel_under_the_interpreter():
     (dict(gu_mode=2), "kept"),  # a wrapping ring's forward kept macrobatch 0 only
     (dict(s=256), "shared expert"),  # a shared expert's phases
     (dict(fp8=object()), "no FP8"),  # e4m3 operands
-    (dict(trace=True), "no trace"),  # the profiling build
     (dict(phases=mb.PB_A | mb.PB_PULL), "every phase"),  # a phase subset, for timing one phase
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
@@ -80,7 +79,7 @@ def test_auto_backward_runs_the_triton_kernel_under_the_interpreter():
 ])
 def test_gluon_refusals_say_what_is_missing(change, match):
     args = dict(config=GLUON, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=0, gu_mode=1,
-                fp8=None, trace=False, phases=mb.PB_ALL)
+                fp8=None, phases=mb.PB_ALL)
     why = backward_gluon_refusal(**{**args, **change})
     assert why is not None and match in why, why
     assert backward_gluon_refusal(**args) is None
@@ -178,7 +177,7 @@ def test_gpu_auto_backward_resolves_per_launch():
     """"auto" (default_config's on CUDA with 2-byte operands) runs the Gluon backward where a launch can run it and
     the Triton kernel elsewhere, never refusing."""
     args = dict(config=AUTO, dev=torch.device("cuda"), dtype=torch.bfloat16, ranks=1, h=2048, i=768, s=0, gu_mode=1,
-                fp8=None, trace=False, phases=mb.PB_ALL)
+                fp8=None, phases=mb.PB_ALL)
     assert resolve_backward_kernel(**args) == "gluon"
     assert resolve_backward_kernel(**{**args, "s": 768}) == "triton"  # a shared expert
     assert resolve_backward_kernel(**{**args, "gu_mode": 0}) == "triton"  # a forward that kept nothing: the replay
@@ -218,3 +217,35 @@ def test_gpu_gluon_backward_matches_triton_bits(case, stages, cuda_cleanup, monk
     (ref * d_out.float()).sum().backward()
     err = rel_l1(runs[0]["d_x"], xl.grad)
     assert err <= tolerance_for("bf16").rel_l1, f"{case}: d_x relative L1 {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
+# uniform routing at Qwen's widths (16 minibatches) and skewed routing with empty experts (empty phase-A tiles)
+@pytest.mark.parametrize("case", ["qwen3-30b", "zipf-clamp"])
+def test_gpu_gluon_backward_trace_counts_every_role_and_changes_no_bit(case, cuda_cleanup):
+    """A traced Gluon backward (``trace=True``, ``kittenmoe.trace.BWD_KINDS``): per routed row tile and column
+    tile one "A", "A hand-over" and "A epilogue" event, per phase-B tile one "B", "B store" and "a_ready wait";
+    every event's times ordered (start <= ready <= end); the gradients equal the untraced run's bit for bit."""
+    from kittenmoe.trace import BWD_KINDS, events, summarize
+
+    args, d_out, fwd, tri = _case(case)
+    plain = megakernel_backward_multirank([d_out], *args, config=GLUON, saved=fwd.saved())
+    traced = megakernel_backward_multirank([d_out], *args, config=GLUON, saved=fwd.saved(), trace=True)
+    traced.check_errors()
+    for name, g in _grads(plain).items():
+        assert_bitwise_equal(_grads(traced)[name], g, f"{case}: {name}, traced vs untraced")
+    assert plain.traces is None
+    ev = events(traced.traces[0])
+    sh = GPU_CASES[case][0]
+    sched = fwd.states[0].schedule
+    rows = int(sched.num_rows.item())
+    tiles = int((sched.tile_expert[:-(-rows // 128)] >= 0).sum())  # routed row tiles of 128 with an expert
+    n_a, n_b = tiles * (sh.i // 128), tiles * (sh.h // 256)
+    want = {"A": n_a, "A hand-over": n_a, "A epilogue": n_a, "B": n_b, "B store": n_b, "a_ready wait": n_b}
+    got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(BWD_KINDS)}
+    assert got == {name: want.get(name, 0) for name in BWD_KINDS}, (got, want)
+    assert bool((ev[:, 2] <= ev[:, 3]).all() and (ev[:, 3] <= ev[:, 4]).all()), "an event's times out of order"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    s = summarize(traced.traces[0], 0, BWD_KINDS, num_programs=sms)
+    assert s.span_ns > 0 and {k.kind for k in s.kinds} == {n for n, c in want.items() if c}

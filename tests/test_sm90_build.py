@@ -121,6 +121,10 @@ BWD_MEGA_GLUON = ["backward_kernel", BWD[1], BWD[2]]  # the Gluon backward megak
     (dict(which="bwd", resident=True, shared=False,
           config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
      BWD_MEGA_GLUON),
+    # and its profiling build (TRACE: each role's events)
+    (dict(which="bwd", resident=True, shared=False, trace=True,
+          config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
+     BWD_MEGA_GLUON),
     # the backward megakernel at 4 stages (it fits: 229,408 B), kept and FP8-replaying
     (dict(which="bwd", resident=True, config=dict(bwd_num_stages=4)), BWD),
     (dict(which="bwd", fp8_block=128, replay=True, config=dict(block_m=64, bwd_num_stages=4)), BWD),

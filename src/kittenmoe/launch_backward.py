@@ -69,11 +69,11 @@ def _check_wgrad_gluon(dev: torch.device, use_tma: bool, jobs: list) -> None:
 
 
 def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
-                           s: int, gu_mode: int, fp8, trace: bool, phases: int) -> str | None:
+                           s: int, gu_mode: int, fp8, phases: int) -> str | None:
     """Why ``KernelConfig.backward_kernel="gluon"`` cannot run this launch (one line), or None. The Gluon backward
     (``kernels/megakernel_bwd_gluon.py``) is the one-rank default path only: one rank with ``combine_gather`` and no
     communication programs, every routed row's gate|up kept by the forward (a resident ring, ``saved``), no
-    shared expert, 2-byte operands through TMA, no FP8, no trace, every phase, the 128 x 128 x 64 tile (its ring
+    shared expert, 2-byte operands through TMA, no FP8, every phase, the 128 x 128 x 64 tile (its ring
     is 3 stages whatever ``num_stages`` says: the kernel's shared memory), and widths that divide into it. The
     device (Hopper) is checked apart."""
     from kittenmoe.kernels import megakernel_bwd as mb
@@ -88,8 +88,6 @@ def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch
         return f"it has no shared expert (got shared width {s})"
     if fp8 is not None:
         return "it has no FP8 path"
-    if trace:
-        return "it records no trace"
     if phases & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD) != mb.PB_ALL & ~(mb.PB_WGRAD | mb.PB_SHARED_WGRAD):
         return f"it runs every phase of the megakernel (got phases={phases:#x})"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
@@ -103,7 +101,7 @@ def backward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch
 
 
 def resolve_backward_kernel(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int,
-                            i: int, s: int, gu_mode: int, fp8, trace: bool, phases: int) -> str:
+                            i: int, s: int, gu_mode: int, fp8, phases: int) -> str:
     """The backward kernel a launch runs: ``config.backward_kernel``, or for "auto" "gluon" where this launch can
     run it (a Hopper GPU, no interpreter, Gluon's Hopper API importable, ``backward_gluon_refusal`` None), else
     "triton"."""
@@ -111,17 +109,18 @@ def resolve_backward_kernel(config: KernelConfig, dev: torch.device, dtype: torc
         return config.backward_kernel
     if not lc.gluon_runs_here(dev, "megakernel_bwd_gluon"):
         return "triton"
-    if backward_gluon_refusal(config, dev, dtype, ranks, h, i, s, gu_mode, fp8, trace, phases) is not None:
+    if backward_gluon_refusal(config, dev, dtype, ranks, h, i, s, gu_mode, fp8, phases) is not None:
         return "triton"
     return "gluon"
 
 
 def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, swiglu_limit: float | None, config: KernelConfig, max_spin: int, err,
-                  NMB: int, NI: int, T: int, H: int, I: int, K: int, L: int):
+                  NMB: int, NI: int, T: int, H: int, I: int, K: int, L: int, trace: bool):
     """``kernels.megakernel_bwd_gluon.backward_kernel`` over the backward's buffers (``backward_gluon_refusal``
     passed): d(gate|up), w h, the d_w partials, the routed d_x rows and the gathered d_out rows (``dor``, for the
-    weight gradients) land where the Triton kernel puts them."""
+    weight gradients) land where the Triton kernel puts them. Returns the compiled kernel and, with ``trace``,
+    its events ([4 x its tile count, 5] int64, unused rows -1: ``kittenmoe.trace.BWD_KINDS``), else None."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -134,16 +133,22 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     cnt = torch.zeros(max(NMB, 1), dtype=torch.int32, device=w13_L2IH.device)  # a_ready[p]
-    return mbg.backward_kernel[(lc.num_programs(w13_L2IH.device, 0),)](
+    MB = config.minibatch_size
+    total = (NMB + 1) * (MB // bm) * (I // bn + H // (2 * bn))  # the kernel's tile sequence (LAG 1)
+    events = (torch.full((4 * total, 5), -1, dtype=torch.int64, device=w13_L2IH.device) if trace
+              else None)  # one slot family a role: math tiles, hand-overs and stores, epilogues, a_ready polls
+    compiled = mbg.backward_kernel[(lc.num_programs(w13_L2IH.device, 0),)](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
         peers.buffer("d_out", rank), peers.buffer("w", rank), gate_up, bufs["dgu"], bufs["hw"], bufs["dwp"],
         desc(bufs["dor"], [bm, bk]), desc(bufs["dgu"], [bm, bk]), desc(w13_L2IH.view(L * 2 * I, H), [bk, bn]),
         desc(w2_LHI.view(L * H, I), [bk, bn]), desc(bufs["dxr"], [half, bn]), cnt, err,
+        err if events is None else events,
         H, I, K, NMB, NI, float(swiglu_limit) if swiglu_limit is not None else 0.0, max_spin,
-        LAG=1, MB=config.minibatch_size, TGM=config.tile_group_m, HAS_LIMIT=swiglu_limit is not None,
+        LAG=1, MB=MB, TGM=config.tile_group_m, HAS_LIMIT=swiglu_limit is not None,
         # 3 stages: a fourth does not fit beside the epilogue's hand-over buffers (the kernel's docstring)
-        STAGES=3, num_warps=4, maxnreg=128,
+        STAGES=3, TRACE=trace, num_warps=4, maxnreg=128,
     )
+    return compiled, events
 
 
 @dataclass
@@ -272,13 +277,13 @@ def launch_rank_backward(
         check_fp8(fp8, config, L, H, I, dev)
     if saved is not None:
         gu_mode, gu_rows = _check_saved(saved, NR, bm, T, H, I, S, dtype, dev)
-    if resolve_backward_kernel(config, dev, dtype, R, H, I, S, gu_mode, fp8, trace, phases) == "gluon":
+    if resolve_backward_kernel(config, dev, dtype, R, H, I, S, gu_mode, fp8, phases) == "gluon":
         config = config.with_(backward_kernel="gluon")  # ("auto" resolved: the launch below reads it)
         knob = "backward_kernel='gluon'"
         if lc.interpreting():
             raise NotImplementedError(f"KernelConfig.{knob}: Gluon kernels do not run under the Triton interpreter; "
                                       f"set backward_kernel='triton'")
-        why = backward_gluon_refusal(config, dev, dtype, R, H, I, S, gu_mode, fp8, trace, phases)
+        why = backward_gluon_refusal(config, dev, dtype, R, H, I, S, gu_mode, fp8, phases)
         if why is not None:
             raise NotImplementedError(f"KernelConfig.{knob}: {why}; set backward_kernel='triton'")
         lc.check_gluon_device(dev, knob, "backward_kernel='triton'")
@@ -387,7 +392,7 @@ def launch_rank_backward(
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
     trace_meta = {}
     out["trace"] = None
-    if trace:
+    if trace and config.backward_kernel != "gluon":  # (the Gluon kernel's buffer: _launch_gluon)
         n_a = triton.cdiv(I, bna)  # routed phase-A column tiles
         per_mb = (MB // bm) * (n_a + triton.cdiv(H, bn2))
         n_srt = triton.cdiv(T, bm)
@@ -464,8 +469,9 @@ def launch_rank_backward(
         out["route_row"] = route_rows(sched, T * K)
         out["dxr"], out["dwp"] = bufs["dxr"], bufs["dwp"]
     if config.backward_kernel == "gluon":  # (its conditions were checked before any launch, below the buffers)
-        out["compiled"] = _launch_gluon(sched, peers, rank, bufs, saved[1], w13_L2IH, w2_LHI, swiglu_limit, config,
-                                        max_spin, out["err"], NMB, NI, T, H, I, K, L)
+        out["compiled"], out["trace"] = _launch_gluon(sched, peers, rank, bufs, saved[1], w13_L2IH, w2_LHI,
+                                                      swiglu_limit, config, max_spin, out["err"], NMB, NI, T, H, I, K,
+                                                      L, trace)
     elif not interp:
         # No ring in the backward: pulls never wait, so pull everything first
         # (compute starts on the first minibatch) and push while the last tiles run.

@@ -31,7 +31,14 @@ KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push")
 # SwiGLU backward, phase B the gate|up dgrad. "A epilogue" (code 6, kernels/megakernel_bwd.py TR_A_EPILOGUE) is
 # part of an "A" event, not more work: the SwiGLU backward of a phase-A tile that every kept row made 2 x wide,
 # from the end of its GEMM to the tile's end.
-BWD_KINDS = ("shared A", "A", "B", "shared B", "pull", "push", "A epilogue")
+# The Gluon backward (kernels/megakernel_bwd_gluon.py, warp-specialized) records what its roles do apart, in
+# the codes after: "A" and "B" are math group 0's K loops (ready: the first step's operands in), "A epilogue"
+# the epilogue partition's SwiGLU backward of a tile (wait: for the accumulator), "A hand-over" and "B store"
+# the math group's wait for the hand-over buffer (wait) and its write into it (work), "a_ready wait" the
+# producer's poll before a phase-B tile (all wait). Partitions of one program overlap in time, so "busy"
+# is per role.
+BWD_KINDS = ("shared A", "A", "B", "shared B", "pull", "push", "A epilogue", "A hand-over", "B store",
+             "a_ready wait")
 COMM_KINDS = ("pull", "push")
 
 

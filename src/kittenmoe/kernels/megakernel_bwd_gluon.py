@@ -49,6 +49,40 @@ A = gl.constexpr(1)  # a phase-A tile (down dgrad + SwiGLU backward)
 A_EMPTY = gl.constexpr(2)  # a phase-A tile past the routed rows: no math, still counted in a_ready
 B = gl.constexpr(3)  # a phase-B tile (gate|up dgrad)
 
+# trace event codes (kittenmoe.trace.BWD_KINDS), recorded with TRACE; each unit of work has a slot
+# family * total + tile, so no two events share one (the launcher allocates 4 x total rows)
+TR_A = gl.constexpr(1)  # math group 0, a phase-A tile: start, first K step's operands in, K loop done
+TR_B = gl.constexpr(2)  # the same for a phase-B tile
+TR_A_EPILOGUE = gl.constexpr(6)  # the epilogue partition: waiting for group 0's accumulator, got it, signalled
+TR_A_HANDOVER = gl.constexpr(7)  # math group 0: K loop done, the hand-over buffer free, accumulator handed over
+TR_B_STORE = gl.constexpr(8)  # math group 0: K loop done, the buffer free, d_x stores issued
+TR_A_READY_WAIT = gl.constexpr(9)  # the producer, before a phase-B tile: polling a_ready, done (no work)
+
+
+@gluon.jit
+def _now():
+    """The GPU's global nanosecond timer (``%globaltimer``), as ``megakernel_fwd._now`` reads it."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _zero64():
+    """An int64 0, the untraced stand-in for a timestamp (a variable keeps one type on every path)."""
+    return gl.to_tensor(0).to(gl.int64)
+
+
+@gluon.jit
+def _trace_event(trace_ptr, slot, kind: gl.constexpr, t_start, t_ready, t_end):
+    """One event into row ``slot`` of trace_ptr [4 * total, 5] int64: kind, program, start, when its wait
+    returned, end (``megakernel_fwd._trace_event``'s row; every thread of the partition stores the same
+    values)."""
+    row = trace_ptr + slot.to(gl.int64) * 5
+    gl.store(row, gl.to_tensor(kind).to(gl.int64))
+    gl.store(row + 1, gl.to_tensor(gl.program_id(0)).to(gl.int64))
+    gl.store(row + 2, t_start)
+    gl.store(row + 3, t_ready)
+    gl.store(row + 4, t_end)
+
 
 @gluon.jit
 def _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr, LAG: gl.constexpr, MB: gl.constexpr,
@@ -148,16 +182,22 @@ def _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, read
 
 
 @gluon.jit
-def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, store_a, dor_desc, a_row):
+def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, store_a, dor_desc, a_row,
+           TRACE: gl.constexpr):
     """A math group's phase-A accumulator (rows ROWS0.. x BN columns of I) over the tile's K steps, one step's
     wgmma in flight; a stage goes back to the producer (``empty``, count 2) once the wgmma that read it is done.
     ``store_a`` (math group 0 of a row tile's first column tile): each step's whole A block also goes to ``dor`` by
-    a TMA store, which must have read the stage before it goes back."""
+    a TMA store, which must have read the stage before it goes back. Returns the accumulator, the ring position
+    and (TRACE) when the first step's operands had arrived."""
     STAGES: gl.constexpr = a_s.shape[0]
     acc = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    t_ready = _now() if TRACE else _zero64()
     for k in range(ks):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TRACE:
+            if k == 0:
+                t_ready = _now()
         if store_a:
             tma.async_copy_shared_to_global(dor_desc, [a_row, k * BK], a_s.index(st))
         acc = warpgroup_mma(a_s.index(st).slice(ROWS0, HALF), b0_s.index(st), acc, is_async=True)
@@ -170,19 +210,23 @@ def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.cons
     if store_a:
         tma.store_wait(pendings=0)
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
-    return acc, it
+    return acc, it, t_ready
 
 
 @gluon.jit
-def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr):
+def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, TRACE: gl.constexpr):
     """A math group's two phase-B accumulators (rows ROWS0.. x 2 BN columns of H), as ``_mma_a`` without the
     store."""
     STAGES: gl.constexpr = a_s.shape[0]
     acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    t_ready = _now() if TRACE else _zero64()
     for k in range(ks):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TRACE:
+            if k == 0:
+                t_ready = _now()
         a = a_s.index(st).slice(ROWS0, HALF)
         acc0 = warpgroup_mma(a, b0_s.index(st), acc0, is_async=True)
         acc1 = warpgroup_mma(a, b1_s.index(st), acc1, is_async=True)
@@ -191,7 +235,7 @@ def _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: g
         it += 1
     acc0, acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, acc1))
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
-    return acc0, acc1, it
+    return acc0, acc1, it, t_ready
 
 
 @gluon.jit
@@ -250,13 +294,14 @@ def _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw
 
 @gluon.jit
 def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
-          expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, H, I, NMB, total,
-          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr):
+          expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total,
+          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, REC: gl.constexpr):
     """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. A phase-A accumulator goes to the
     epilogue partition through ``dh_s[G]`` (fp32, so the SwiGLU backward sees the bits the Triton kernel's
     does); the same 32 KB hold a phase-B tile's two d_x halves on their way to TMA. Every write into it waits
     until the epilogue has taken the last accumulator handed over (``dh_free``), and a phase-A write also until
-    this group's d_x stores have read it."""
+    this group's d_x stores have read it. With REC (group 0 of a TRACE build) it records each tile's K loop and
+    its hand-over."""
     G: gl.constexpr = ROWS0 // HALF
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     c0_s = dh_s.index(2 * G)._reinterpret(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
@@ -267,57 +312,78 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
                                                  LAG, MB, TGM)
+        t_start = _now() if REC else _zero64()
         if kind == A:
-            acc, it = _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0, layout, (ROWS0 == 0) & (col == 0), dor_desc,
-                             a_row)
+            acc, it, t_ready = _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0, layout, (ROWS0 == 0) & (col == 0),
+                                      dor_desc, a_row, REC)
+            t_done = _now() if REC else _zero64()
             tma.store_wait(pendings=0)  # the last d_x stores out of the buffer have read it
             gl.thread_barrier()
             mbarrier.wait(dh_free.index(G), (nh & 1) ^ 1)  # a fresh barrier passes parity 1
+            t_free = _now() if REC else _zero64()
             lo, hi = acc.reshape([HALF, 2, QN]).permute((0, 2, 1)).split()  # (no data moves)
             dh_s.index(2 * G).store(lo)
             dh_s.index(2 * G + 1).store(hi)
             gl.thread_barrier()  # every thread's part is in shared memory before the one arrival
             mbarrier.arrive(dh_full.index(G), count=1)
             nh += 1
+            if REC:
+                _trace_event(trace_ptr, tile, TR_A, t_start, t_ready, t_done)
+                _trace_event(trace_ptr, total + tile, TR_A_HANDOVER, t_done, t_free, _now())
         elif kind == B:
-            acc0, acc1, it = _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            acc0, acc1, it, t_ready = _mma_b(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, REC)
+            t_done = _now() if REC else _zero64()
             mbarrier.wait(dh_free.index(G), (nh & 1) ^ 1)
+            t_free = _now() if REC else _zero64()
             _down_epilogue(acc0, acc1, dxr_desc, c0_s, c1_s, a_row + ROWS0, col, False)
+            if REC:
+                _trace_event(trace_ptr, tile, TR_B, t_start, t_ready, t_done)
+                _trace_event(trace_ptr, total + tile, TR_B_STORE, t_done, t_free, _now())
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, peer_rank_ptr,
-              peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, H, I, NMB, NI, swiglu_limit, total,
-              LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr):
+              peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, trace_ptr, H, I, NMB, NI, swiglu_limit, total,
+              LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
+              TRACE: gl.constexpr):
     """The epilogue partition: each phase-A tile's SwiGLU backward, math group 0's rows then group 1's, while the
     math groups run the next tiles' K loops (on the Triton kernel's tile the epilogue was ~40% of a phase-A
     tile with no wgmma in flight). Each half is read back in an m64n64 accumulator layout (``_a_epilogue``), so
     every element is computed as there; a group's buffer goes back once both its halves are done (the math
-    group's next write into it is a tile later), then one a_ready signal a tile (empty tiles included)."""
+    group's next write into it is a tile later), then one a_ready signal a tile (empty tiles included). With
+    TRACE each phase-A tile records its wait for group 0's accumulator and the work up to the signal."""
     num_rows = gl.load(num_rows_ptr)
     nh = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b_row, col, ks = _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr,
                                                  LAG, MB, TGM)
         if kind == A:
+            t_start = _now() if TRACE else _zero64()
+            t_ready = t_start
             for g in range(2):
                 mbarrier.wait(dh_full.index(g), nh & 1)
+                if TRACE:
+                    if g == 0:
+                        t_ready = _now()
                 _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr,
                             a_row + g * HALF, col, I, NI, swiglu_limit, HAS_LIMIT)
                 gl.thread_barrier()  # every thread has read its part before the buffer goes back
                 mbarrier.arrive(dh_free.index(g), count=1)
             nh += 1
             _signal(cnt_ptr + p)  # a_ready[p]; phase B reads d(gate|up) through TMA (the signal fences for it)
+            if TRACE:
+                _trace_event(trace_ptr, 2 * total + tile, TR_A_EPILOGUE, t_start, t_ready, _now())
         elif kind == A_EMPTY:
             _signal(cnt_ptr + p)
 
 
 @gluon.jit
 def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
-          peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, H, I, K, NMB, total, max_spin,
-          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr):
-    """The producer: every tile's wait (phase B: its minibatch's a_ready), then its K steps into the ring."""
+          peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, trace_ptr, H, I, K, NMB, total,
+          max_spin, LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, TRACE: gl.constexpr):
+    """The producer: every tile's wait (phase B: its minibatch's a_ready), then its K steps into the ring. With
+    TRACE each phase-B tile records its a_ready poll."""
     num_rows = gl.load(num_rows_ptr)
     per_a = (MB // BM) * (I // BN)
     it = 0
@@ -328,7 +394,11 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
             it = _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks,
                            it, a_s, b0_s, ready, empty)
         elif kind == B:
+            t_start = _now() if TRACE else _zero64()
             _wait_geq(cnt_ptr + p, per_a, err_ptr, max_spin)  # a_ready: every phase-A tile's epilogue
+            if TRACE:
+                t_ready = _now()
+                _trace_event(trace_ptr, 3 * total + tile, TR_A_READY_WAIT, t_start, t_ready, t_ready)
             it = _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, ready, empty)
 
 
@@ -336,21 +406,26 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
 def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
-               H, I, K, NMB, NI, swiglu_limit, total, max_spin,
-               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr):
+               trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin,
+               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr, TRACE: gl.constexpr):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer; ROLE 3: the phase-A
     epilogue (four warps each)."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
-              peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, H, I, K, NMB, total, max_spin,
-              LAG, MB, TGM)
+              peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, trace_ptr, H, I, K, NMB, total,
+              max_spin, LAG, MB, TGM, TRACE)
     elif ROLE == 3:
         _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, peer_rank_ptr,
-                  peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, H, I, NMB, NI, swiglu_limit, total, LAG, MB,
-                  TGM, HAS_LIMIT)
+                  peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, trace_ptr, H, I, NMB, NI, swiglu_limit,
+                  total, LAG, MB, TGM, HAS_LIMIT, TRACE)
+    elif ROLE == 0:  # (math group 0 records the trace's math events)
+        _math(0, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
+              expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total, LAG, MB, TGM,
+              TRACE)
     else:
-        _math(ROLE * HALF, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
-              expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, H, I, NMB, total, LAG, MB, TGM)
+        _math(HALF, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
+              expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total, LAG, MB, TGM,
+              False)
 
 
 @gluon.jit
@@ -373,9 +448,10 @@ def backward_kernel(
     dxr_desc,  # d_x rows [NR, H], blocks [HALF, BN] (stores)
     cnt_ptr,  # [NMB] int32 a_ready counters, zeroed before launch
     err_ptr,  # [1] int32 error flag
+    trace_ptr,  # [4 * total, 5] int64 events (TRACE; else a placeholder, never touched)
     H, I, K, NMB, NI, swiglu_limit, max_spin,
     LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
-    STAGES: gl.constexpr = 3,
+    STAGES: gl.constexpr = 3, TRACE: gl.constexpr = False,
 ):
     """Launched with num_warps=4 (the default partition is math group 0) and maxnreg=168. Shared memory: STAGES x
     48 KB of operands (phase A fills 32 KB of a stage) and a 32 KB fp32 hand-over buffer a math group (3 stages:
@@ -401,6 +477,6 @@ def backward_kernel(
     args = (a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
-            H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT)
+            trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT, TRACE)
     gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args),
                         (_partition, (3,) + args)], [4, 4, 4], [168, 40, 136])
