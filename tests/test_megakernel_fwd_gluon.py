@@ -38,7 +38,7 @@ def test_config_names_the_forward_kernel():
 ])
 def test_auto_forward_kernel_off_hopper(change, want):
     args = dict(config=AUTO, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=256,
-                resident=True, fp8=None, trace=False, phases=mk.PH_ALL)
+                resident=True, fp8=None, phases=mk.PH_ALL)
     assert resolve_forward_kernel(**{**args, **change}) == want
 
 
@@ -67,7 +67,6 @@ def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
     (dict(ranks=2), "one rank"),  # several ranks push: the Gluon kernel has no communication programs
     (dict(resident=False), "every routed row"),  # a wrapping ring
     (dict(fp8=object()), "no FP8"),  # e4m3 operands
-    (dict(trace=True), "no trace"),  # the profiling build
     (dict(dtype=torch.float32), "2-byte operands"),  # fp32 rows
     (dict(config=GLUON.with_(block_n=64)), "block_n=128"),  # another tile
     (dict(config=GATHER.with_(num_stages=1)), "2-4 stages"),  # a stage goes back a K step after it is read
@@ -77,7 +76,7 @@ def test_auto_forward_runs_the_triton_kernel_under_the_interpreter():
 ])
 def test_gluon_refusals_say_what_is_missing(change, match):
     args = dict(config=GLUON, dev=torch.device("cpu"), dtype=torch.bfloat16, ranks=1, h=512, i=256, s=256,
-                resident=True, fp8=None, trace=False)
+                resident=True, fp8=None)
     why = forward_gluon_refusal(**{**args, **change})
     assert why is not None and match in why, why
     assert forward_gluon_refusal(**args) is None
@@ -161,7 +160,7 @@ def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup,
     if config is AUTO:
         sh = GPU_CASES[case][0]
         assert resolve_forward_kernel(AUTO, torch.device("cuda"), torch.bfloat16, 1, sh.h, sh.i,
-                                      sh.shared_width if shared else 0, True, None, False, mk.PH_ALL) == "gluon-gather"
+                                      sh.shared_width if shared else 0, True, None, mk.PH_ALL) == "gluon-gather"
     nan_scratch(monkeypatch)
     tri = _triton_forward(case, keep)
     runs = []
@@ -181,3 +180,40 @@ def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup,
         if shared:
             assert_bitwise_equal(runs[0].states[0].shared_gate_up, tri.states[0].shared_gate_up,
                                  f"{case}: shared_gate_up")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward needs a Hopper GPU")
+# both forms (the pull first, the gathering producer), each on the shared expert's tiles and skewed routing
+@pytest.mark.parametrize("config", [GLUON, GATHER], ids=["pull", "gather"])
+def test_gpu_gluon_forward_trace_counts_every_role_and_changes_no_bit(config, cuda_cleanup):
+    """A traced Gluon forward (``trace=True``, ``kittenmoe.trace.KINDS``): one event a routed gate|up and down
+    tile with an expert and a shared tile, one "epilogue" each, a "counter wait" before every tile that polls a
+    counter (down and shared down tiles; gate|up tiles too in the pull form), a "pull" per program and live
+    minibatch in the pull form; every event's times ordered; the output and kept rows equal the untraced run's."""
+    from kittenmoe.trace import KINDS, events
+
+    case = "zipf-ragged"
+    args, _ = _case_inputs(case)
+    sh = GPU_CASES[case][0]
+    plain = megakernel_forward_multirank(*args, config=config, save_for_backward=True)
+    traced = megakernel_forward_multirank(*args, config=config, save_for_backward=True, trace=True)
+    traced.check_errors()
+    assert_bitwise_equal(traced.outputs[0], plain.outputs[0], "out, traced vs untraced")
+    assert_bitwise_equal(traced.states[0].gate_up, plain.states[0].gate_up, "gate_up, traced vs untraced")
+    assert plain.states[0].trace is None
+    st = traced.states[0]
+    rows = int(st.schedule.num_rows.item())
+    tiles = int((st.schedule.tile_expert[:-(-rows // 128)] >= 0).sum())  # routed row tiles with an expert
+    t = args[0][0].shape[0]
+    n_gu, n_dn = tiles * (sh.i // 128), tiles * (sh.h // 256)
+    n_sgu, n_sdn = -(-t // 128) * (sh.shared_width // 128), -(-t // 128) * (sh.h // 256)
+    pull = config.forward_kernel == "gluon"
+    live = len(st.ring.live_minibatches(rows))
+    want = {"gate|up": n_gu, "down": n_dn, "shared gate|up": n_sgu, "shared down": n_sdn,
+            "epilogue": n_gu + n_dn + n_sgu + n_sdn, "counter wait": n_dn + n_sdn + (n_gu if pull else 0),
+            "pull": live * torch.cuda.get_device_properties(0).multi_processor_count if pull else 0}
+    ev = events(st.trace)
+    got = {name: int((ev[:, 1] == code).sum()) for code, name in enumerate(KINDS)}
+    assert got == {name: want.get(name, 0) for name in KINDS}, (got, want)
+    assert bool((ev[:, 2] <= ev[:, 3]).all() and (ev[:, 3] <= ev[:, 4]).all()), "an event's times out of order"

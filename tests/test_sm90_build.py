@@ -117,6 +117,10 @@ BWD_MEGA_GLUON = ["backward_kernel", BWD[1], BWD[2]]  # the Gluon backward megak
     (dict(which="fwd", config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=3)), FWD_GLUON),
     (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather", num_stages=2)),
      FWD_GLUON),
+    # the profiling builds of both forms (TRACE: math group 0's tiles, the producer's polls, the pull form's pulls)
+    (dict(which="fwd", resident=True, trace=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")),
+     FWD_GLUON),
+    (dict(which="fwd", resident=True, trace=True, config=GLUON_ONE_RANK), FWD_GLUON),
     # the Gluon backward megakernel (KernelConfig.backward_kernel="gluon"): the one-rank kept path, no shared expert
     (dict(which="bwd", resident=True, shared=False,
           config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),

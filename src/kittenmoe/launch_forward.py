@@ -80,10 +80,10 @@ def _tma_ok(config: KernelConfig, dev: torch.device, dtype: torch.dtype, H: int,
 
 
 def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
-                          s: int, resident: bool, fp8, trace: bool) -> str | None:
+                          s: int, resident: bool, fp8) -> str | None:
     """Why ``KernelConfig.forward_kernel="gluon"`` cannot run this launch (one line), or None. The Gluon forward
     (``kernels/megakernel_fwd_gluon.py``) is the one-rank default path only: one rank with ``combine_gather`` and
-    no communication programs (so a resident ring), 2-byte operands through TMA, no FP8, no trace, the 128 x 128
+    no communication programs (so a resident ring), 2-byte operands through TMA, no FP8, the 128 x 128
     x 64 tile, and widths that divide into it. The device (Hopper) is checked apart."""
     if ranks != 1 or not config.combine_gather or config.num_comm_programs_fwd != 0:
         return (f"it runs one rank with combine_gather and num_comm_programs_fwd=0 (got {ranks} ranks, "
@@ -92,8 +92,6 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
         return "it needs a ring that holds every routed row (macrobatch_size None)"
     if fp8 is not None:
         return "it has no FP8 path"
-    if trace:
-        return "it records no trace"
     if dtype not in (torch.bfloat16, torch.float16) or not config.tma:
         return f"it loads 2-byte operands through TMA (got {dtype}, tma={config.tma})"
     if config.forward_kernel == "gluon-gather" and config.num_stages < 2:
@@ -108,7 +106,7 @@ def forward_gluon_refusal(config: KernelConfig, dev: torch.device, dtype: torch.
 
 
 def resolve_forward_kernel(config: KernelConfig, dev: torch.device, dtype: torch.dtype, ranks: int, h: int, i: int,
-                           s: int, resident: bool, fp8, trace: bool, phases: int) -> str:
+                           s: int, resident: bool, fp8, phases: int) -> str:
     """The forward kernel a launch runs: ``config.forward_kernel``, or for "auto" "gluon-gather" where this launch
     can run it (a Hopper GPU, no interpreter, Gluon's Hopper API importable, ``forward_gluon_refusal`` None and
     every role in the one launch), else "triton"."""
@@ -118,8 +116,8 @@ def resolve_forward_kernel(config: KernelConfig, dev: torch.device, dtype: torch
         return "triton"
     if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
         return "triton"
-    if forward_gluon_refusal(config.with_(forward_kernel="gluon-gather"), dev, dtype, ranks, h, i, s, resident, fp8,
-                             trace) is not None:
+    if forward_gluon_refusal(config.with_(forward_kernel="gluon-gather"), dev, dtype, ranks, h, i, s, resident,
+                             fp8) is not None:
         return "triton"
     return "gluon-gather"
 
@@ -259,7 +257,7 @@ def launch_rank_forward(
     grid = (lc.num_programs(dev, num_comm),)
     interp = lc.interpreting()
     trace_meta = {}
-    if trace:
+    if trace and config.forward_kernel == "triton":  # (a Gluon form's buffer: _launch_gluon)
         bn, lag = config.block_n, min(ring.slots - 1, 1)
         n_sh_rt = triton.cdiv(T, bm)
         per_mb = (ring.minibatch // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, 2 * bn))
@@ -297,11 +295,11 @@ def launch_rank_forward(
             **meta,
         )
 
-    kernel = resolve_forward_kernel(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace, phases)
+    kernel = resolve_forward_kernel(config, dev, dtype, R, H, I, S, ring.resident, fp8, phases)
     if kernel in ("gluon", "gluon-gather"):
         config = config.with_(forward_kernel=kernel)  # ("auto" resolved: the launch below reads the form)
         knob = f"forward_kernel={config.forward_kernel!r}"
-        why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8, trace)
+        why = forward_gluon_refusal(config, dev, dtype, R, H, I, S, ring.resident, fp8)
         if interp:
             why = "Gluon kernels do not run under the Triton interpreter"
         if why is not None:
@@ -309,8 +307,8 @@ def launch_rank_forward(
         lc.check_gluon_device(dev, knob, "forward_kernel='triton'")
         if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
             raise NotImplementedError(f"KernelConfig.{knob} runs every role in one launch")
-        st.compiled = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2, has_shared,
-                                    swiglu_limit, config, max_spin, T, H, I, S, K, L)
+        st.compiled, st.trace = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2,
+                                              has_shared, swiglu_limit, config, max_spin, T, H, I, S, K, L, trace)
         return st
     if not interp:
         # One launch, every role concurrent. Comm programs stay at most
@@ -336,8 +334,10 @@ def launch_rank_forward(
 def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, has_shared: bool,
                   swiglu_limit: float | None, config: KernelConfig, max_spin: int, T: int, H: int, I: int, S: int,
-                  K: int, L: int):
-    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed)."""
+                  K: int, L: int, trace: bool):
+    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed).
+    Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
+    None."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -365,12 +365,19 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     shid_st = desc(st.shared_hidden, [half, bn]) if has_shared else hid_st
     sgu_st = desc(st.shared_gate_up, [half, bn]) if has_shared and st.shared_gate_up is not None else hid_st
     grid = (lc.num_programs(x_TH.device, 0),)
-    return mkg.forward_kernel[grid](
+    events = None
+    if trace:  # slots: a tile's K loop, its epilogue, the producer's poll before it, then a pull a minibatch
+        n_sh_rt = triton.cdiv(T, bm)
+        total = ((n_sh_rt * (S // bn + H // (2 * bn)) if has_shared else 0)
+                 + (ring.num_minibatches + min(ring.slots - 1, 1)) * (ring.minibatch // bm) * (I // bn + H // (2 * bn)))
+        events = torch.full((3 * total + ring.num_minibatches * grid[0], 5), -1, dtype=torch.int64,
+                            device=x_TH.device)
+    compiled = mkg.forward_kernel[grid](
         sched.peer_rank, sched.peer_token_idx, sched.tile_expert, sched.expert_offsets, sched.num_rows,
         sched.num_invalid, x_TH, st.x_routed, hid_st, gu_st, shid_st, sgu_st,
         xl, desc(st.x_routed, [bm, bk]), desc(st.hidden, [bm, bk]), shid, w13, w2, sw13_d, sw2_d,
         desc(st.y_routed, [half, bn]), desc(st.y_shared, [half, bn]),
-        st.counters, st.err,
+        st.counters, st.err, st.err if events is None else events,
         T, H, I, S, K, ring.num_minibatches, ring.slots, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         max_spin, int(save_gu),
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
@@ -380,8 +387,9 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         # group. The pull form keeps its 3 stages and two buffers a group.
         **(dict(STAGES=min(config.num_stages, 4), ONE_BUF=config.num_stages >= 4, GATHER=True) if gather
            else dict(STAGES=3, ONE_BUF=False, GATHER=False)),
-        num_warps=4, maxnreg=168,
+        TRACE=trace, num_warps=4, maxnreg=168,
     )
+    return compiled, events
 
 
 def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts: int, has_shared: bool,

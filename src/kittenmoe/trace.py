@@ -26,7 +26,11 @@ import dataclasses
 import torch
 
 # Event kinds by code, as the kernels write them (kernels/megakernel_fwd.py TR_*, tests/test_trace.py checks).
-KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push")
+# The Gluon forward (kernels/megakernel_fwd_gluon.py, warp-specialized) records its math group 0's tiles as
+# those codes (ready: the first K step's operands in; end: the last wgmma) and, in the codes after, each tile's
+# "epilogue" (its stores issued and its counter bumped) and the producer's "counter wait" before a tile that
+# polls one (all wait).
+KINDS = ("shared gate|up", "gate|up", "down", "shared down", "pull", "push", "epilogue", "counter wait")
 # The backward megakernel's (launch_rank_backward(trace=True)), same codes: phase A is the down dgrad with the
 # SwiGLU backward, phase B the gate|up dgrad. "A epilogue" (code 6, kernels/megakernel_bwd.py TR_A_EPILOGUE) is
 # part of an "A" event, not more work: the SwiGLU backward of a phase-A tile that every kept row made 2 x wide,

@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 
 from kittenmoe.kernels.megakernel_fwd import _tile_rc
-from kittenmoe.kernels.megakernel_fwd_gluon import BK, BM, BN, HALF, _down_epilogue, _signal, _wait_geq
+from kittenmoe.kernels.megakernel_fwd_gluon import (BK, BM, BN, HALF, _down_epilogue, _now, _signal, _trace_event,
+                                                    _wait_geq, _zero64)
 
 QN = gl.constexpr(64)  # columns of a d_w partial: the Triton kernel's phase-A half tile (block_n / 2)
 
@@ -57,31 +58,6 @@ TR_A_EPILOGUE = gl.constexpr(6)  # the epilogue partition: waiting for group 0's
 TR_A_HANDOVER = gl.constexpr(7)  # math group 0: K loop done, the hand-over buffer free, accumulator handed over
 TR_B_STORE = gl.constexpr(8)  # math group 0: K loop done, the buffer free, d_x stores issued
 TR_A_READY_WAIT = gl.constexpr(9)  # the producer, before a phase-B tile: polling a_ready, done (no work)
-
-
-@gluon.jit
-def _now():
-    """The GPU's global nanosecond timer (``%globaltimer``), as ``megakernel_fwd._now`` reads it."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _zero64():
-    """An int64 0, the untraced stand-in for a timestamp (a variable keeps one type on every path)."""
-    return gl.to_tensor(0).to(gl.int64)
-
-
-@gluon.jit
-def _trace_event(trace_ptr, slot, kind: gl.constexpr, t_start, t_ready, t_end):
-    """One event into row ``slot`` of trace_ptr [4 * total, 5] int64: kind, program, start, when its wait
-    returned, end (``megakernel_fwd._trace_event``'s row; every thread of the partition stores the same
-    values)."""
-    row = trace_ptr + slot.to(gl.int64) * 5
-    gl.store(row, gl.to_tensor(kind).to(gl.int64))
-    gl.store(row + 1, gl.to_tensor(gl.program_id(0)).to(gl.int64))
-    gl.store(row + 2, t_start)
-    gl.store(row + 3, t_ready)
-    gl.store(row + 4, t_end)
 
 
 @gluon.jit

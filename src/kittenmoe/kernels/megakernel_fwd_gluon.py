@@ -18,7 +18,7 @@ tiles) round-robin. What differs is who waits, as in ``wgrad_gluon``:
   after which the group bumps the tile's counter (each math group once: the targets count 2 a tile).
 
 Only what the one-rank default needs: no communication programs, nothing pushed (the epilogue gathers from
-``y_routed``), a resident ring, no FP8, no trace, widths multiples of the tiles. The launcher checks each
+``y_routed``), a resident ring, no FP8, widths multiples of the tiles. The launcher checks each
 (``launch_forward``) and says which failed. Gluon kernels do not run under the Triton interpreter; the CPU suite
 runs the Triton kernel, the GPU tests hold this one to its bits.
 """
@@ -43,6 +43,43 @@ GU = gl.constexpr(2)  # a routed gate|up tile
 GU_EMPTY = gl.constexpr(3)  # a routed gate|up tile past the routed rows: no math, still counted in hid_ready
 DN = gl.constexpr(4)  # a routed down tile
 SH_DN = gl.constexpr(5)  # the shared expert's down
+
+# trace event codes (kittenmoe.trace.KINDS), recorded with TRACE: a tile's event (kinds 0-3, math group 0) runs from
+# when the group took it through the first K step's operands (ready) to its last wgmma; its epilogue (code 6) from
+# there to the stores issued and the counter bumped; the producer's counter poll before it (code 7, all wait).
+# Slots: tile, total + tile, 2 * total + tile, then a pull a (minibatch, program) at 3 * total + p * nprog + pid.
+TR_SH_GU = gl.constexpr(0)
+TR_GU = gl.constexpr(1)
+TR_DN = gl.constexpr(2)
+TR_SH_DN = gl.constexpr(3)
+TR_PULL = gl.constexpr(4)
+TR_EPILOGUE = gl.constexpr(6)
+TR_WAIT = gl.constexpr(7)
+
+
+@gluon.jit
+def _now():
+    """The GPU's global nanosecond timer (``%globaltimer``), as ``megakernel_fwd._now`` reads it."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _zero64():
+    """An int64 0, the untraced stand-in for a timestamp (a variable keeps one type on every path)."""
+    return gl.to_tensor(0).to(gl.int64)
+
+
+@gluon.jit
+def _trace_event(trace_ptr, slot, kind: gl.constexpr, t_start, t_ready, t_end):
+    """One event into row ``slot`` of trace_ptr [MAXE, 5] int64: kind, program, start, when its wait returned,
+    end (``megakernel_fwd._trace_event``'s row; every thread of the partition stores the same values). The
+    launcher sizes the buffer for every slot the kernel names."""
+    row = trace_ptr + slot.to(gl.int64) * 5
+    gl.store(row, gl.to_tensor(kind).to(gl.int64))
+    gl.store(row + 1, gl.to_tensor(gl.program_id(0)).to(gl.int64))
+    gl.store(row + 2, t_start)
+    gl.store(row + 3, t_ready)
+    gl.store(row + 4, t_end)
 
 
 @gluon.jit
@@ -224,19 +261,24 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
 
 @gluon.jit
 def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr,
-              store_a=False, xr_desc=None, a_row=0):
+              store_a=False, xr_desc=None, a_row=0, TRACE: gl.constexpr = False):
     """One math group's two accumulators over the tile's K steps: rows ROWS0.. of A against both weight tiles,
     one step's wgmmas in flight; a stage goes back to the producer (``empty``, count 2: both groups read it) once
     the wgmmas that read it are done. ``xr_desc`` given: a gathered tile (GATHER), whose A rows cp.async wrote,
     so each step fences for the async proxy (wgmma and TMA read shared memory through it) after its wait;
     ``store_a`` (kept activations, the row tile's first column tile): each step's whole A block also goes to
-    x_routed by a TMA store, which must have read the stage before it goes back."""
+    x_routed by a TMA store, which must have read the stage before it goes back. Returns the accumulators, the
+    ring position and (TRACE) when the first step's operands had arrived."""
     STAGES: gl.constexpr = a_s.shape[0]
     acc0 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
     acc1 = gl.zeros((HALF, BN), dtype=gl.float32, layout=layout)
+    t_ready = _now() if TRACE else _zero64()
     for k in range(ks):
         st = it % STAGES
         mbarrier.wait(ready.index(st), (it // STAGES) & 1)
+        if TRACE:
+            if k == 0:
+                t_ready = _now()
         if xr_desc is not None:
             fence_async_shared()
             if store_a:
@@ -255,7 +297,7 @@ def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout
         if store_a:
             tma.store_wait(pendings=0)
     mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
-    return acc0, acc1, it
+    return acc0, acc1, it, t_ready
 
 
 @gluon.jit
@@ -318,13 +360,22 @@ def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.con
 
 
 @gluon.jit
+def _record_tile(trace_ptr, tile, total, kind: gl.constexpr, t_start, t_ready, t_done):
+    """A traced tile's two events (math group 0): its K loop, then its epilogue up to now."""
+    _trace_event(trace_ptr, tile, kind, t_start, t_ready, t_done)
+    _trace_event(trace_ptr, total + tile, TR_EPILOGUE, t_done, t_done, _now())
+
+
+@gluon.jit
 def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
           tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr,
-          hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc,
+          hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, trace_ptr,
           T, H, I, S, NMB, NSLOT, swiglu_limit, total,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
-          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr):
-    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program."""
+          HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr, GATHER: gl.constexpr,
+          REC: gl.constexpr):
+    """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. REC (group 0 of a TRACE build):
+    each tile's K loop and epilogue recorded."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_rows = gl.load(num_rows_ptr)
     hid_ready = cnt_ptr + NMB
@@ -333,39 +384,62 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
+        t_start = _now() if REC else _zero64()
         if kind == SH_GU:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
+            t_done = _now() if REC else _zero64()
             _gateup_epilogue(acc0, acc1, shid_st, sgu_st, c0_s, c1_s, a_row + ROWS0, col, S, swiglu_limit,
                              HAS_LIMIT, SAVE_GU, ONE_BUF)
             _signal(shared_ready)
+            if REC:
+                _record_tile(trace_ptr, tile, total, TR_SH_GU, t_start, t_ready, t_done)
         elif kind == GU:
             if GATHER:  # math group 0 keeps the gathered rows (x_routed) from the row tile's first column tile
-                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
-                                           (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row)
+                acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
+                                                    (ROWS0 == 0) & (SAVE_GU != 0) & (col == 0), xr_desc, a_row,
+                                                    TRACE=REC)
             else:
-                acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+                acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
+                                                    TRACE=REC)
+            t_done = _now() if REC else _zero64()
             _gateup_epilogue(acc0, acc1, hid_st, gu_st, c0_s, c1_s, a_row + ROWS0, col, I, swiglu_limit,
                              HAS_LIMIT, SAVE_GU, ONE_BUF)
             _signal(hid_ready + p)
+            if REC:
+                _record_tile(trace_ptr, tile, total, TR_GU, t_start, t_ready, t_done)
         elif kind == GU_EMPTY:
             _signal(hid_ready + p)
         elif kind == DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
+            t_done = _now() if REC else _zero64()
             _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
+            if REC:
+                _record_tile(trace_ptr, tile, total, TR_DN, t_start, t_ready, t_done)
         elif kind == SH_DN:
-            acc0, acc1, it = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout)
+            acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
+            t_done = _now() if REC else _zero64()
             _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
+            if REC:
+                _record_tile(trace_ptr, tile, total, TR_SH_DN, t_start, t_ready, t_done)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _record_wait(trace_ptr, slot, t_start):
+    """A traced counter poll (the producer): from ``t_start`` to now, all wait."""
+    t = _now()
+    _trace_event(trace_ptr, slot, TR_WAIT, t_start, t, t)
 
 
 @gluon.jit
 def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
           peer_rank_ptr, peer_tok_ptr, x_ptr,
           xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
-          T, H, I, S, K, NMB, NSLOT, total, max_spin,
+          trace_ptr, T, H, I, S, K, NMB, NSLOT, total, max_spin,
           LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_SHARED: gl.constexpr,
-          GATHER: gl.constexpr):
-    """The producer: every tile's wait, then its K steps into the ring."""
+          GATHER: gl.constexpr, TRACE: gl.constexpr):
+    """The producer: every tile's wait, then its K steps into the ring. With TRACE each counter poll is
+    recorded."""
     num_rows = gl.load(num_rows_ptr)
     nprog = gl.num_programs(0)
     n_sh_gu = 0
@@ -383,13 +457,22 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
                 it = _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w13_desc, a_row, b0, b1, ks,
                                   it, a_s, b0_s, b1_s, ready, empty)
             else:
+                t_start = _now() if TRACE else _zero64()
                 _wait_geq(cnt_ptr + p, nprog, err_ptr, max_spin)  # x_ready: every program pulled its share
+                if TRACE:
+                    _record_wait(trace_ptr, 2 * total + tile, t_start)
                 it = _load_tile(xr_desc, w13_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == DN:
+            t_start = _now() if TRACE else _zero64()
             _wait_geq(cnt_ptr + NMB + p, 2 * per_mb_gu, err_ptr, max_spin)  # hid_ready: both groups of each tile
+            if TRACE:
+                _record_wait(trace_ptr, 2 * total + tile, t_start)
             it = _load_tile(hid_desc, w2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
         elif kind == SH_DN:
+            t_start = _now() if TRACE else _zero64()
             _wait_geq(cnt_ptr + 4 * NMB, 2 * n_sh_gu, err_ptr, max_spin)  # shared_ready
+            if TRACE:
+                _record_wait(trace_ptr, 2 * total + tile, t_start)
             it = _load_tile(shid_desc, sw2_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, empty, GATHER)
 
 
@@ -398,25 +481,26 @@ def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, 
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                x_ptr, hid_st, gu_st, shid_st, sgu_st,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-               T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
+               trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
                LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
                HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr,
-               GATHER: gl.constexpr):
+               GATHER: gl.constexpr, TRACE: gl.constexpr):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (one warp, or four
     with GATHER)."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
               peer_rank_ptr, peer_tok_ptr, x_ptr,
               xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc,
-              T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER)
-    elif ROLE == 0:
+              trace_ptr, T, H, I, S, K, NMB, NSLOT, total, max_spin, LAG, MAC, MB, TGM, HAS_SHARED, GATHER, TRACE)
+    elif ROLE == 0:  # (math group 0 records the trace's tile events)
         _math(0, a_s, b0_s, b1_s, c00_s, c01_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr,
-              cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, T, H, I, S, NMB, NSLOT,
-              swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
+              cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, trace_ptr, T, H, I, S, NMB, NSLOT,
+              swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER, TRACE)
     else:
         _math(HALF, a_s, b0_s, b1_s, c10_s, c11_s, ready, empty, tile_expert_ptr, expert_offsets_ptr,
-              num_rows_ptr, cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, T, H, I, S,
-              NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
+              num_rows_ptr, cnt_ptr, hid_st, gu_st, shid_st, sgu_st, xr_desc, yr_desc, ys_desc, trace_ptr, T, H, I,
+              S, NMB, NSLOT, swiglu_limit, total, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER,
+              False)
 
 
 @gluon.jit
@@ -470,12 +554,14 @@ def forward_kernel(
     ys_desc,  # y_shared [T, H], blocks [HALF, BN] (stores; rows past T are dropped by TMA)
     cnt_ptr,  # [4 * NMB + 1] int32 counters, zeroed before launch (megakernel_fwd's layout)
     err_ptr,  # [1] int32 error flag
+    trace_ptr,  # [3 * total + NMB * programs, 5] int64 events (TRACE; else a placeholder, never touched)
     T, H, I, S, K, NMB, NSLOT, swiglu_limit, max_spin,
     SAVE_GU,  # 1: keep the gate|up in x's dtype (gu_st, sgu_st) and write padding rows of x_routed as zeros
     LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_H: gl.constexpr,
     HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ZERO_PADDING: gl.constexpr,
     STAGES: gl.constexpr = 3, ONE_BUF: gl.constexpr = False, GATHER: gl.constexpr = False,
+    TRACE: gl.constexpr = False,
 ):
     """Launched with num_warps=4 (the default partition is math group 0; the pull runs on it first) and
     maxnreg=168, as wgrad_gluon.gluon_wgrad_kernel: the partitions then take 256 / 224 / 24 registers.
@@ -485,19 +571,23 @@ def forward_kernel(
     if gl.program_id(0) == 0:
         if gl.load(num_invalid_ptr) > 0:
             gl.atomic_or(err_ptr, 2)  # megakernel_fwd.ERR_BAD_EXPERT_ID
-    # the pull: this program's share of every minibatch, then x_ready[p] (GATHER: none, the producer gathers)
-    if not GATHER:
-        for p in range(0, NMB):
-            row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
-            if live:
-                _pull_share(peer_rank_ptr, peer_tok_ptr, x_ptr, xr_ptr, row0, (p % NSLOT) * MB, num_rows, K, H,
-                            MB, ROWS, BLOCK_H, ZERO_PADDING)
-                _signal(cnt_ptr + p)
     n_sh_rt = (T + BM - 1) // BM
     n_sh = 0
     if HAS_SHARED:
         n_sh = n_sh_rt * (S // BN) + n_sh_rt * (H // (2 * BN))
     total = n_sh + (NMB + LAG) * ((MB // BM) * (I // BN + H // (2 * BN)))
+    # the pull: this program's share of every minibatch, then x_ready[p] (GATHER: none, the producer gathers)
+    if not GATHER:
+        for p in range(0, NMB):
+            row0, live = _mb_rows(p, num_rows, NSLOT, MAC, MB)
+            if live:
+                t_start = _now() if TRACE else _zero64()
+                _pull_share(peer_rank_ptr, peer_tok_ptr, x_ptr, xr_ptr, row0, (p % NSLOT) * MB, num_rows, K, H,
+                            MB, ROWS, BLOCK_H, ZERO_PADDING)
+                _signal(cnt_ptr + p)
+                if TRACE:
+                    _trace_event(trace_ptr, 3 * total + p * gl.num_programs(0) + gl.program_id(0), TR_PULL, t_start,
+                                 t_start, _now())
 
     a_s = gl.allocate_shared_memory(xr_desc.dtype, [STAGES, BM, BK], xr_desc.layout)
     b0_s = gl.allocate_shared_memory(w13_desc.dtype, [STAGES, BN, BK], w13_desc.layout)
@@ -519,8 +609,8 @@ def forward_kernel(
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             x_ptr, hid_st, gu_st, shid_st, sgu_st,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-            T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
-            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER)
+            trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
+            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER, TRACE)
     if GATHER:  # a 4-warp producer: its gather holds 8 row pointers a thread
         gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
                            [4, 4], [208, 48])
