@@ -24,6 +24,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def ring_protocol():
+    """benchmarks/probes/ring_protocol.py, the CPU model of the Gluon kernels' barrier protocols."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes",
+                        "ring_protocol.py")
+    spec = importlib.util.spec_from_file_location("ring_protocol", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _interpreter_dot_in_fp64() -> None:
     """Make the interpreter's fp32-accumulating ``tl.dot`` independent of the BLAS and of the tile shape.
 

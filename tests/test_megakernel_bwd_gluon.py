@@ -92,29 +92,16 @@ def test_gluon_refused_under_the_interpreter():
         megakernel_backward_multirank([d_out], *args, config=GLUON)
 
 
-def _ring_protocol():
-    """benchmarks/probes/ring_protocol.py, the CPU model of the Gluon kernels' barrier protocols."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "probes",
-                        "ring_protocol.py")
-    spec = importlib.util.spec_from_file_location("ring_protocol", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("stages,deadlocks", [
     (3, False),  # the kernel's ring: every random tile sequence finishes
     (2, True),  # too shallow for the gathered rows' late signal: some sequence deadlocks (the model can fail)
 ])
-def test_backward_barrier_protocol_model(stages, deadlocks):
+def test_backward_barrier_protocol_model(stages, deadlocks, ring_protocol):
     """The Gluon backward's barriers (operand ring, a_ready, the epilogue hand-over) in random interleavings over
     random sequences of phase-A, empty phase-A and phase-B tiles."""
     import random
 
-    rp = _ring_protocol()
+    rp = ring_protocol
     bad = 0
     for trial in range(300):
         rng = random.Random(trial)
