@@ -23,7 +23,7 @@
 #                                         the one-rank default config (BWD_BASE overrides), with the Triton
 #                                         and then the Gluon backward; about 3 + 2 a shape minutes
 #   bash scripts/gpu.sh train [MODEL]     benchmarks/train_step.py: whole training steps of MODEL (qwen3-30b-a3b,
-#                                         the default, or moonlight-16b-a3b; 4 layers) with every experts
+#                                         the default, or moonlight-16b-a3b; LAYERS deep, default 4) with every experts
 #                                         implementation, BATCH sequences (default 1) of SEQ tokens (default
 #                                         8192), STACK hf or torchtitan
 #                                         (default hf; TITAN_ATTN flex, the default, or sdpa for a torch
@@ -255,7 +255,7 @@ train)
   m=${arg:-qwen3-30b-a3b}
   step "train-${STACK:-hf}-$m-${SEQ:-8192}" 570 python3 benchmarks/train_step.py --model "$m" --seq "${SEQ:-8192}" \
     --batch "${BATCH:-1}" --stack "${STACK:-hf}" --titan-attention "${TITAN_ATTN:-flex}" \
-    --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} \
+    --compile "${COMPILE:-off}" ${PROVIDERS:+--providers "$PROVIDERS"} ${LAYERS:+--layers "$LAYERS"} \
     ${KNOBS:+--knobs "$KNOBS"} --profile \
     --out "$RESULTS"
   keep_rows "$stamp"
