@@ -468,7 +468,8 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
       backward's tiles fit (``bwd_phase_a_smem_bytes``): forward+backward 2.3-4.6% faster on the four slices;
       ``tile_group_m`` -1 (each expert's row tiles of a minibatch walked together): another 2.7-4.0%; and on
       Hopper (sm_90) ``wgrad`` "gluon" (the warp-specialized Gluon kernel, the same bits) where the widths fit
-      its 128-row tiles (``gluon_wgrad_shape_ok``: H and 2I, and 2S when ``s`` is given, multiples of 128):
+      its 128-row tiles (``gluon_wgrad_shape_ok``: H and 2I, and 2S when ``s`` is given, multiples of 128)
+      and Triton's Gluon API has every name the kernel calls (``launch_common.gluon_api_missing``):
       forward+backward medians 3.6-5.7% lower on Kimi, DeepSeek and GLM, past the run's A/A gap of 1.3-1.8%
       (15 of 15 paired rounds lower), 0.9% on Qwen (within its 4.4%);
     - ``macrobatch_size`` None (no ring) unless the worst-case routed buffers (x_routed, y_routed, hidden, and
@@ -540,8 +541,10 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
     # backward only checked for bits), the stages at block_m 128. The Gluon kernel on Hopper (wgmma; the same
     # bits): forward+backward medians -5.7% (Kimi), -3.6% (DeepSeek, GLM), -0.9% (Qwen), the first three past
     # the run's A/A gap (1.3-1.8%). Its tile (128 x 256, 64-row steps) is this config's at 2-byte operands.
+    from kittenmoe.launch_common import gluon_api_missing  # (launch_common imports this module)
+
     gluon = (wide and tma and props.major == 9 and gluon_wgrad_shape_ok(h, i, s)
-             and gluon_wgrad_tiles_ok(bn, bk, bm))
+             and gluon_wgrad_tiles_ok(bn, bk, bm) and gluon_api_missing() is None)
     wgrad = pick("wgrad", ("gluon" if gluon else "persistent") if wide else "triton")
     bwd_stages = pick("bwd_num_stages", 4 if wide and bm == 128 and _bwd_bytes(bm, bn, bk, stages, 4, elem)
                       <= SHARED_MEMORY_LIMIT else 0)

@@ -124,19 +124,61 @@ def tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> 
 
 
 def check_gluon_device(dev: torch.device, knob: str = "wgrad='gluon'", instead: str = "wgrad='persistent'") -> None:
-    """The Gluon kernels issue wgmma, which only sm_90 (Hopper) has: NotImplementedError naming the knob
-    (``KernelConfig.<knob>``) and what to set instead, elsewhere."""
+    """The Gluon kernels issue wgmma, which only sm_90 (Hopper) has, and call Triton 3.6's Gluon API
+    (``gluon_api_missing``): NotImplementedError naming the knob (``KernelConfig.<knob>``) and what to set
+    instead, elsewhere."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cap is None or cap[0] != 9:
         raise NotImplementedError(f"KernelConfig.{knob} issues Hopper's wgmma (sm_90); this device is {dev}"
                                   f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set {instead}")
+    missing = gluon_api_missing()
+    if missing is not None:
+        raise NotImplementedError(f"KernelConfig.{knob}'s Gluon kernel is written against Triton 3.6's Gluon API; "
+                                  f"Triton {triton.__version__} has no {missing}: set {instead}")
+
+
+# What the Gluon kernels (kernels/*_gluon.py) call by name, as Triton 3.6's Gluon spells it: (module, attribute).
+# Triton 3.9 removed or renamed several (gl.thread_barrier, tma.async_copy_global_to_shared, the shared-memory
+# descriptor's _reinterpret), so its builds of those kernels fail; a Triton that lacks any of these does not run them.
+GLUON_API = (
+    ("triton.experimental.gluon.language", "thread_barrier"),
+    ("triton.experimental.gluon.language", "warp_specialize"),
+    ("triton.experimental.gluon.language", "inline_asm_elementwise"),
+    ("triton.experimental.gluon.language", "NVMMADistributedLayout"),
+    ("triton.experimental.gluon.language._core", "shared_memory_descriptor._reinterpret"),
+    ("triton.experimental.gluon.language.nvidia.hopper", "warpgroup_mma"),
+    ("triton.experimental.gluon.language.nvidia.hopper", "fence_async_shared"),
+    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_copy_global_to_shared"),
+    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_copy_shared_to_global"),
+    ("triton.experimental.gluon.language.nvidia.hopper.tma", "store_wait"),
+    ("triton.experimental.gluon.language.nvidia.hopper.mbarrier", "expect"),
+    ("triton.experimental.gluon.language.nvidia.ampere.async_copy", "async_copy_global_to_shared"),
+    ("triton.experimental.gluon.language.nvidia.ampere.async_copy", "mbarrier_arrive"),
+    ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor"),
+)
+
+
+def gluon_api_missing() -> str | None:
+    """The first name of ``GLUON_API`` this Triton lacks (``module.attribute``), or None when it has them all."""
+    for module, attr in GLUON_API:
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            return module
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return f"{module}.{attr}"
+    return None
 
 
 def gluon_runs_here(dev: torch.device, module: str) -> bool:
     """Whether a Gluon kernel module (``kittenmoe.kernels.<module>``) can run a launch on ``dev``: a Hopper GPU
-    (wgmma), outside the interpreter, with a Triton that has Gluon's Hopper API. What the kernel knobs' "auto"
-    values ask before their per-launch conditions."""
+    (wgmma), outside the interpreter, with a Triton whose Gluon API has every name the kernels use
+    (``gluon_api_missing``). What the kernel knobs' "auto" values ask before their per-launch conditions."""
     if interpreting() or dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+        return False
+    if gluon_api_missing() is not None:
         return False
     try:
         importlib.import_module(f"kittenmoe.kernels.{module}")
