@@ -619,9 +619,21 @@ def test_grid_normalises_and_rejects():
     assert any("no ring" in r for r in reasons) and any(r.startswith("invalid") for r in reasons)
 
 
-def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
+def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9, gluon_missing=None):
+    """A GPU of ``sms`` SMs, ``mem`` bytes and compute capability ``major``, whose Triton's Gluon API lacks
+    ``gluon_missing`` (None: has every name the Gluon kernels call, as Triton 3.6 does)."""
+    from kittenmoe import launch_common
+
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem, major=major))
+    monkeypatch.setattr(launch_common, "gluon_api_missing", lambda: gluon_missing)
+
+
+def test_default_config_keeps_the_triton_wgrad_without_the_gluon_api(monkeypatch):
+    """On Hopper with a Triton whose Gluon API lacks a name the Gluon kernel calls (Triton 3.9's renames), the
+    weight gradients stay on the persistent Triton kernel instead of a Gluon kernel that would not compile."""
+    _fake_gpu(monkeypatch, gluon_missing="triton.experimental.gluon.language.thread_barrier")
+    assert default_config(2048, 7168, 2048, 48, 8, device="cuda", dtype=torch.bfloat16).wgrad == "persistent"
 
 
 @pytest.mark.parametrize("dims,ranks,dtype,expect", [
