@@ -24,6 +24,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``fake_gpu(sms=132, mem=141 << 30, major=9, gluon_missing=None)``: torch reports a GPU of ``sms`` SMs,
+    ``mem`` bytes and compute capability ``major``, whose Triton's Gluon API lacks ``gluon_missing`` (None: it
+    has every name the Gluon kernels call, as Triton 3.6 does), for the config heuristics' device branches."""
+    from types import SimpleNamespace
+
+    from kittenmoe import launch_common
+
+    def fake(sms=132, mem=141 << 30, major=9, gluon_missing=None):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem,
+                                                             major=major))
+        monkeypatch.setattr(launch_common, "gluon_api_missing", lambda: gluon_missing)
+
+    return fake
+
+
 @pytest.fixture(scope="session")
 def ring_protocol():
     """benchmarks/probes/ring_protocol.py, the CPU model of the Gluon kernels' barrier protocols."""

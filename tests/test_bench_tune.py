@@ -619,20 +619,10 @@ def test_grid_normalises_and_rejects():
     assert any("no ring" in r for r in reasons) and any(r.startswith("invalid") for r in reasons)
 
 
-def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9, gluon_missing=None):
-    """A GPU of ``sms`` SMs, ``mem`` bytes and compute capability ``major``, whose Triton's Gluon API lacks
-    ``gluon_missing`` (None: has every name the Gluon kernels call, as Triton 3.6 does)."""
-    from kittenmoe import launch_common
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem, major=major))
-    monkeypatch.setattr(launch_common, "gluon_api_missing", lambda: gluon_missing)
-
-
-def test_default_config_keeps_the_triton_wgrad_without_the_gluon_api(monkeypatch):
+def test_default_config_keeps_the_triton_wgrad_without_the_gluon_api(fake_gpu):
     """On Hopper with a Triton whose Gluon API lacks a name the Gluon kernel calls (Triton 3.9's renames), the
     weight gradients stay on the persistent Triton kernel instead of a Gluon kernel that would not compile."""
-    _fake_gpu(monkeypatch, gluon_missing="triton.experimental.gluon.language.thread_barrier")
+    fake_gpu(gluon_missing="triton.experimental.gluon.language.thread_barrier")
     assert default_config(2048, 7168, 2048, 48, 8, device="cuda", dtype=torch.bfloat16).wgrad == "persistent"
 
 
@@ -664,8 +654,8 @@ def test_default_config_keeps_the_triton_wgrad_without_the_gluon_api(monkeypatch
     # a huge routed buffer (64 ranks x 8192 tokens x 8 routes x 2*7168+2048 wide): the ring window kicks in
     ((8192, 7168, 2048, 384, 8), 64, torch.bfloat16, dict(minibatch_size=2048)),
 ])
-def test_default_config_on_a_gpu(monkeypatch, dims, ranks, dtype, expect):
-    _fake_gpu(monkeypatch)
+def test_default_config_on_a_gpu(fake_gpu, dims, ranks, dtype, expect):
+    fake_gpu()
     cfg = default_config(*dims, ranks=ranks, device="cuda", dtype=dtype)
     for k, v in expect.items():
         assert getattr(cfg, k) == v, (k, cfg)
@@ -676,9 +666,9 @@ def test_default_config_on_a_gpu(monkeypatch, dims, ranks, dtype, expect):
         assert cfg.macrobatch_size is not None and cfg.macrobatch_size % cfg.minibatch_size == 0
 
 
-def test_default_config_gluon_weight_gradients_on_hopper_only(monkeypatch):
+def test_default_config_gluon_weight_gradients_on_hopper_only(fake_gpu):
     # the Gluon weight-gradient kernel issues Hopper's wgmma: a newer GPU (sm_100) keeps the Triton kernel
-    _fake_gpu(monkeypatch, major=10)
+    fake_gpu(major=10)
     cfg = default_config(2048, 7168, 2048, 48, 8, device="cuda")
     assert cfg.wgrad == "persistent", cfg
 
@@ -690,10 +680,10 @@ def test_default_config_gluon_weight_gradients_on_hopper_only(monkeypatch):
     (32, 16, 0, False),  # the tiny test shapes: H = 32 and 2I = 32 rows
     (2880, 2048, 0, False),  # H = 2880 is not a multiple of 128 (d_W2's rows)
 ])
-def test_default_config_gluon_weight_gradients_only_where_the_widths_fit(monkeypatch, h, i, s, gluon):
+def test_default_config_gluon_weight_gradients_only_where_the_widths_fit(fake_gpu, h, i, s, gluon):
     # where the widths do not fit the 128-row tiles the heuristic keeps the Triton kernel (the backward would
     # refuse the knob there, so the heuristic must not set it)
-    _fake_gpu(monkeypatch)
+    fake_gpu()
     cfg = default_config(2048, h, i, 48, 8, device="cuda", s=s)
     assert cfg.wgrad == ("gluon" if gluon else "persistent"), cfg
 
@@ -724,12 +714,12 @@ def test_grid_turns_gluon_weight_gradients_off_for_other_tiles():
     # knobs that touch none of those: nothing else changes
     ("minibatch_size=1024,tile_group_m=0", dict(minibatch_size=1024, tile_group_m=0)),
 ])
-def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
+def test_overrides_on_the_h200_heuristic(fake_gpu, spec, want):
     """--config (and the tuner's grid, the FP8 tile width, the transformers knobs) on top of the H200's one-rank
     heuristic for the Kimi slice (Gluon weight gradients, 4 backward stages, the gather with no comm programs):
     every knob the heuristic derived from the changed ones follows them, so the result is a config the launches
     accept (an audit found each of these refused at launch), and nothing else moves."""
-    _fake_gpu(monkeypatch)
+    fake_gpu()
     base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
     assert base.wgrad == "gluon" and base.combine_gather and base.bwd_num_stages == 4 and base.num_comm_programs_fwd == 0
     cfg = apply_overrides(base, parse_config_overrides(spec))
@@ -743,16 +733,16 @@ def test_overrides_on_the_h200_heuristic(monkeypatch, spec, want):
     ("combine_gather=False,num_comm_programs_bwd=0", "num_comm_programs_bwd=0 leaves no program to push"),
     ("macrobatch_size=8192,num_comm_programs_fwd=0", "leaves no program to push"),  # no pusher, and none given back
 ])
-def test_overrides_that_name_the_conflicting_knob_are_errors(monkeypatch, spec, match):
-    _fake_gpu(monkeypatch)
+def test_overrides_that_name_the_conflicting_knob_are_errors(fake_gpu, spec, match):
+    fake_gpu()
     base = default_config(2048, 7168, 2048, 48, 8, device="cuda", s=2048)
     with pytest.raises(ValueError, match=match):
         apply_overrides(base, parse_config_overrides(spec))
 
 
-def test_default_config_small_gpu_and_cpu(monkeypatch):
+def test_default_config_small_gpu_and_cpu(fake_gpu):
     # fewer than 100 SMs: an eighth of them communicate
-    _fake_gpu(monkeypatch, sms=40)
+    fake_gpu(sms=40)
     assert default_config(2048, 7168, 2048, 48, 8, device="cuda").num_comm_programs_fwd == 5
     # CPU (interpreter): small tiles, one comm program, one minibatch covering the capacity
     cfg = default_config(20, 32, 16, 8, 2, device="cpu")

@@ -554,20 +554,13 @@ def test_kernel_config_bwd_stages(kwargs, stages):
 KIMI = (2048, 7168, 2048, 48, 8)  # the Kimi slice at one EP8 rank: t, h, i, e, k
 
 
-def _fake_gpu(monkeypatch, sms=132, mem=141 << 30, major=9):
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda dev=None: SimpleNamespace(multi_processor_count=sms, total_memory=mem, major=major))
-
-
 @pytest.mark.parametrize("major, dtype, wgrad", [
     (9, torch.bfloat16, "gluon"),  # Hopper, 2-byte operands, widths of whole 128-row tiles: the Gluon kernel
     (10, torch.bfloat16, "persistent"),  # no wgmma off Hopper: the Triton kernel, one program an SM
     (9, torch.float32, "triton"),  # fp32 operands (the persistent launch was timed with 2-byte ones only)
 ])
-def test_default_config_weight_gradient_kernel(monkeypatch, major, dtype, wgrad):
-    _fake_gpu(monkeypatch, major=major)
+def test_default_config_weight_gradient_kernel(fake_gpu, major, dtype, wgrad):
+    fake_gpu(major=major)
     assert default_config(*KIMI, device="cuda", dtype=dtype, s=2048).wgrad == wgrad
 
 
@@ -575,8 +568,8 @@ def test_default_config_weight_gradient_kernel(monkeypatch, major, dtype, wgrad)
     (torch.bfloat16, "auto"),  # 2-byte operands: the Gluon gathering forward wherever a launch can run it
     (torch.float32, "triton"),  # fp32 operands: the Gluon forward loads 2-byte ones only
 ])
-def test_default_config_forward_kernel(monkeypatch, dtype, kernel):
-    _fake_gpu(monkeypatch, major=9)
+def test_default_config_forward_kernel(fake_gpu, dtype, kernel):
+    fake_gpu(major=9)
     assert default_config(*KIMI, device="cuda", dtype=dtype, s=2048).forward_kernel == kernel
     assert default_config(*KIMI, device="cpu", dtype=dtype, s=2048).forward_kernel == "triton"  # the interpreter
 
@@ -585,8 +578,8 @@ def test_default_config_forward_kernel(monkeypatch, dtype, kernel):
     (torch.bfloat16, "auto"),  # 2-byte operands: the Gluon backward wherever a launch can run it
     (torch.float32, "triton"),  # fp32 operands: the Gluon backward loads 2-byte ones only
 ])
-def test_default_config_backward_kernel(monkeypatch, dtype, kernel):
-    _fake_gpu(monkeypatch, major=9)
+def test_default_config_backward_kernel(fake_gpu, dtype, kernel):
+    fake_gpu(major=9)
     assert default_config(*KIMI, device="cuda", dtype=dtype, s=2048).backward_kernel == kernel
     assert default_config(*KIMI, device="cpu", dtype=dtype, s=2048).backward_kernel == "triton"  # the interpreter
 
@@ -608,9 +601,9 @@ def test_default_config_backward_kernel(monkeypatch, dtype, kernel):
     # a smaller row tile: the minibatch stays a multiple of it
     (dict(block_m=64), dict(block_m=64, minibatch_size=2048, bwd_num_stages=0)),
 ])
-def test_default_config_honours_pinned_knobs(monkeypatch, pins, want):
+def test_default_config_honours_pinned_knobs(fake_gpu, pins, want):
     """The pinned knobs as given; the knobs the heuristic derives from them follow; the rest is unchanged."""
-    _fake_gpu(monkeypatch)
+    fake_gpu()
     base = default_config(*KIMI, device="cuda", s=2048)
     assert base.wgrad == "gluon" and base.combine_gather and base.num_comm_programs_fwd == 0
     cfg = default_config(*KIMI, device="cuda", s=2048, overrides=pins)
@@ -618,9 +611,9 @@ def test_default_config_honours_pinned_knobs(monkeypatch, pins, want):
     assert gate_up_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT and bwd_phase_a_smem_bytes(cfg) <= SHARED_MEMORY_LIMIT
 
 
-def test_default_config_pinned_zero_comm_programs_take_the_gather(monkeypatch):
+def test_default_config_pinned_zero_comm_programs_take_the_gather(fake_gpu):
     # fp32 operands: the heuristic pushes through comm programs; pinning none on one rank turns the gather on
-    _fake_gpu(monkeypatch)
+    fake_gpu()
     assert not default_config(*KIMI, device="cuda", dtype=torch.float32).combine_gather
     cfg = default_config(*KIMI, device="cuda", dtype=torch.float32, overrides=dict(num_comm_programs_fwd=0))
     assert cfg.combine_gather and cfg.num_comm_programs_fwd == 0
@@ -651,9 +644,9 @@ def test_default_config_pinned_zero_comm_programs_take_the_gather(monkeypatch):
     # comm programs that leave no SM to compute
     (dict(), dict(combine_gather=False, num_comm_programs_bwd=132), r"num_comm_programs_bwd=132 leaves no compute"),
 ])
-def test_default_config_refuses_pins_it_cannot_run(monkeypatch, kwargs, pins, match):
+def test_default_config_refuses_pins_it_cannot_run(fake_gpu, kwargs, pins, match):
     kwargs = dict(kwargs)
-    _fake_gpu(monkeypatch, major=kwargs.pop("major", 9))
+    fake_gpu(major=kwargs.pop("major", 9))
     t, h, i, e, k = KIMI
     e = kwargs.pop("e", e)
     with pytest.raises(ValueError, match=match):
