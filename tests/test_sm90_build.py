@@ -36,9 +36,10 @@ def _triton_dir() -> str:
     return d
 
 
-def _run_build(spec: dict, triton_dir: str) -> subprocess.CompletedProcess:
+def _run_build(spec: dict, triton_dir: str | None) -> subprocess.CompletedProcess:
+    """Build ``spec`` in a subprocess with the Triton in ``triton_dir`` first on its path (None: the installed one)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([triton_dir, os.path.join(ROOT, "src"), TOOLS])
+    env["PYTHONPATH"] = os.pathsep.join([d for d in (triton_dir, os.path.join(ROOT, "src"), TOOLS) if d])
     return subprocess.run([sys.executable, os.path.join(TOOLS, "sm90_build.py"), json.dumps(spec)],
                           capture_output=True, text=True, env=env, timeout=900)
 
@@ -332,3 +333,39 @@ def test_multicast_probe_builds_for_sm90_with_triton_3_9():
     assert got["2cta-mc"].startswith(".reqnctapercluster 2") and " 4 multicast" in got["2cta-mc"], got
     assert " 4 TMA loads" in got["2cta-mc"] and " 8 TMA loads" in got["2cta"], got
     assert all(" 0 wgmma" not in v for v in got.values()), got
+
+
+@pytest.mark.parametrize("spec,expected,threads", [
+    # the Gluon forward, both forms, keeping gate|up
+    (dict(which="fwd", resident=True, config=GLUON_ONE_RANK), FWD_GLUON, 384),
+    (dict(which="fwd", resident=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")), FWD_GLUON, 384),
+    # the Gluon backward megakernel, one rank, kept, no shared expert
+    (dict(which="bwd", resident=True, shared=False,
+          config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
+     BWD_MEGA_GLUON, 512),
+    (dict(which="bwd", resident=True, config=dict(wgrad="gluon")), BWD_GLUON, 384),  # the Gluon weight gradients
+], ids=["fwd-gluon", "fwd-gluon-gather", "bwd-gluon", "wgrad-gluon"])
+def test_gluon_kernels_build_for_sm90_with_the_installed_triton(spec, expected, threads):
+    """The Gluon kernels call Gluon's API through kernels/gluon_api.py, which binds the names Triton 3.9 renamed
+    (CI's Triton, when it is not the device's 3.6; the builds above hold 3.6): each kernel compiles, keeps its
+    wgmmas, TMA and warp specialization, spills nothing and fits shared memory."""
+    import triton
+
+    from kittenmoe.launch_common import gluon_api_missing
+
+    if triton.__version__.startswith(DEVICE_TRITON):
+        pytest.skip(f"the installed Triton is the device's {DEVICE_TRITON}: test_megakernel_builds_for_sm90 builds it")
+    missing = gluon_api_missing()
+    if missing is not None:
+        pytest.skip(f"Triton {triton.__version__} lacks {missing}: the Gluon kernels do not run with it")
+    r = _run_build(spec, None)
+    assert r.returncode == 0, f"sm_90 build of {spec} failed:\n{r.stderr[-3000:]}"
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["triton"] == triton.__version__, out["triton"]
+    names = [b["name"] for b in out["builds"]]
+    assert sorted(set(names)) == sorted(expected), names
+    for b in out["builds"]:
+        assert b["shared"] <= SHARED_MEMORY_LIMIT and not b["hgmma_unset"] and not b["early_releases"], b
+        if b["name"] in (FWD_GLUON[0], BWD_MEGA_GLUON[0], BWD_GLUON[1]):
+            assert b["wgmma"] and b["tma"] and b["warp_specialized"], b
+            assert b["threads"] == threads and b["local"] == 0, b

@@ -124,8 +124,8 @@ def tma_capable(config: KernelConfig, dev: torch.device, dtype: torch.dtype) -> 
 
 
 def check_gluon_device(dev: torch.device, knob: str = "wgrad='gluon'", instead: str = "wgrad='persistent'") -> None:
-    """The Gluon kernels issue wgmma, which only sm_90 (Hopper) has, and call Triton 3.6's Gluon API
-    (``gluon_api_missing``): NotImplementedError naming the knob (``KernelConfig.<knob>``) and what to set
+    """The Gluon kernels issue wgmma, which only sm_90 (Hopper) has, and call Gluon's API as Triton 3.6 to 3.9
+    spell it (``gluon_api_missing``): NotImplementedError naming the knob (``KernelConfig.<knob>``) and what to set
     instead, elsewhere."""
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     if cap is None or cap[0] != 9:
@@ -133,42 +133,47 @@ def check_gluon_device(dev: torch.device, knob: str = "wgrad='gluon'", instead: 
                                   f"{'' if cap is None else f' (sm_{cap[0]}{cap[1]})'}: set {instead}")
     missing = gluon_api_missing()
     if missing is not None:
-        raise NotImplementedError(f"KernelConfig.{knob}'s Gluon kernel is written against Triton 3.6's Gluon API; "
-                                  f"Triton {triton.__version__} has no {missing}: set {instead}")
+        raise NotImplementedError(f"KernelConfig.{knob}'s Gluon kernel calls Gluon's API as Triton 3.6 to 3.9 "
+                                  f"spell it; Triton {triton.__version__} has no {missing}: set {instead}")
 
 
-# What the Gluon kernels (kernels/*_gluon.py) call by name, as Triton 3.6's Gluon spells it: (module, attribute).
-# Triton 3.9 removed or renamed several (gl.thread_barrier, tma.async_copy_global_to_shared, the shared-memory
-# descriptor's _reinterpret), so its builds of those kernels fail; a Triton that lacks any of these does not run them.
+# What the Gluon kernels (kernels/*_gluon.py) call by name: (module, attribute), where "a|b" means either name
+# (kernels/gluon_api.py binds each such pair to the one this Triton has: 3.9 renamed what 3.6 calls
+# gl.thread_barrier, the TMA and cp.async copies, and the shared-memory descriptor's _reinterpret). A Triton
+# that lacks any entry does not run them.
 GLUON_API = (
-    ("triton.experimental.gluon.language", "thread_barrier"),
+    ("triton.experimental.gluon.language", "barrier|thread_barrier"),
     ("triton.experimental.gluon.language", "warp_specialize"),
     ("triton.experimental.gluon.language", "inline_asm_elementwise"),
     ("triton.experimental.gluon.language", "NVMMADistributedLayout"),
-    ("triton.experimental.gluon.language._core", "shared_memory_descriptor._reinterpret"),
+    ("triton.experimental.gluon.language._core", "shared_memory_descriptor.reinterpret|_reinterpret"),
     ("triton.experimental.gluon.language.nvidia.hopper", "warpgroup_mma"),
     ("triton.experimental.gluon.language.nvidia.hopper", "fence_async_shared"),
-    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_copy_global_to_shared"),
-    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_copy_shared_to_global"),
+    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_load|async_copy_global_to_shared"),
+    ("triton.experimental.gluon.language.nvidia.hopper.tma", "async_store|async_copy_shared_to_global"),
     ("triton.experimental.gluon.language.nvidia.hopper.tma", "store_wait"),
     ("triton.experimental.gluon.language.nvidia.hopper.mbarrier", "expect"),
-    ("triton.experimental.gluon.language.nvidia.ampere.async_copy", "async_copy_global_to_shared"),
+    ("triton.experimental.gluon.language.nvidia.ampere.async_copy", "async_load|async_copy_global_to_shared"),
     ("triton.experimental.gluon.language.nvidia.ampere.async_copy", "mbarrier_arrive"),
     ("triton.experimental.gluon.nvidia.hopper", "TensorDescriptor"),
 )
 
 
 def gluon_api_missing() -> str | None:
-    """The first name of ``GLUON_API`` this Triton lacks (``module.attribute``), or None when it has them all."""
+    """The first entry of ``GLUON_API`` this Triton lacks (``module.attribute``, alternatives as ``a|b``), or None
+    when it has them all."""
     for module, attr in GLUON_API:
         try:
-            obj = importlib.import_module(module)
+            root = importlib.import_module(module)
         except ImportError:
             return module
-        for part in attr.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
+        *path, last = attr.split(".")
+        for part in path:
+            root = getattr(root, part, None)
+            if root is None:
                 return f"{module}.{attr}"
+        if not any(hasattr(root, name) for name in last.split("|")):
+            return f"{module}.{attr}"
     return None
 
 

@@ -38,6 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
+from kittenmoe.kernels.gluon_api import barrier, tma_load, tma_store, cp_async_load, reinterpret
 from kittenmoe.kernels.megakernel_fwd import _tile_rc
 from kittenmoe.kernels.megakernel_fwd_gluon import (BK, BM, BN, HALF, _down_epilogue, _now, _signal, _trace_event,
                                                     _wait_geq, _zero64)
@@ -124,18 +125,18 @@ def _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(ready.index(st), w2_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w2_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
-        async_copy.async_copy_global_to_shared(a_s.index(st), base + k * BK, mask=ok)
+        tma_load(w2_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
+        cp_async_load(a_s.index(st), base + k * BK, mask=ok)
         async_copy.commit_group()
         if k > 0:
             async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
             fence_async_shared()
-            gl.thread_barrier()  # ... and every producer thread's
+            barrier()  # ... and every producer thread's
             mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
         it += 1
     async_copy.wait_group(0)
     fence_async_shared()
-    gl.thread_barrier()
+    barrier()
     mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
     return it
 
@@ -149,9 +150,9 @@ def _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, read
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(st), dgu_desc.block_type.nbytes + 2 * w13_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(dgu_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
-        tma.async_copy_global_to_shared(w13_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
-        tma.async_copy_global_to_shared(w13_desc, [b_row + k * BK, col + BN], ready.index(st), b1_s.index(st))
+        tma_load(dgu_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
+        tma_load(w13_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
+        tma_load(w13_desc, [b_row + k * BK, col + BN], ready.index(st), b1_s.index(st))
         mbarrier.arrive(ready.index(st), count=1)
         it += 1
     return it
@@ -175,7 +176,7 @@ def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.cons
             if k == 0:
                 t_ready = _now()
         if store_a:
-            tma.async_copy_shared_to_global(dor_desc, [a_row, k * BK], a_s.index(st))
+            tma_store(dor_desc, [a_row, k * BK], a_s.index(st))
         acc = warpgroup_mma(a_s.index(st).slice(ROWS0, HALF), b0_s.index(st), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         if store_a:
@@ -280,8 +281,8 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_
     its hand-over."""
     G: gl.constexpr = ROWS0 // HALF
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
-    c0_s = dh_s.index(2 * G)._reinterpret(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
-    c1_s = dh_s.index(2 * G + 1)._reinterpret(dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    c0_s = reinterpret(dh_s.index(2 * G), dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
+    c1_s = reinterpret(dh_s.index(2 * G + 1), dxr_desc.dtype, [HALF, BN], dxr_desc.layout)
     num_rows = gl.load(num_rows_ptr)
     it = 0
     nh = 0  # accumulators handed over so far
@@ -294,13 +295,13 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_
                                       dor_desc, a_row, REC)
             t_done = _now() if REC else _zero64()
             tma.store_wait(pendings=0)  # the last d_x stores out of the buffer have read it
-            gl.thread_barrier()
+            barrier()
             mbarrier.wait(dh_free.index(G), (nh & 1) ^ 1)  # a fresh barrier passes parity 1
             t_free = _now() if REC else _zero64()
             lo, hi = acc.reshape([HALF, 2, QN]).permute((0, 2, 1)).split()  # (no data moves)
             dh_s.index(2 * G).store(lo)
             dh_s.index(2 * G + 1).store(hi)
-            gl.thread_barrier()  # every thread's part is in shared memory before the one arrival
+            barrier()  # every thread's part is in shared memory before the one arrival
             mbarrier.arrive(dh_full.index(G), count=1)
             nh += 1
             if REC:
@@ -344,7 +345,7 @@ def _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_r
                         t_ready = _now()
                 _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr,
                             a_row + g * HALF, col, I, NI, swiglu_limit, HAS_LIMIT)
-                gl.thread_barrier()  # every thread has read its part before the buffer goes back
+                barrier()  # every thread has read its part before the buffer goes back
                 mbarrier.arrive(dh_free.index(g), count=1)
             nh += 1
             _signal(cnt_ptr + p)  # a_ready[p]; phase B reads d(gate|up) through TMA (the signal fences for it)

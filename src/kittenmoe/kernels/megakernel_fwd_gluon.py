@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
+from kittenmoe.kernels.gluon_api import barrier, tma_load, tma_store, cp_async_load
 from kittenmoe.kernels.megakernel_fwd import _mb_rows, _tile_rc
 
 HALF = gl.constexpr(64)  # rows of a tile one math group owns (one m64 wgmma); a tile is 2 * HALF = 128 rows
@@ -106,7 +107,7 @@ def _signal(cnt_ptr):
     hidden rows a gate|up tile stores that way), then the proxy fence, the partition barrier and the release."""
     _bulk_stores_done()
     _proxy_fence()
-    gl.thread_barrier()
+    barrier()
     gl.atomic_add(cnt_ptr, 1, sem="release")
 
 
@@ -219,9 +220,9 @@ def _load_tile(a_desc, b_desc, a_row, b0, b1, ks, it, a_s, b0_s, b1_s, ready, em
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(ready.index(st), a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
-        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
-        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
+        tma_load(a_desc, [a_row, k * BK], ready.index(st), a_s.index(st))
+        tma_load(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
+        tma_load(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
         if GATHER:
             mbarrier.arrive(ready.index(st), count=1)
         it += 1
@@ -236,9 +237,9 @@ def _copy_rows(a_st, src, ok, ready_st):
     pending count goes up now and down when they complete), so after a partition barrier one arrival completes
     the phase only when all of them have; the producer never waits for its copies and keeps every stage of the
     ring in flight. The math groups fence for the async proxy after their wait (``_mma_tile``)."""
-    async_copy.async_copy_global_to_shared(a_st, src, mask=ok)
+    cp_async_load(a_st, src, mask=ok)
     async_copy.mbarrier_arrive(ready_st)
-    gl.thread_barrier()  # every thread's tracking is registered before the one arrival
+    barrier()  # every thread's tracking is registered before the one arrival
     mbarrier.arrive(ready_st, count=1)
 
 
@@ -260,8 +261,8 @@ def _gather_tile(x_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, b_desc, a_r
         st = it % STAGES
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(st), 2 * b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
-        tma.async_copy_global_to_shared(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
+        tma_load(b_desc, [b0, k * BK], ready.index(st), b0_s.index(st))
+        tma_load(b_desc, [b1, k * BK], ready.index(st), b1_s.index(st))
         _copy_rows(a_s.index(st), base + k * BK, ok, ready.index(st))
         it += 1
     return it
@@ -290,7 +291,7 @@ def _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout
         if xr_desc is not None:
             fence_async_shared()
             if store_a:
-                tma.async_copy_shared_to_global(xr_desc, [a_row, k * BK], a_s.index(st))
+                tma_store(xr_desc, [a_row, k * BK], a_s.index(st))
         a = a_s.index(st).slice(ROWS0, HALF)
         acc0 = warpgroup_mma(a, b0_s.index(st).permute((1, 0)), acc0, is_async=True)
         acc1 = warpgroup_mma(a, b1_s.index(st).permute((1, 0)), acc1, is_async=True)
@@ -320,17 +321,17 @@ def _gateup_epilogue(acc_g, acc_u, hid_desc, gu_desc, c0_s, c1_s, row0, col0, wi
     lowering (an assertion in the warp-specialized partitions, whose arguments were then unused). ONE_BUF: c0_s
     is c1_s, each store waits for the one before it to have read the buffer."""
     tma.store_wait(pendings=0)
-    gl.thread_barrier()  # the previous tile's stores have read both buffers before any thread writes them
+    barrier()  # the previous tile's stores have read both buffers before any thread writes them
     if SAVE_GU != 0:
         c0_s.store(acc_g.to(gu_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, col0], c0_s)
+        tma_store(gu_desc, [row0, col0], c0_s)
         if ONE_BUF:
             tma.store_wait(pendings=0)
-            gl.thread_barrier()
+            barrier()
         c1_s.store(acc_u.to(gu_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(gu_desc, [row0, width + col0], c1_s)
+        tma_store(gu_desc, [row0, width + col0], c1_s)
     if HAS_LIMIT:
         acc_g = gl.minimum(acc_g, swiglu_limit)
         acc_u = gl.minimum(gl.maximum(acc_u, -swiglu_limit), swiglu_limit)
@@ -341,10 +342,10 @@ def _gateup_epilogue(acc_g, acc_u, hid_desc, gu_desc, c0_s, c1_s, row0, col0, wi
             tma.store_wait(pendings=0)
         else:
             tma.store_wait(pendings=1)
-        gl.thread_barrier()
+        barrier()
     c0_s.store(hid.to(hid_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(hid_desc, [row0, col0], c0_s)
+    tma_store(hid_desc, [row0, col0], c0_s)
 
 
 @gluon.jit
@@ -353,18 +354,18 @@ def _down_epilogue(acc0, acc1, out_desc, c0_s, c1_s, row0, col0, ONE_BUF: gl.con
     tile's stores must have read the buffers first. ONE_BUF: c0_s is c1_s, so the second half waits for the
     first half's store to have read it."""
     tma.store_wait(pendings=0)
-    gl.thread_barrier()  # every thread past the wait before any writes the buffers
+    barrier()  # every thread past the wait before any writes the buffers
     c0_s.store(acc0.to(out_desc.dtype))
     if ONE_BUF:
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [row0, col0], c0_s)
+        tma_store(out_desc, [row0, col0], c0_s)
         tma.store_wait(pendings=0)
-        gl.thread_barrier()
+        barrier()
     c1_s.store(acc1.to(out_desc.dtype))
     fence_async_shared()
     if not ONE_BUF:
-        tma.async_copy_shared_to_global(out_desc, [row0, col0], c0_s)
-    tma.async_copy_shared_to_global(out_desc, [row0, col0 + BN], c1_s)
+        tma_store(out_desc, [row0, col0], c0_s)
+    tma_store(out_desc, [row0, col0 + BN], c1_s)
 
 
 @gluon.jit

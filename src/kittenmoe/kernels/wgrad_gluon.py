@@ -31,6 +31,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
+from kittenmoe.kernels.gluon_api import barrier, tma_load, tma_store
+
 HALF_N = 64  # rows of an output tile a math group owns (one m64 wgmma); a tile is 2 * HALF_N = 128 rows
 STAGES_BY_WK = {64: 3}  # 3 x 48 KB of operands + 2 x 32 KB store buffers = 213,232 B on sm_90 (4 stages: 262 KB)
 
@@ -83,10 +85,10 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((it + STAGES - 1) % STAGES), count=1, pred=seg1 > seg0)
         tma.store_wait(pendings=0)
-        gl.thread_barrier()  # every thread past the wait before any writes c_s
+        barrier()  # every thread past the wait before any writes c_s
         c_s.store(acc.to(out_desc.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(out_desc, [g * N + n0 + HALF * HN, m0], c_s)
+        tma_store(out_desc, [g * N + n0 + HALF * HN, m0], c_s)
     tma.store_wait(pendings=0)
 
 
@@ -107,9 +109,9 @@ def _partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(st), 2 * p_desc.block_type.nbytes + q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(p_desc, [r, n0], ready.index(st), p0_s.index(st))
-                tma.async_copy_global_to_shared(p_desc, [r, n0 + HN], ready.index(st), p1_s.index(st))
-                tma.async_copy_global_to_shared(q_desc, [r, m0], ready.index(st), q_s.index(st))
+                tma_load(p_desc, [r, n0], ready.index(st), p0_s.index(st))
+                tma_load(p_desc, [r, n0 + HN], ready.index(st), p1_s.index(st))
+                tma_load(q_desc, [r, m0], ready.index(st), q_s.index(st))
                 it += 1
     elif ROLE == 0:
         _consume(p0_s, q_s, c0_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
