@@ -220,6 +220,18 @@ def test_fp8_scale_block_tiles_keep_a_config_that_runs(monkeypatch, scale_block)
     assert cfg.block_n % scale_block == 0 and fp8_dgu_block(cfg, scale_block) >= 32
 
 
+def test_empty_batch_on_the_megakernel_backend():
+    """A call with no tokens (an empty micro-batch) picks its config like any other and returns [0, H] with zero
+    gradients, instead of failing in the config choice."""
+    experts = _Experts(h=64, i=32)
+    x = torch.randn(0, 64, requires_grad=True)
+    out = kt.make_experts_forward(kt.Options(backend="megakernel"))(
+        experts, x, torch.zeros(0, 2, dtype=torch.long), torch.rand(0, 2))
+    assert out.shape == (0, 64)
+    out.sum().backward()
+    assert not x.grad.any() and not experts.gate_up_proj.grad.any() and not experts.down_proj.grad.any()
+
+
 @pytest.mark.parametrize("attr,value,match", [
     ("has_bias", True, "expert biases"),  # GPT-OSS style biases
     ("has_gate", False, "without a gate"),  # up_proj-only experts

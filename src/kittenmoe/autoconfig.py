@@ -32,12 +32,15 @@ def _auto_config_args(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int
 def auto_config(t: int, h: int, i: int, e: int, k: int, s: int, ranks: int, device: torch.device | str,
                 dtype: torch.dtype, fp8=None) -> KernelConfig:
     """The config for ``t`` tokens a rank, hidden ``h``, expert width ``i``, ``e`` experts in all over ``ranks``
-    EP ranks, top-``k``, shared width ``s`` (0: none), operands of ``dtype`` on ``device``.
+    EP ranks, top-``k``, shared width ``s`` (0: none), operands of ``dtype`` on ``device``. An empty batch
+    (``t`` = 0: the entries return [0, H] without launching) gets the config of one token, so that a caller
+    choosing the config before the call needs no case of its own.
 
     ``fp8`` (an ``FP8Config`` or ``FP8ExpertWeights``): the gate|up tile width the e4m3 path needs
     (``FP8Config.tile_block_n``), applied as an override so the knobs derived from the tile follow."""
     dev = canonical_device(device)  # "cuda" and "cuda:0" one key (a graph constant per device under compile)
-    cfg = KernelConfig(*_auto_config_args(t, h, i, e, k, s, ranks, str(dev), str(dtype).removeprefix("torch.")))
+    cfg = KernelConfig(*_auto_config_args(max(t, 1), h, i, e, k, s, ranks, str(dev),
+                                          str(dtype).removeprefix("torch.")))
     if fp8 is None:
         return cfg
     fp8_cfg = getattr(fp8, "cfg", fp8)  # FP8ExpertWeights carries its FP8Config as .cfg
