@@ -199,19 +199,20 @@ def _bad(case: str):
 
 
 BAD_INPUTS = [
-    # (case, exception, a fragment of its message naming the argument); each case edits one valid input
-    ("x_list", TypeError, "x[0] must be a torch.Tensor"),  # a list where a tensor belongs
-    ("x_1d", ValueError, "x[0] must have 2 dimensions"),  # one token's row instead of [T, H]
-    ("x_int", TypeError, "x[0] has dtype torch.int64"),  # token ids passed as activations
+    # (case, exception, a fragment of its message naming the argument); each case edits one valid input. One rank:
+    # the messages name x, topk_ids and topk_weights without a rank index ("x[0]" would read as a row)
+    ("x_list", TypeError, "x must be a torch.Tensor"),  # a list where a tensor belongs
+    ("x_1d", ValueError, "x must have 2 dimensions"),  # one token's row instead of [T, H]
+    ("x_int", TypeError, "x has dtype torch.int64"),  # token ids passed as activations
     ("x_hidden", ValueError, "hidden size 33"),  # H off by one against the weights
-    ("x_meta", ValueError, "x[0] is on meta"),  # activations on another device than the weights
-    ("x_dtype_vs_weights", TypeError, "x[0] has dtype torch.float64 but the expert weights"),  # mixed precision
-    ("ids_float", TypeError, "topk_ids[0] has dtype torch.float32"),  # router scores passed as ids
-    ("ids_rows", ValueError, "topk_ids[0]"),  # routing for T-1 tokens
-    ("ids_cols_vs_weights", ValueError, "topk_weights[0]"),  # K of ids and weights disagree
-    ("ids_3d", ValueError, "topk_ids[0] must have 2 dimensions"),  # a batch dimension left on
-    ("wts_int", TypeError, "topk_weights[0] has dtype torch.int64"),  # integer weights
-    ("wts_1d", ValueError, "topk_weights[0] must have 2 dimensions"),  # flattened weights
+    ("x_meta", ValueError, "x is on meta"),  # activations on another device than the weights
+    ("x_dtype_vs_weights", TypeError, "x has dtype torch.float64 but the expert weights"),  # mixed precision
+    ("ids_float", TypeError, "topk_ids has dtype torch.float32"),  # router scores passed as ids
+    ("ids_rows", ValueError, "topk_ids"),  # routing for T-1 tokens
+    ("ids_cols_vs_weights", ValueError, "topk_weights"),  # K of ids and weights disagree
+    ("ids_3d", ValueError, "topk_ids must have 2 dimensions"),  # a batch dimension left on
+    ("wts_int", TypeError, "topk_weights has dtype torch.int64"),  # integer weights
+    ("wts_1d", ValueError, "topk_weights must have 2 dimensions"),  # flattened weights
     ("k_above_e", ValueError, "top-k K=16 exceeds the number of experts E=8"),  # K > E
     ("k_zero", ValueError, "K=0"),  # no expert per token
     ("w13_odd", ValueError, "w13 must be [E, 2*I, H]"),  # gate|up rows not paired

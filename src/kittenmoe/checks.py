@@ -138,19 +138,20 @@ def check_moe_inputs(
     t = k = None
     for rank in range(r):
         x, ids, w = x_RTH[rank], topk_ids_RTK[rank], topk_weights_RTK[rank]
-        _tensor(f"x[{rank}]", x, 2, FLOAT_DTYPES, device)
-        _tensor(f"topk_ids[{rank}]", ids, 2, INDEX_DTYPES, device)
-        _tensor(f"topk_weights[{rank}]", w, 2, FLOAT_DTYPES, device)
+        at = f"[{rank}]" if r > 1 else ""  # which rank's tensor, when there are several ("x[0]" reads as a row)
+        _tensor(f"x{at}", x, 2, FLOAT_DTYPES, device)
+        _tensor(f"topk_ids{at}", ids, 2, INDEX_DTYPES, device)
+        _tensor(f"topk_weights{at}", w, 2, FLOAT_DTYPES, device)
         if x.dtype != w13_E2IH.dtype:
-            raise TypeError(f"x[{rank}] has dtype {x.dtype} but the expert weights are {w13_E2IH.dtype}")
+            raise TypeError(f"x{at} has dtype {x.dtype} but the expert weights are {w13_E2IH.dtype}")
         if x.shape[1] != h:
-            raise ValueError(f"x[{rank}] has hidden size {x.shape[1]}, the weights expect H={h}")
+            raise ValueError(f"x{at} has hidden size {x.shape[1]}, the weights expect H={h}")
         if t is None:
             t, k = x.shape[0], ids.shape[1]
         if x.shape[0] != t:
             raise ValueError(f"x[{rank}] has {x.shape[0]} tokens but x[0] has {t}; every rank needs the same T")
         if tuple(ids.shape) != (t, k) or tuple(w.shape) != (t, k):
-            raise ValueError(f"topk_ids[{rank}] {tuple(ids.shape)} and topk_weights[{rank}] {tuple(w.shape)} "
+            raise ValueError(f"topk_ids{at} {tuple(ids.shape)} and topk_weights{at} {tuple(w.shape)} "
                              f"must both be [T, K] = {(t, k)}")
     if t == 0 and not allow_empty:
         raise ValueError("x has no tokens (T=0); kittenmoe.moe and MoELayer accept an empty batch, the "
