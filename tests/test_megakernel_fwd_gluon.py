@@ -107,25 +107,6 @@ def test_gluon_refused_under_the_interpreter():
         megakernel_forward_multirank(*_small_forward_args(), config=GLUON)
 
 
-@pytest.mark.parametrize("hold,deadlocks", [
-    ("kernel", False),  # the kernel's rule: a held-back bump goes out before any down tile's K loop
-    ("gu-only", True),  # held until the next gate|up tile only: some sequence deadlocks (the model can fail)
-])
-def test_forward_counter_bumps_protocol_model(hold, deadlocks, ring_protocol):
-    """The Gluon forward's held-back hid_ready bumps across 1-4 programs (each a producer polling hid_ready before
-    a down tile and two math groups), random minibatches and ring depths, in random interleavings."""
-    import random
-
-    bad = 0
-    for trial in range(200):
-        rng = random.Random(trial)
-        nmb = rng.randint(1, 3)
-        bad += not ring_protocol.run_forward_counters([rng.randint(1, 4) for _ in range(nmb)],
-                                                      [rng.randint(1, 4) for _ in range(nmb)], rng.randint(1, 4),
-                                                      rng.randint(2, 4), trial, hold)
-    assert (bad > 0) == deadlocks, f"{bad} of 200 sequences deadlocked holding bumps {hold!r}"
-
-
 @pytest.fixture
 def cuda_cleanup():
     yield

@@ -14,9 +14,7 @@ model: a count of completed phases c and the arrivals of the current phase; ``wa
 sequences (kinds, K steps 0-8); a state where every live actor waits is a deadlock.
 
 Answer: the forward's pull and gathering forms run at any depth; with the late signal the gathering form
-deadlocks at 2 stages (it waits on a release that needs it) and runs at 3 and 4. Across programs
-(``run_forward_counters``), the forward's held-back counter bumps run at any depth when released before a down
-tile's K loop, and deadlock when they wait for the next gate|up tile instead.
+deadlocks at 2 stages (it waits on a release that needs it) and runs at 3 and 4.
 
 The Gluon backward's protocol (``run_backward``: its gathered phase-A tiles, signalled late, its a_ready wait
 before phase-B tiles, and the phase-A accumulators handed to the epilogue partition through one buffer a math
@@ -188,71 +186,6 @@ def run_backward(tiles, S: int, seed: int, late: bool = True) -> bool:
     return interleave(actors, rng)
 
 
-# ---- the Gluon forward's counters across programs: every program's producer polls hid_ready[p] before a down
-# tile of minibatch p, which counts two bumps (one a math group) for each gate|up tile of p in every program. A
-# math group holds a gate|up tile's bump back (the kernel's ``pend``) and releases it after its next tile's K loop
-# if that is a gate|up tile, before the K loop of a down tile, or at the end (``hold="kernel"``); ``hold="gu-only"``
-# never releases before a down tile (only after the next gate|up tile's K loop, or at the end), which can
-# deadlock: the program's own producer polls the count the bump completes before it loads the down tile's
-# operands. The global sequence is the kernel's: rounds of [gate|up tiles of minibatch r, down tiles of r - 1],
-# tile i to program i % programs.
-
-def fwd_sequence(n_gu: list[int], n_dn: list[int]) -> list[tuple[str, int]]:
-    """The kernel's tile order over minibatches with ``n_gu[p]`` gate|up and ``n_dn[p]`` down tiles (LAG 1)."""
-    seq = []
-    for r in range(len(n_gu) + 1):
-        if r < len(n_gu):
-            seq += [("gu", r)] * n_gu[r]
-        if r >= 1:
-            seq += [("dn", r - 1)] * n_dn[r - 1]
-    return seq
-
-
-def fwd_producer(tiles, S, ready, empty, hid, targets):
-    it = 0
-    for kind, p, ks in tiles:
-        if kind == "dn":
-            while hid[p] < targets[p]:
-                yield "wait hid_ready"
-        it = yield from fill_tile(ks, it, S, ready, empty, False, False)
-        yield "tile done"
-
-
-def fwd_math(tiles, S, ready, empty, hid, hold):
-    it = 0
-    pend = None
-    for kind, p, ks in tiles:
-        if kind == "dn" and hold == "kernel" and pend is not None:
-            hid[pend] += 1
-            pend = None
-        it = yield from consume_tile(ks, it, S, ready, empty)
-        if kind == "gu":
-            if pend is not None:
-                hid[pend] += 1
-            pend = p
-        yield "tile done"
-    if pend is not None:
-        hid[pend] += 1
-
-
-def run_forward_counters(n_gu: list[int], n_dn: list[int], programs: int, S: int, seed: int,
-                         hold: str = "kernel") -> bool:
-    """True when every actor of every program finishes; False on a deadlock. K steps per tile 1-4, random."""
-    rng = random.Random(seed)
-    seq = [(kind, p, rng.randint(1, 4)) for kind, p in fwd_sequence(n_gu, n_dn)]
-    hid = [0] * len(n_gu)
-    targets = [2 * n for n in n_gu]
-    actors = {}
-    for prog in range(programs):
-        mine = seq[prog::programs]
-        ready = [Barrier(1) for _ in range(S)]
-        empty = [Barrier(2) for _ in range(S)]
-        actors[f"producer {prog}"] = fwd_producer(mine, S, ready, empty, hid, targets)
-        for g in (0, 1):
-            actors[f"group {g} of {prog}"] = fwd_math(mine, S, ready, empty, hid, hold)
-    return interleave(actors, rng)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trials", type=int, default=3000)
@@ -277,16 +210,6 @@ def main() -> int:
                 bad += not run(tiles, S, gather, trial, late)
             form = ("forward, gather" + (", late" if late else "")) if gather else "forward, pull"
             print(f"{form:<22}{S:>7}{bad:>12}")
-    for hold in ("kernel", "gu-only"):
-        for S in (2, 3, 4):
-            bad = 0
-            for trial in range(args.trials):
-                rng = random.Random(trial)
-                nmb = rng.randint(1, 3)
-                bad += not run_forward_counters([rng.randint(1, 4) for _ in range(nmb)],
-                                                [rng.randint(1, 4) for _ in range(nmb)], rng.randint(1, 4), S, trial,
-                                                hold)
-            print(f"{'forward bumps, ' + hold:<22}{S:>7}{bad:>12}")
     return 0
 
 

@@ -112,14 +112,6 @@ def _signal(cnt_ptr):
 
 
 @gluon.jit
-def _release_pending(cnt_ptr, pend):
-    """``_signal(cnt_ptr + pend)`` for a gate|up tile's held-back bump (``pend`` >= 0); returns -1 (none held)."""
-    if pend >= 0:
-        _signal(cnt_ptr + pend)
-    return -1
-
-
-@gluon.jit
 def _wait_geq(cnt_ptr, target, err_ptr, max_spin):
     """megakernel_fwd._wait_geq for the producer warp: poll until ``cnt >= target``, bounded by ``max_spin``
     polls or another program's timeout flag; a timeout sets the flag (the launcher raises)."""
@@ -387,13 +379,9 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
     each tile's K loop and epilogue recorded."""
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     num_rows = gl.load(num_rows_ptr)
+    hid_ready = cnt_ptr + NMB
+    shared_ready = cnt_ptr + 4 * NMB
     it = 0
-    # A gate|up tile's counter bump (hid_ready[p], shared_ready: index pend of cnt_ptr) is held back until the
-    # next tile's K loop has run, when its hidden rows' TMA stores have long landed and _signal's wait for them
-    # returns at once; waited for in place, it held the math group ~1 us a tile with no wgmma in flight. It is
-    # released before any down tile's K loop: this program's producer may be polling that very counter before it
-    # loads the down tile (gate|up tiles poll nothing the math groups bump), so holding it longer could deadlock.
-    pend = -1
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         kind, p, a_row, b0, b1, ks, col = _decode(tile, T, H, I, S, NMB, NSLOT, num_rows, tile_expert_ptr,
                                                   expert_offsets_ptr, LAG, MAC, MB, TGM, HAS_SHARED)
@@ -401,10 +389,9 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
         if kind == SH_GU:
             acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
             t_done = _now() if REC else _zero64()
-            pend = _release_pending(cnt_ptr, pend)
             _gateup_epilogue(acc0, acc1, shid_st, sgu_st, c0_s, c1_s, a_row + ROWS0, col, S, swiglu_limit,
                              HAS_LIMIT, SAVE_GU, ONE_BUF)
-            pend = 4 * NMB  # shared_ready
+            _signal(shared_ready)
             if REC:
                 _record_tile(trace_ptr, tile, total, TR_SH_GU, t_start, t_ready, t_done)
         elif kind == GU:
@@ -416,29 +403,25 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, c0_s, c1_s, ready, empty,
                 acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout,
                                                     TRACE=REC)
             t_done = _now() if REC else _zero64()
-            pend = _release_pending(cnt_ptr, pend)
             _gateup_epilogue(acc0, acc1, hid_st, gu_st, c0_s, c1_s, a_row + ROWS0, col, I, swiglu_limit,
                              HAS_LIMIT, SAVE_GU, ONE_BUF)
-            pend = NMB + p  # hid_ready[p]
+            _signal(hid_ready + p)
             if REC:
                 _record_tile(trace_ptr, tile, total, TR_GU, t_start, t_ready, t_done)
         elif kind == GU_EMPTY:
-            _signal(cnt_ptr + NMB + p)  # hid_ready[p]: nothing stored
+            _signal(hid_ready + p)
         elif kind == DN:
-            pend = _release_pending(cnt_ptr, pend)
             acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
             t_done = _now() if REC else _zero64()
             _down_epilogue(acc0, acc1, yr_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
             if REC:
                 _record_tile(trace_ptr, tile, total, TR_DN, t_start, t_ready, t_done)
         elif kind == SH_DN:
-            pend = _release_pending(cnt_ptr, pend)
             acc0, acc1, it, t_ready = _mma_tile(a_s, b0_s, b1_s, ready, empty, ks, it, ROWS0, layout, TRACE=REC)
             t_done = _now() if REC else _zero64()
             _down_epilogue(acc0, acc1, ys_desc, c0_s, c1_s, a_row + ROWS0, col, ONE_BUF)
             if REC:
                 _record_tile(trace_ptr, tile, total, TR_SH_DN, t_start, t_ready, t_done)
-    pend = _release_pending(cnt_ptr, pend)
     tma.store_wait(pendings=0)
 
 
