@@ -9,10 +9,11 @@
 #                                        on the GPU machine: extract it into .triton-next/site and export
 #                                        TRITON_NEXT (that folder: put it first on PYTHONPATH); messages on stderr
 #
-# Why: Triton 3.9's Gluon issues TMA multicast into a cluster's CTAs (tma.async_load(..., multicast=True) with CGA
-# layouts), which 3.6 cannot (benchmarks/probes/cluster_probe.py --gluon-build);
-# benchmarks/probes/multicast_probe.py measures what it is worth. Only processes that ask for it see it: torch and
-# the library's own kernels keep the machine's Triton elsewhere.
+# Why: the Gluon kernels are written for both Triton 3.6 (the machine's, torch 2.11's) and 3.9 (torch 2.13's;
+# kernels/gluon_api.py binds the names 3.9 renamed); their GPU tests run with 3.9 this way:
+#   PYTHONPATH=$TRITON_NEXT:src python3 -m pytest -m gpu tests/test_megakernel_fwd_gluon.py ...
+# and so do probes that need 3.9's Gluon (its TMA multicast measured in docs/experiments/tma-multicast-weight-tile.md).
+# Only processes that ask for it see it: everything else keeps the machine's Triton.
 #
 # Size: the wheel is 286 MB, installed 1 GB; a device call carries at most 64 MiB with the working tree. Left out:
 # the AMD backend's libraries (its Python files stay: Triton imports every backend), Blackwell's ptxas (a link to

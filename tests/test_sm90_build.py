@@ -308,33 +308,6 @@ def test_gluon_fp8_probe_builds_overlapped_for_sm90():
     assert set(builds["lag"]["waits_by_groups_left"]) == {"0"}, builds["lag"]
 
 
-def test_multicast_probe_builds_for_sm90_with_triton_3_9():
-    """benchmarks/probes/multicast_probe.py with the Triton this suite runs when it is 3.9 or newer (CI's; the
-    device's 3.6 has no Gluon multicast): one CTA a tile has no cluster and no multicast; the 2-CTA variants
-    are clusters of two, and only the multicast one loads the weight tile with ``.multicast::cluster``, once
-    a K step where the others load it as a plain TMA copy. Every variant keeps its wgmmas."""
-    import triton
-
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"Triton {triton.__version__} has no Gluon multicast (3.9 or newer)")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), TOOLS])
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "probes", "multicast_probe.py"), "--build"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    got = {}
-    for line in r.stdout.splitlines():
-        name, _, rest = line.partition(": cluster ")
-        if rest:
-            got[name] = rest
-    assert set(got) == {"1cta", "2cta", "2cta-mc"}, r.stdout
-    assert got["1cta"].startswith("none") and " 0 multicast" in got["1cta"], got
-    assert got["2cta"].startswith(".reqnctapercluster 2") and " 0 multicast" in got["2cta"], got
-    assert got["2cta-mc"].startswith(".reqnctapercluster 2") and " 4 multicast" in got["2cta-mc"], got
-    assert " 4 TMA loads" in got["2cta-mc"] and " 8 TMA loads" in got["2cta"], got
-    assert all(" 0 wgmma" not in v for v in got.values()), got
-
-
 @pytest.mark.parametrize("spec,expected,threads", [
     # the Gluon forward, both forms, keeping gate|up
     (dict(which="fwd", resident=True, config=GLUON_ONE_RANK), FWD_GLUON, 384),
