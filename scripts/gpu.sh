@@ -59,6 +59,9 @@
 #   OUT       where every step writes <step>.log, and whatever else it produces (default /tmp/kittenmoe-out)
 #   RESULTS   where bench and tune write their JSON rows (default benchmarks/results; copies go to $OUT/results)
 #   NCU_CONFIG  KernelConfig overrides k=v,... for the ncu target (default: the heuristic config)
+#   NEWER_TRITON  1: run the target with the Triton of a carried .triton-next (3.9, scripts/triton_next.sh) first
+#             on PYTHONPATH instead of the machine's (the Gluon kernels build with both; the ab target's own
+#             PYTHONPATH keeps the machine's)
 #
 # Each step's output goes to its own log, never through a pipe (a filter would hide a hang and the last lines);
 # a step's failure does not stop the next, and each step has a time limit so the summary always prints. The
@@ -85,6 +88,11 @@ summary=()
 # torchtitan's MoE modules (the torchtitan tests and the train target's torchtitan stack), where carried
 if compgen -G ".titan/wheels/*.whl" > /dev/null; then
   eval "$(bash scripts/titan_wheels.sh unpack 2> "$OUT/titan-setup.log")" || echo "torchtitan wheels: see $OUT/titan-setup.log"
+fi
+if [[ ${NEWER_TRITON:-0} == 1 ]]; then
+  eval "$(bash scripts/triton_next.sh unpack 2> "$OUT/triton-next-setup.log")" \
+    || { echo "NEWER_TRITON=1 but no Triton from .triton-next: see $OUT/triton-next-setup.log"; exit 2; }
+  export PYTHONPATH=$TRITON_NEXT:$PYTHONPATH
 fi
 SEEDS=(kimi-k2.7 deepseek-v4-pro qwen3.5-397b-a17b glm-5.2)
 
