@@ -323,6 +323,38 @@ def test_tile_group_order_same_bits(group, monkeypatch):
         assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
 
 
+@pytest.mark.parametrize("lag,macrobatch", [
+    (0, None),  # each minibatch's down tiles right after its own gate|up tiles
+    (2, None),  # two rounds behind, the ring holding every routed row
+    (3, None),  # three rounds behind
+    (2, 144),  # a wrapping ring of three 48-row slots and the most lag it allows (its pulls wait on pushes)
+])
+def test_forward_lag_same_bits(lag, macrobatch, monkeypatch):
+    """KernelConfig.forward_lag changes only when each minibatch's down tiles run: the output keeps its bits,
+    over 2 ranks with communication programs pulling and pushing; the scratch starts NaN, so a tile the longer
+    sequence skipped would show."""
+    case = TILE_GROUP_CASE
+    inp = _make_inputs(case, seed=12)
+    cfg = case.config().with_(minibatch_size=48, macrobatch_size=macrobatch)
+    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    nan_scratch(monkeypatch)
+    got = _megakernel(case, inp, config=cfg.with_(forward_lag=lag)).outputs
+    for r in range(case.r):
+        assert torch.isfinite(got[r]).all()
+        assert_bitwise_equal(got[r], base[r], f"out[{r}], forward_lag={lag}")
+
+
+def test_forward_lag_checked():
+    """A negative lag is refused by the config; one past a wrapping ring's slots - 1 by the launch, before it
+    allocates anything (a pull into a slot would wait on a push that only a later round allows)."""
+    with pytest.raises(ValueError, match="forward_lag must be None or >= 0"):
+        KernelConfig(forward_lag=-1)
+    case = TILE_GROUP_CASE
+    inp = _make_inputs(case, seed=12)
+    with pytest.raises(ValueError, match="forward_lag=3 exceeds the ring's 3 slots - 1"):
+        _megakernel(case, inp, config=case.config().with_(minibatch_size=48, macrobatch_size=144, forward_lag=3))
+
+
 def test_tile_group_m_checked():
     """-1 (expert runs), 0 (the whole minibatch) and G > 0 are orders; anything below -1 is refused."""
     with pytest.raises(ValueError, match="must be >= -1"):
