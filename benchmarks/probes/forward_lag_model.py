@@ -6,7 +6,8 @@ The model follows the forward's tile order (kernels/megakernel_fwd_gluon.py ``_d
 is minibatch r's gate|up tiles, then minibatch (r - LAG)'s down tiles; program k of P takes tiles k, k + P, ... in
 that order; a down tile of minibatch p starts once every gate|up tile of p has finished (``hid_ready[p]`` counts the
 whole minibatch). A tile's time is its measured mean times a lognormal factor of spread ``--jitter`` (its sigma), drawn
-per tile; tile times scale with their K steps from the calibration. The launcher sets LAG = min(ring slots - 1, 1).
+per tile; tile times scale with their K steps from the calibration. LAG is ``KernelConfig.forward_lag`` (None:
+min(ring slots - 1, 1)).
 
 Calibration (H200, Triton 3.6, the Gluon gathering forward's TRACE build at 8192 x 2048 x 768 x 128 x 8, minibatches
 of 2,048 rows, 132 programs; ``benchmarks/fwd_round.py --trace``): a gate|up tile 19.97 us of K loop and a down
@@ -18,7 +19,7 @@ LAG 1) it gives a 6.47 ms span, where the whole forward measured 6.54 ms (schedu
 What it predicts (25% spread): at 8192 x 2048 x 768, LAG 2 1.02 ms and 4,096-row minibatches 1.00 (against 1.15);
 at 32768 x 4096 x 512, 4,096-row minibatches 4.99 ms and with LAG 2 4.79 (against 6.47): the down tiles of a
 2,048-row minibatch there wait on 64 gate|up tiles of 40 us each, most of a round. Unmeasured on the GPU: a lead
-for ``minibatch_size`` on one rank (a knob already) and for the launcher's LAG, not a result.
+for the knobs ``minibatch_size`` and ``forward_lag`` on one rank, not a result.
 """
 
 from __future__ import annotations
