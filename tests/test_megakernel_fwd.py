@@ -303,6 +303,19 @@ def test_bitwise_repeatable_reused_peers(bitwise_base):
 TILE_GROUP_CASE = Case(TINY.with_(h=64, i=64), r=2, t=24)
 
 
+def _assert_tile_order_keeps_bits(cfg: KernelConfig, knob: str, value, seed: int, monkeypatch) -> None:
+    """TILE_GROUP_CASE's forward under ``cfg`` with ``knob`` (a tile-order knob) set to ``value`` gives the bits it
+    gives under ``cfg``; that run's scratch starts NaN, so a tile the other order skipped would show."""
+    case = TILE_GROUP_CASE
+    inp = _make_inputs(case, seed=seed)
+    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    nan_scratch(monkeypatch)
+    got = _megakernel(case, inp, config=cfg.with_(**{knob: value})).outputs
+    for r in range(case.r):
+        assert torch.isfinite(got[r]).all()
+        assert_bitwise_equal(got[r], base[r], f"out[{r}], {knob}={value}")
+
+
 @pytest.mark.parametrize("group", [
     1,  # one row tile at a time, across every column tile
     2,  # a full group of two row tiles, then a last group of one
@@ -312,15 +325,8 @@ TILE_GROUP_CASE = Case(TINY.with_(h=64, i=64), r=2, t=24)
 def test_tile_group_order_same_bits(group, monkeypatch):
     """The forward's output does not depend on the order of a minibatch's GEMM tiles; the scratch starts NaN,
     so a tile the order skipped would show."""
-    case = TILE_GROUP_CASE
-    inp = _make_inputs(case, seed=11)
-    cfg = case.config().with_(minibatch_size=48)
-    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
-    nan_scratch(monkeypatch)
-    got = _megakernel(case, inp, config=cfg.with_(tile_group_m=group)).outputs
-    for r in range(case.r):
-        assert torch.isfinite(got[r]).all()
-        assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
+    _assert_tile_order_keeps_bits(TILE_GROUP_CASE.config().with_(minibatch_size=48), "tile_group_m", group, 11,
+                                  monkeypatch)
 
 
 @pytest.mark.parametrize("lag,macrobatch", [
@@ -333,15 +339,8 @@ def test_forward_lag_same_bits(lag, macrobatch, monkeypatch):
     """KernelConfig.forward_lag changes only when each minibatch's down tiles run: the output keeps its bits,
     over 2 ranks with communication programs pulling and pushing; the scratch starts NaN, so a tile the longer
     sequence skipped would show."""
-    case = TILE_GROUP_CASE
-    inp = _make_inputs(case, seed=12)
-    cfg = case.config().with_(minibatch_size=48, macrobatch_size=macrobatch)
-    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
-    nan_scratch(monkeypatch)
-    got = _megakernel(case, inp, config=cfg.with_(forward_lag=lag)).outputs
-    for r in range(case.r):
-        assert torch.isfinite(got[r]).all()
-        assert_bitwise_equal(got[r], base[r], f"out[{r}], forward_lag={lag}")
+    _assert_tile_order_keeps_bits(TILE_GROUP_CASE.config().with_(minibatch_size=48, macrobatch_size=macrobatch),
+                                  "forward_lag", lag, 12, monkeypatch)
 
 
 def test_forward_lag_checked():

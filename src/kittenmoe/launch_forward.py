@@ -309,7 +309,8 @@ def launch_rank_forward(
         if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
             raise NotImplementedError(f"KernelConfig.{knob} runs every role in one launch")
         st.compiled, st.trace = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2,
-                                              has_shared, swiglu_limit, config, max_spin, T, H, I, S, K, L, trace)
+                                              has_shared, swiglu_limit, config, lag, max_spin, T, H, I, S, K, L,
+                                              trace)
         return st
     if not interp:
         # One launch, every role concurrent. Comm programs stay at most
@@ -334,10 +335,10 @@ def launch_rank_forward(
 
 def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, has_shared: bool,
-                  swiglu_limit: float | None, config: KernelConfig, max_spin: int, T: int, H: int, I: int, S: int,
-                  K: int, L: int, trace: bool):
-    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed).
-    Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
+                  swiglu_limit: float | None, config: KernelConfig, lag: int, max_spin: int, T: int, H: int, I: int,
+                  S: int, K: int, L: int, trace: bool):
+    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed),
+    its down tiles ``lag`` rounds behind their gate|up tiles (``RingGeometry.forward_lag``). Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
     None."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -351,7 +352,6 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     ring = st.ring
-    lag = ring.forward_lag(config.forward_lag)
     xl = desc(x_TH, [bm, bk])
     w13 = desc(w13_L2IH.view(L * 2 * I, H), [bn, bk])
     w2 = desc(w2_LHI.view(L * H, I), [bn, bk])
