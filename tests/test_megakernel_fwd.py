@@ -303,19 +303,6 @@ def test_bitwise_repeatable_reused_peers(bitwise_base):
 TILE_GROUP_CASE = Case(TINY.with_(h=64, i=64), r=2, t=24)
 
 
-def _assert_tile_order_keeps_bits(cfg: KernelConfig, knob: str, value, seed: int, monkeypatch) -> None:
-    """TILE_GROUP_CASE's forward under ``cfg`` with ``knob`` (a tile-order knob) set to ``value`` gives the bits it
-    gives under ``cfg``; that run's scratch starts NaN, so a tile the other order skipped would show."""
-    case = TILE_GROUP_CASE
-    inp = _make_inputs(case, seed=seed)
-    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
-    nan_scratch(monkeypatch)
-    got = _megakernel(case, inp, config=cfg.with_(**{knob: value})).outputs
-    for r in range(case.r):
-        assert torch.isfinite(got[r]).all()
-        assert_bitwise_equal(got[r], base[r], f"out[{r}], {knob}={value}")
-
-
 @pytest.mark.parametrize("group", [
     1,  # one row tile at a time, across every column tile
     2,  # a full group of two row tiles, then a last group of one
@@ -325,33 +312,15 @@ def _assert_tile_order_keeps_bits(cfg: KernelConfig, knob: str, value, seed: int
 def test_tile_group_order_same_bits(group, monkeypatch):
     """The forward's output does not depend on the order of a minibatch's GEMM tiles; the scratch starts NaN,
     so a tile the order skipped would show."""
-    _assert_tile_order_keeps_bits(TILE_GROUP_CASE.config().with_(minibatch_size=48), "tile_group_m", group, 11,
-                                  monkeypatch)
-
-
-@pytest.mark.parametrize("lag,macrobatch", [
-    (0, None),  # each minibatch's down tiles right after its own gate|up tiles
-    (2, None),  # two rounds behind, the ring holding every routed row
-    (3, None),  # three rounds behind
-    (2, 144),  # a wrapping ring of three 48-row slots and the most lag it allows (its pulls wait on pushes)
-])
-def test_forward_lag_same_bits(lag, macrobatch, monkeypatch):
-    """KernelConfig.forward_lag changes only when each minibatch's down tiles run: the output keeps its bits,
-    over 2 ranks with communication programs pulling and pushing; the scratch starts NaN, so a tile the longer
-    sequence skipped would show."""
-    _assert_tile_order_keeps_bits(TILE_GROUP_CASE.config().with_(minibatch_size=48, macrobatch_size=macrobatch),
-                                  "forward_lag", lag, 12, monkeypatch)
-
-
-def test_forward_lag_checked():
-    """A negative lag is refused by the config; one past a wrapping ring's slots - 1 by the launch, before it
-    allocates anything (a pull into a slot would wait on a push that only a later round allows)."""
-    with pytest.raises(ValueError, match="forward_lag must be None or >= 0"):
-        KernelConfig(forward_lag=-1)
     case = TILE_GROUP_CASE
-    inp = _make_inputs(case, seed=12)
-    with pytest.raises(ValueError, match="forward_lag=3 exceeds the ring's 3 slots - 1"):
-        _megakernel(case, inp, config=case.config().with_(minibatch_size=48, macrobatch_size=144, forward_lag=3))
+    inp = _make_inputs(case, seed=11)
+    cfg = case.config().with_(minibatch_size=48)
+    base = [o.clone() for o in _megakernel(case, inp, config=cfg).outputs]
+    nan_scratch(monkeypatch)
+    got = _megakernel(case, inp, config=cfg.with_(tile_group_m=group)).outputs
+    for r in range(case.r):
+        assert torch.isfinite(got[r]).all()
+        assert_bitwise_equal(got[r], base[r], f"out[{r}], tile_group_m={group}")
 
 
 def test_tile_group_m_checked():

@@ -167,8 +167,7 @@ def _triton_forward(case: str, keep: bool):
     GATHER.with_(num_stages=3),  # two store buffers a group
     GATHER.with_(num_stages=2),  # the gathering form's shallowest ring: every stage's rows tracked in flight
     AUTO,  # "auto" on Hopper: the gathering form (resolve_forward_kernel asserted below)
-    GATHER.with_(forward_lag=3),  # down tiles three rounds behind their gate|up tiles (the Triton run keeps LAG 1)
-], ids=["pull", "gather", "gather-3-stages", "gather-2-stages", "auto", "gather-lag-3"])
+], ids=["pull", "gather", "gather-3-stages", "gather-2-stages", "auto"])
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_gluon_forward_matches_triton_bits(case, keep, config, cuda_cleanup, monkeypatch):

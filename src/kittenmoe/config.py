@@ -229,11 +229,6 @@ class KernelConfig:
         a group). -1: each expert's row tiles a group, so its x rows stay in L2 over its column tiles (at 0
         DeepSeek's forward read 11.55 GB from DRAM for 6.5 GB of weights). ``default_config``: -1 with 2-byte
         operands, forward+backward 2.7-4.0% faster.
-    forward_lag: rounds a minibatch's down tiles trail its gate|up tiles in the forward megakernels' tile
-        sequence (round r: minibatch r's gate|up tiles, then minibatch r - forward_lag's down tiles; the same bits
-        in any order). A down tile waits for every gate|up tile of its minibatch, so a short lag leaves programs
-        waiting when tile times spread (``benchmarks/probes/forward_lag_model.py``). At most the ring's slots - 1
-        (a wrapping ring pulls into a slot after its previous occupant was pushed). None: min(slots - 1, 1).
     bwd_num_stages: pipeline stages of the backward megakernel's GEMM loops; 0: min(num_stages, 3). 4 fits on sm_90
         at the default tiles (229,408 B: the loops share their buffers) and feeds phase A's long K loop over H
         (112 steps on Kimi, ~3.3 TFLOP/s a program against phase B's 5.6). ``default_config``: 4 at block_m 128
@@ -258,12 +253,11 @@ class KernelConfig:
     backward_kernel: BackwardKernel = "triton"
     tile_group_m: int = 0
     bwd_num_stages: int = 0
-    forward_lag: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             v = getattr(self, field.name)
-            if field.name in ("macrobatch_size", "forward_lag") and v is None:
+            if field.name == "macrobatch_size" and v is None:
                 continue
             if field.name == "wgrad":
                 if not isinstance(v, str) or v not in WGRAD_KERNELS:
@@ -316,8 +310,6 @@ class KernelConfig:
         if self.bwd_num_stages < 0:
             raise ValueError(f"KernelConfig.bwd_num_stages must be >= 0 (0: min(num_stages, 3)), got "
                              f"{self.bwd_num_stages}")
-        if self.forward_lag is not None and self.forward_lag < 0:
-            raise ValueError(f"KernelConfig.forward_lag must be None or >= 0, got {self.forward_lag}")
         if self.tile_group_m < -1:
             raise ValueError(f"KernelConfig.tile_group_m must be >= -1 (0: every row tile of a minibatch in one "
                              f"group; -1: each expert's row tiles a group), got {self.tile_group_m}")

@@ -93,18 +93,6 @@ class RingGeometry:
         slots = mac // mb
         return RingGeometry(capacity, mb, mac, slots, triton.cdiv(capacity, mac) * slots)
 
-    def forward_lag(self, lag: int | None) -> int:
-        """The forward's LAG (``KernelConfig.forward_lag``): rounds a minibatch's down tiles trail its gate|up
-        tiles; None picks min(slots - 1, 1). Past slots - 1 a wrapping ring's pull of a slot would wait on a push
-        that only a later round's down tiles allow, so that raises."""
-        if lag is None:
-            return min(self.slots - 1, 1)
-        if lag > self.slots - 1:
-            raise ValueError(f"KernelConfig.forward_lag={lag} exceeds the ring's {self.slots} slots - 1: a "
-                             f"minibatch's down tiles may trail its gate|up tiles by at most that many rounds (a "
-                             f"larger macrobatch_size, or None, holds more slots)")
-        return lag
-
     @property
     def resident(self) -> bool:
         """The ring never wraps: every routed row keeps its own slot until the forward ends, so the backward

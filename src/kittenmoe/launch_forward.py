@@ -168,7 +168,6 @@ def launch_rank_forward(
         check_shared_memory(config, dtype.itemsize)
     sched = build_schedule(ids_all_RTK, rank, L, bm)
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
-    lag = ring.forward_lag(config.forward_lag)  # (raises before any allocation or launch)
     row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
     fp8_down = fp8 is not None and not fp8.cfg.down_high  # else the down projection in x's dtype
     st = ForwardState(
@@ -259,7 +258,7 @@ def launch_rank_forward(
     interp = lc.interpreting()
     trace_meta = {}
     if trace and config.forward_kernel == "triton":  # (a Gluon form's buffer: _launch_gluon)
-        bn = config.block_n
+        bn, lag = config.block_n, min(ring.slots - 1, 1)
         n_sh_rt = triton.cdiv(T, bm)
         per_mb = (ring.minibatch // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, 2 * bn))
         n_gemm = ((n_sh_rt * (triton.cdiv(S, bn) + triton.cdiv(H, 2 * bn)) if S > 0 else 0)
@@ -269,7 +268,7 @@ def launch_rank_forward(
         st.trace, trace_meta = trace_buffer(n_gemm, ring.num_minibatches + 2, grid[0] if self_pull else num_comm,
                                              dev)
     meta = dict(
-        LAG=lag, MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
+        LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
         BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
@@ -309,8 +308,7 @@ def launch_rank_forward(
         if phases & ~mk.PH_PUSH != mk.PH_ALL & ~mk.PH_PUSH:
             raise NotImplementedError(f"KernelConfig.{knob} runs every role in one launch")
         st.compiled, st.trace = _launch_gluon(st, sched, peers.buffer("x", rank), w13_L2IH, w2_LHI, sw13, sw2,
-                                              has_shared, swiglu_limit, config, lag, max_spin, T, H, I, S, K, L,
-                                              trace)
+                                              has_shared, swiglu_limit, config, max_spin, T, H, I, S, K, L, trace)
         return st
     if not interp:
         # One launch, every role concurrent. Comm programs stay at most
@@ -335,10 +333,10 @@ def launch_rank_forward(
 
 def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor, has_shared: bool,
-                  swiglu_limit: float | None, config: KernelConfig, lag: int, max_spin: int, T: int, H: int, I: int,
-                  S: int, K: int, L: int, trace: bool):
-    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed),
-    its down tiles ``lag`` rounds behind their gate|up tiles (``RingGeometry.forward_lag``). Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
+                  swiglu_limit: float | None, config: KernelConfig, max_spin: int, T: int, H: int, I: int, S: int,
+                  K: int, L: int, trace: bool):
+    """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed).
+    Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
     None."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -371,7 +369,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     if trace:  # slots: a tile's K loop, its epilogue, the producer's poll before it, then a pull a minibatch
         n_sh_rt = triton.cdiv(T, bm)
         total = ((n_sh_rt * (S // bn + H // (2 * bn)) if has_shared else 0)
-                 + (ring.num_minibatches + lag) * (ring.minibatch // bm) * (I // bn + H // (2 * bn)))
+                 + (ring.num_minibatches + min(ring.slots - 1, 1)) * (ring.minibatch // bm) * (I // bn + H // (2 * bn)))
         events = torch.full((3 * total + ring.num_minibatches * grid[0], 5), -1, dtype=torch.int64,
                             device=x_TH.device)
     compiled = mkg.forward_kernel[grid](
@@ -382,7 +380,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         st.counters, st.err, st.err if events is None else events,
         T, H, I, S, K, ring.num_minibatches, ring.slots, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         max_spin, int(save_gu),
-        LAG=lag, MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
+        LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
         ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
         # gather: the ring's depth is num_stages (2-4); 4 x 48 KB leave room for one 16 KB store buffer a math
