@@ -9,6 +9,7 @@ import gc
 import pytest
 import torch
 
+from kittenmoe import launch_backward
 from kittenmoe.config import KernelConfig, ModelShape
 from kittenmoe.kernels import megakernel_bwd as mb
 from kittenmoe.launch_backward import backward_gluon_refusal, megakernel_backward_multirank, resolve_backward_kernel
@@ -92,13 +93,15 @@ def test_gluon_refused_under_the_interpreter():
         megakernel_backward_multirank([d_out], *args, config=GLUON)
 
 
-@pytest.mark.parametrize("stages,deadlocks", [
-    (3, False),  # the kernel's ring: every random tile sequence finishes
-    (2, True),  # too shallow for the gathered rows' late signal: some sequence deadlocks (the model can fail)
+@pytest.mark.parametrize("stages,late,deadlocks", [
+    (3, True, False),  # the kernel's ring, rows signalled a step late: every random tile sequence finishes
+    (2, True, True),  # too shallow for the late signal: some sequence deadlocks (the model can fail)
+    (3, False, False),  # the kernel's ring, rows tracked by the barrier (launch_backward.gather_tracked)
+    (2, False, False),  # tracked rows need no spare stage
 ])
-def test_backward_barrier_protocol_model(stages, deadlocks, ring_protocol):
+def test_backward_barrier_protocol_model(stages, late, deadlocks, ring_protocol):
     """The Gluon backward's barriers (operand ring, a_ready, the epilogue hand-over) in random interleavings over
-    random sequences of phase-A, empty phase-A and phase-B tiles."""
+    random sequences of phase-A, empty phase-A and phase-B tiles, for both forms of the phase-A gather."""
     import random
 
     rp = ring_protocol
@@ -106,7 +109,7 @@ def test_backward_barrier_protocol_model(stages, deadlocks, ring_protocol):
     for trial in range(300):
         rng = random.Random(trial)
         tiles = [(rng.choice(["a", "ae", "b"]), rng.choice([1, 2, 3, 4, 8])) for _ in range(rng.randint(0, 8))]
-        bad += not rp.run_backward(tiles, stages, trial)
+        bad += not rp.run_backward(tiles, stages, trial, late=late)
     assert (bad > 0) == deadlocks, f"{bad} of 300 sequences deadlocked at {stages} stages"
 
 
@@ -173,15 +176,30 @@ def test_gpu_auto_backward_resolves_per_launch():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
+def test_gpu_gather_tracked_where_d_out_fits_in_l2():
+    """The phase-A gather's form follows d_out's bytes against this GPU's L2 (50 MB on the H100 and H200): the
+    two problems it was measured on land on the sides they won on."""
+    dev = torch.device("cuda")
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    assert launch_backward.gather_tracked(8192 * 2048 * 2, dev) == (8192 * 2048 * 2 <= l2)  # Qwen3-30B-A3B: 34 MB
+    assert not launch_backward.gather_tracked(32768 * 4096 * 2, dev)  # the fine-grained problem: 268 MB
+    assert launch_backward.gather_tracked(l2, dev) and not launch_backward.gather_tracked(l2 + 1, dev)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon backward needs a Hopper GPU")
 # the config's num_stages (4: the default's, 2: under the gather's minimum) does not reach the Gluon kernel's ring
 @pytest.mark.parametrize("stages", [4, 2], ids=["4-stages", "2-stages"])
+# both forms of the phase-A gather, whichever launch_backward.gather_tracked picks for the case's d_out
+@pytest.mark.parametrize("tracked", [True, False], ids=["tracked", "late"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_gluon_backward_matches_triton_bits(case, stages, cuda_cleanup, monkeypatch):
+def test_gpu_gluon_backward_matches_triton_bits(case, tracked, stages, cuda_cleanup, monkeypatch):
     """Every gradient equals the Triton backward's bit for bit (same kept forward); two Gluon runs give the same
     bits; d_x is within the bf16 tolerance of the fp32 reference's. Scratch starts NaN (``nan_scratch``), so a
     row the kernel leaves unwritten shows."""
     args, d_out, fwd, tri = _case(case)
     nan_scratch(monkeypatch)
+    monkeypatch.setattr(launch_backward, "gather_tracked", lambda d_out_bytes, dev: tracked)
     runs = []
     for _ in range(2):
         glu = megakernel_backward_multirank([d_out], *args, config=GLUON.with_(num_stages=stages),

@@ -122,8 +122,12 @@ BWD_MEGA_GLUON = ["backward_kernel", BWD[1], BWD[2]]  # the Gluon backward megak
     (dict(which="fwd", resident=True, trace=True, config=dict(GLUON_ONE_RANK, forward_kernel="gluon-gather")),
      FWD_GLUON),
     (dict(which="fwd", resident=True, trace=True, config=GLUON_ONE_RANK), FWD_GLUON),
-    # the Gluon backward megakernel (KernelConfig.backward_kernel="gluon"): the one-rank kept path, no shared expert
+    # the Gluon backward megakernel (KernelConfig.backward_kernel="gluon"): the one-rank kept path, no shared expert,
+    # its phase-A rows tracked by the ring's barrier (d_out in L2) or signalled a step late
     (dict(which="bwd", resident=True, shared=False,
+          config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
+     BWD_MEGA_GLUON),
+    (dict(which="bwd", resident=True, shared=False, gather_tracked=False,
           config=dict(GLUON_ONE_RANK, forward_kernel="triton", num_comm_programs_bwd=0, backward_kernel="gluon")),
      BWD_MEGA_GLUON),
     # and its profiling build (TRACE: each role's events)

@@ -233,8 +233,9 @@ def _build(name: str, k) -> Build:
 
 
 @contextlib.contextmanager
-def compile_only_sm90():
-    """Within: kernel launches compile for sm_90 and do not run; yields the list they append Builds to."""
+def compile_only_sm90(gather_tracked: bool = True):
+    """Within: kernel launches compile for sm_90 and do not run; yields the list they append Builds to.
+    ``gather_tracked``: what ``launch_backward.gather_tracked`` answers (it reads the GPU's L2 size)."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("sm90_build compiles real kernels: unset TRITON_INTERPRET before kittenmoe.kernels "
                            "is imported (run it in its own process)")
@@ -260,6 +261,7 @@ def compile_only_sm90():
         (launch_common, "num_programs", lambda dev, num_comm: 132),
         (launch_forward, "_tma_ok", lambda config, *a_, **k_: config.tma),
         (launch_backward, "_bwd_tma_ok", lambda config, *a_, **k_: config.tma),
+        (launch_backward, "gather_tracked", lambda d_out_bytes, dev: gather_tracked),
     ]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     driver.set_active(_FakeSm90Driver())
@@ -278,14 +280,15 @@ def compile_only_sm90():
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),
                       fp8_block: int | None = None, replay: bool = False, resident: bool = False,
                       trace: bool = False, fp8_dx_high: bool = False, fp8_down_high: bool = False,
-                      shared: bool = True) -> list[Build]:
+                      shared: bool = True, gather_tracked: bool = True) -> list[Build]:
     """Compile the forward (``which="fwd"``) or backward (``"bwd"``) launch's kernels for sm_90.
 
     ``fp8_block``: e4m3 routed experts with that scale block (32: MXFP8, pow2 scales), with
     ``FP8Config.dx_high`` / ``down_high`` as ``fp8_dx_high`` / ``fp8_down_high`` say; ``replay``: the FP8
     backward without the forward's kept activations; ``resident``: the variants that keep the forward's
     activations for the backward (SAVE_GU / RESIDENT); ``trace``: the profiling build (TRACE); ``shared``: the
-    shape's shared expert (False: none)."""
+    shape's shared expert (False: none); ``gather_tracked``: the Gluon backward's phase-A gather form
+    (``launch_backward.gather_tracked``)."""
     if which not in ("fwd", "bwd"):
         raise ValueError(f"which must be 'fwd' or 'bwd', got {which!r}")
     sh = {**SEED_SHAPES, **TEST_SHAPES}[shape]
@@ -303,7 +306,7 @@ def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig
 
         fp8 = FP8ExpertWeights.quantize(w.w13_E2IH, w.w2_EHI, FP8Config(fp8_block, fp8_block == 32, fp8_dx_high,
                                                                         fp8_down_high))
-    with compile_only_sm90() as built:
+    with compile_only_sm90(gather_tracked) as built:
         try:
             if which == "fwd":
                 launch_forward.megakernel_forward_multirank(*a, config=config, save_for_backward=resident, fp8=fp8,

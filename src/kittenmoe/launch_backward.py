@@ -114,6 +114,16 @@ def resolve_backward_kernel(config: KernelConfig, dev: torch.device, dtype: torc
     return "gluon"
 
 
+def gather_tracked(d_out_bytes: int, dev: torch.device) -> bool:
+    """Whether the Gluon backward's phase-A gather has the ring's barrier track its copies (every stage in flight)
+    rather than signal each step's rows one step late (two in flight). Measured both ways on an H200 with bits
+    equal (docs/experiments/gluon-backward-tracked-gather.md): tracked won ~0.17 ms of the backward at
+    Qwen3-30B-A3B's widths, where d_out (8,192 x 2,048 bf16, 34 MB) stays in the 50 MB L2 while its rows are
+    gathered, and lost ~0.4 ms on the fine-grained problem, whose 268 MB of d_out rows come from HBM. So: tracked
+    where this rank's d_out fits in the L2."""
+    return d_out_bytes <= torch.cuda.get_device_properties(dev).L2_cache_size
+
+
 def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torch.Tensor, w13_L2IH: torch.Tensor,
                   w2_LHI: torch.Tensor, swiglu_limit: float | None, config: KernelConfig, max_spin: int, err,
                   NMB: int, NI: int, T: int, H: int, I: int, K: int, L: int, trace: bool):
@@ -146,7 +156,8 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
         H, I, K, NMB, NI, float(swiglu_limit) if swiglu_limit is not None else 0.0, max_spin,
         LAG=1, MB=MB, TGM=config.tile_group_m, HAS_LIMIT=swiglu_limit is not None,
         # 3 stages: a fourth does not fit beside the epilogue's hand-over buffers (the kernel's docstring)
-        STAGES=3, TRACE=trace, num_warps=4, maxnreg=128,
+        STAGES=3, TRACKED=gather_tracked(T * H * w13_L2IH.element_size(), w13_L2IH.device), TRACE=trace,
+        num_warps=4, maxnreg=128,
     )
     return compiled, events
 

@@ -40,8 +40,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from kittenmoe.kernels.gluon_api import barrier, tma_load, tma_store, cp_async_load, reinterpret
 from kittenmoe.kernels.megakernel_fwd import _tile_rc
-from kittenmoe.kernels.megakernel_fwd_gluon import (BK, BM, BN, HALF, _down_epilogue, _now, _signal, _trace_event,
-                                                    _wait_geq, _zero64)
+from kittenmoe.kernels.megakernel_fwd_gluon import (BK, BM, BN, HALF, _copy_rows, _down_epilogue, _now, _signal,
+                                                    _trace_event, _wait_geq, _zero64)
 
 QN = gl.constexpr(64)  # columns of a d_w partial: the Triton kernel's phase-A half tile (block_n / 2)
 
@@ -108,11 +108,14 @@ def _decode(tile, H, I, NMB, num_rows, tile_expert_ptr, expert_offsets_ptr, LAG:
 
 @gluon.jit
 def _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks, it,
-              a_s, b0_s, ready, empty):
+              a_s, b0_s, ready, empty, TRACKED: gl.constexpr):
     """Producer, a phase-A tile: its A rows straight from d_out (row t of route t*K + j; padding rows zero) by
-    cp.async, 16-byte vectors, one K step in flight behind the one issued; the W2 tile [BK, BN] (rows of H,
-    columns of I) through TMA. Each stage's ``ready`` takes two arrivals: the TMA bytes', and the producer's
-    once every producer thread's copies of the stage are complete and fenced for the async proxy."""
+    cp.async, 16-byte vectors; the W2 tile [BK, BN] (rows of H, columns of I) through TMA. Each stage's
+    ``ready`` takes two arrivals: the TMA bytes', and the producer's. Without TRACKED the producer arrives once
+    every producer thread's copies of the stage are complete and fenced for the async proxy, one K step behind
+    the one issued (two steps of rows in flight); with TRACKED the barrier tracks the copies
+    (``megakernel_fwd_gluon._copy_rows``: every ring stage in flight) and the math groups fence after their
+    wait."""
     STAGES: gl.constexpr = a_s.shape[0]
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])  # [32, 32] a pass
     rows = a_row + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
@@ -126,18 +129,22 @@ def _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_
         mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(ready.index(st), w2_desc.block_type.nbytes)
         tma_load(w2_desc, [b_row + k * BK, col], ready.index(st), b0_s.index(st))
-        cp_async_load(a_s.index(st), base + k * BK, mask=ok)
-        async_copy.commit_group()
-        if k > 0:
-            async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
-            fence_async_shared()
-            barrier()  # ... and every producer thread's
-            mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
+        if TRACKED:
+            _copy_rows(a_s.index(st), base + k * BK, ok, ready.index(st))
+        else:
+            cp_async_load(a_s.index(st), base + k * BK, mask=ok)
+            async_copy.commit_group()
+            if k > 0:
+                async_copy.wait_group(1)  # this thread's copies of the previous step are in shared memory
+                fence_async_shared()
+                barrier()  # ... and every producer thread's
+                mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1)
         it += 1
-    async_copy.wait_group(0)
-    fence_async_shared()
-    barrier()
-    mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
+    if not TRACKED:
+        async_copy.wait_group(0)
+        fence_async_shared()
+        barrier()
+        mbarrier.arrive(ready.index((it + STAGES - 1) % STAGES), count=1, pred=ks > 0)
     return it
 
 
@@ -160,7 +167,7 @@ def _load_b(dgu_desc, w13_desc, a_row, b_row, col, ks, it, a_s, b0_s, b1_s, read
 
 @gluon.jit
 def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.constexpr, store_a, dor_desc, a_row,
-           TRACE: gl.constexpr):
+           TRACKED: gl.constexpr, TRACE: gl.constexpr):
     """A math group's phase-A accumulator (rows ROWS0.. x BN columns of I) over the tile's K steps, one step's
     wgmma in flight; a stage goes back to the producer (``empty``, count 2) once the wgmma that read it is done.
     ``store_a`` (math group 0 of a row tile's first column tile): each step's whole A block also goes to ``dor`` by
@@ -175,6 +182,8 @@ def _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0: gl.constexpr, layout: gl.cons
         if TRACE:
             if k == 0:
                 t_ready = _now()
+        if TRACKED:
+            fence_async_shared()  # the rows cp.async wrote, before wgmma and TMA read them (async proxy)
         if store_a:
             tma_store(dor_desc, [a_row, k * BK], a_s.index(st))
         acc = warpgroup_mma(a_s.index(st).slice(ROWS0, HALF), b0_s.index(st), acc, is_async=True)
@@ -272,7 +281,7 @@ def _a_epilogue(dh_s, g, w_ptr, peer_rank_ptr, peer_tok_ptr, gu_ptr, dgu_ptr, hw
 @gluon.jit
 def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
           expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total,
-          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, REC: gl.constexpr):
+          LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, TRACKED: gl.constexpr, REC: gl.constexpr):
     """A math group: rows ROWS0 .. ROWS0 + 63 of every tile of this program. A phase-A accumulator goes to the
     epilogue partition through ``dh_s[G]`` (fp32, so the SwiGLU backward sees the bits the Triton kernel's
     does); the same 32 KB hold a phase-B tile's two d_x halves on their way to TMA. Every write into it waits
@@ -292,7 +301,7 @@ def _math(ROWS0: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_
         t_start = _now() if REC else _zero64()
         if kind == A:
             acc, it, t_ready = _mma_a(a_s, b0_s, ready, empty, ks, it, ROWS0, layout, (ROWS0 == 0) & (col == 0),
-                                      dor_desc, a_row, REC)
+                                      dor_desc, a_row, TRACKED, REC)
             t_done = _now() if REC else _zero64()
             tma.store_wait(pendings=0)  # the last d_x stores out of the buffer have read it
             barrier()
@@ -358,7 +367,8 @@ def _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_r
 @gluon.jit
 def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
           peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, trace_ptr, H, I, K, NMB, total,
-          max_spin, LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, TRACE: gl.constexpr):
+          max_spin, LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, TRACKED: gl.constexpr,
+          TRACE: gl.constexpr):
     """The producer: every tile's wait (phase B: its minibatch's a_ready), then its K steps into the ring. With
     TRACE each phase-B tile records its a_ready poll."""
     num_rows = gl.load(num_rows_ptr)
@@ -369,7 +379,7 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
                                                  LAG, MB, TGM)
         if kind == A:
             it = _gather_a(dout_ptr, peer_rank_ptr, peer_tok_ptr, num_rows, K, H, w2_desc, a_row, b_row, col, ks,
-                           it, a_s, b0_s, ready, empty)
+                           it, a_s, b0_s, ready, empty, TRACKED)
         elif kind == B:
             t_start = _now() if TRACE else _zero64()
             _wait_geq(cnt_ptr + p, per_a, err_ptr, max_spin)  # a_ready: every phase-A tile's epilogue
@@ -380,17 +390,18 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
+def _partition(ROLE: gl.constexpr, LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
+               TRACKED: gl.constexpr, TRACE: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
-               trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin,
-               LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr, TRACE: gl.constexpr):
+               trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer; ROLE 3: the phase-A
-    epilogue (four warps each)."""
+    epilogue (four warps each). The constexprs come first, beside ROLE in each partition's literal tuple: passed
+    inside the shared argument tuple, warp_specialize hands them to the partitions as runtime values."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
               peer_rank_ptr, peer_tok_ptr, dout_ptr, dgu_desc, w13_desc, w2_desc, trace_ptr, H, I, K, NMB, total,
-              max_spin, LAG, MB, TGM, TRACE)
+              max_spin, LAG, MB, TGM, TRACKED, TRACE)
     elif ROLE == 3:
         _epilogue(dh_s, dh_full, dh_free, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, peer_rank_ptr,
                   peer_tok_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, trace_ptr, H, I, NMB, NI, swiglu_limit,
@@ -398,11 +409,11 @@ def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full,
     elif ROLE == 0:  # (math group 0 records the trace's math events)
         _math(0, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
               expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total, LAG, MB, TGM,
-              TRACE)
+              TRACKED, TRACE)
     else:
         _math(HALF, a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free, tile_expert_ptr,
               expert_offsets_ptr, num_rows_ptr, dor_desc, dxr_desc, trace_ptr, H, I, NMB, total, LAG, MB, TGM,
-              False)
+              TRACKED, False)
 
 
 @gluon.jit
@@ -428,7 +439,7 @@ def backward_kernel(
     trace_ptr,  # [4 * total, 5] int64 events (TRACE; else a placeholder, never touched)
     H, I, K, NMB, NI, swiglu_limit, max_spin,
     LAG: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr, HAS_LIMIT: gl.constexpr,
-    STAGES: gl.constexpr = 3, TRACE: gl.constexpr = False,
+    STAGES: gl.constexpr = 3, TRACKED: gl.constexpr = False, TRACE: gl.constexpr = False,
 ):
     """Launched with num_warps=4 (the default partition is math group 0) and maxnreg=168. Shared memory: STAGES x
     48 KB of operands (phase A fills 32 KB of a stage) and a 32 KB fp32 hand-over buffer a math group (3 stages:
@@ -454,6 +465,8 @@ def backward_kernel(
     args = (a_s, b0_s, b1_s, dh_s, ready, empty, dh_full, dh_free,
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             dout_ptr, w_ptr, gu_ptr, dgu_ptr, hw_ptr, dwp_ptr, dor_desc, dgu_desc, w13_desc, w2_desc, dxr_desc,
-            trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin, LAG, MB, TGM, HAS_LIMIT, TRACE)
-    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args),
-                        (_partition, (3,) + args)], [4, 4, 4], [168, 40, 136])
+            trace_ptr, H, I, K, NMB, NI, swiglu_limit, total, max_spin)
+    gl.warp_specialize([(_partition, (0, LAG, MB, TGM, HAS_LIMIT, TRACKED, TRACE) + args),
+                        (_partition, (1, LAG, MB, TGM, HAS_LIMIT, TRACKED, TRACE) + args),
+                        (_partition, (2, LAG, MB, TGM, HAS_LIMIT, TRACKED, TRACE) + args),
+                        (_partition, (3, LAG, MB, TGM, HAS_LIMIT, TRACKED, TRACE) + args)], [4, 4, 4], [168, 40, 136])
