@@ -478,16 +478,16 @@ def _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, nu
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
+def _partition(ROLE: gl.constexpr, LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
+               HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, ONE_BUF: gl.constexpr, GATHER: gl.constexpr,
+               TRACE: gl.constexpr, a_s, b0_s, b1_s, c00_s, c01_s, c10_s, c11_s, ready, empty,
                tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
                x_ptr, hid_st, gu_st, shid_st, sgu_st,
                xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-               trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
-               LAG: gl.constexpr, MAC: gl.constexpr, MB: gl.constexpr, TGM: gl.constexpr,
-               HAS_LIMIT: gl.constexpr, HAS_SHARED: gl.constexpr, SAVE_GU, ONE_BUF: gl.constexpr,
-               GATHER: gl.constexpr, TRACE: gl.constexpr):
+               trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin, SAVE_GU):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer (one warp, or four
-    with GATHER)."""
+    with GATHER). The constexprs come first, beside ROLE in each partition's literal tuple: passed inside the
+    shared argument tuple, warp_specialize hands them to the partitions as runtime values."""
     if ROLE == 2:
         _load(a_s, b0_s, b1_s, ready, empty, tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr,
               peer_rank_ptr, peer_tok_ptr, x_ptr,
@@ -610,11 +610,14 @@ def forward_kernel(
             tile_expert_ptr, expert_offsets_ptr, num_rows_ptr, cnt_ptr, err_ptr, peer_rank_ptr, peer_tok_ptr,
             x_ptr, hid_st, gu_st, shid_st, sgu_st,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
-            trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin,
-            LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, SAVE_GU, ONE_BUF, GATHER, TRACE)
+            trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin, SAVE_GU)
     if GATHER:  # a 4-warp producer: its gather holds 8 row pointers a thread
-        gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
+        gl.warp_specialize([(_partition, (0, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                            (_partition, (1, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                            (_partition, (2, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args)],
                            [4, 4], [208, 48])
     else:
-        gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
+        gl.warp_specialize([(_partition, (0, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                            (_partition, (1, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                            (_partition, (2, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args)],
                            [4, 1], [224, 24])
