@@ -93,10 +93,12 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends
 
 
 @gluon.jit
-def _partition(ROLE: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty,
-               order_ptr, offsets_ptr, ends_ptr, N, M, tiles, STAGES: gl.constexpr):
+def _partition(ROLE: gl.constexpr, STAGES: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s,
+               ready, empty, order_ptr, offsets_ptr, ends_ptr, N, M, tiles):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer warp, walking the
-    same tiles and row steps as the math groups (so the ring's order is theirs)."""
+    same tiles and row steps as the math groups (so the ring's order is theirs). STAGES comes beside ROLE in each
+    partition's literal tuple: inside the shared argument tuple, warp_specialize would hand it over as a runtime
+    value."""
     WK: gl.constexpr = p_desc.block_type.shape[0]
     HN: gl.constexpr = p_desc.block_type.shape[1]
     WM: gl.constexpr = q_desc.block_type.shape[1]
@@ -144,9 +146,9 @@ def gluon_wgrad_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, order_ptr, offsets_ptr, ends_ptr, N,
-            M, tiles, STAGES)
-    gl.warp_specialize([(_partition, (0,) + args), (_partition, (1,) + args), (_partition, (2,) + args)],
-                       [4, 1], [224, 24])
+            M, tiles)
+    gl.warp_specialize([(_partition, (0, STAGES) + args), (_partition, (1, STAGES) + args),
+                        (_partition, (2, STAGES) + args)], [4, 1], [224, 24])
 
 
 def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
