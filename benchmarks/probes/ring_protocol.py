@@ -19,8 +19,8 @@ deadlocks at 2 stages (it waits on a release that needs it) and runs at 3 and 4.
 The Gluon backward's protocol (``run_backward``: its gathered phase-A tiles, signalled late, its a_ready wait
 before phase-B tiles, and the phase-A accumulators handed to the epilogue partition through one buffer a math
 group) likewise runs at 3 and 4 stages and deadlocks at 2; its kernel runs 3 (``tests/test_megakernel_bwd_gluon.py``
-runs both). With its rows tracked by the barrier (``late=False``, not what the kernel does:
-docs/experiments/gluon-backward-tracked-gather.md) it would run at 2 as well.
+runs both). With its rows tracked by the barrier (``late=False``, the kernel's form where d_out fits in the L2:
+``launch_backward.gather_tracked``) it runs at 2 as well.
 """
 
 from __future__ import annotations
