@@ -611,13 +611,11 @@ def forward_kernel(
             x_ptr, hid_st, gu_st, shid_st, sgu_st,
             xl_desc, xr_desc, hid_desc, shid_desc, w13_desc, w2_desc, sw13_desc, sw2_desc, yr_desc, ys_desc,
             trace_ptr, T, H, I, S, K, NMB, NSLOT, swiglu_limit, total, max_spin, SAVE_GU)
-    if GATHER:  # a 4-warp producer: its gather holds 8 row pointers a thread
-        gl.warp_specialize([(_partition, (0, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
-                            (_partition, (1, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
-                            (_partition, (2, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args)],
-                           [4, 4], [208, 48])
-    else:
-        gl.warp_specialize([(_partition, (0, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
-                            (_partition, (1, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
-                            (_partition, (2, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args)],
-                           [4, 1], [224, 24])
+    # the producer: 4 warps with GATHER (its gather holds 8 row pointers a thread), else 1; registers to match
+    PRODUCER_WARPS: gl.constexpr = 4 if GATHER else 1
+    MATH_REGS: gl.constexpr = 208 if GATHER else 224
+    PRODUCER_REGS: gl.constexpr = 48 if GATHER else 24
+    gl.warp_specialize([(_partition, (0, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                        (_partition, (1, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args),
+                        (_partition, (2, LAG, MAC, MB, TGM, HAS_LIMIT, HAS_SHARED, ONE_BUF, GATHER, TRACE) + args)],
+                       [4, PRODUCER_WARPS], [MATH_REGS, PRODUCER_REGS])
