@@ -61,7 +61,7 @@ def host_syncs(step: Callable[[], None]) -> list[str]:
     return [f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
-def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 25) -> list[dict]:
+def top_kernels(step: Callable[[], None], steps: int = 2, rows: int = 60) -> list[dict]:
     """The GPU kernels of ``steps`` calls of ``step`` by total time (ms a step), heaviest first."""
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
