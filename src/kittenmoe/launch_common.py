@@ -10,6 +10,7 @@ patch here (``tools/sm90_build.py``'s compile-only builds, the tests' meta-tenso
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING
 
@@ -161,8 +162,14 @@ GLUON_API = (
 
 def gluon_api_missing() -> str | None:
     """The first entry of ``GLUON_API`` this Triton lacks (``module.attribute``, alternatives as ``a|b``), or None
-    when it has them all."""
-    for module, attr in GLUON_API:
+    when it has them all. Asked by every launch's kernel choice (three times a forward+backward), so the answer
+    is kept a table: the installed Triton does not change within a process."""
+    return _api_missing(GLUON_API)
+
+
+@functools.cache
+def _api_missing(api: tuple[tuple[str, str], ...]) -> str | None:
+    for module, attr in api:
         try:
             root = importlib.import_module(module)
         except ImportError:
