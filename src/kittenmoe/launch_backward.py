@@ -359,12 +359,16 @@ def launch_rank_backward(
     # Weight-gradient operands: left ones ([rows, N], tiles block_k x wn), right ones ([rows, M], block_k x wm).
     operands = dict(dgu=bufs["dgu"], xr=bufs["xr"], dor=bufs["dor"], hw=bufs["hw"], sdgu=bufs["sdgu"],
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
+    # Descriptors only for the kernels that read them: the Gluon backward and weight-gradient kernels build
+    # their own and never read these ~20.
+    triton_mk = config.backward_kernel != "gluon"  # ("auto" resolved above)
     descs = {}
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
-
+    if use_tma and config.wgrad != "gluon":
         descs = {k: TD.from_tensor(v, [wk, wn if k in ("dgu", "dor", "sdgu", "dol") else wm])
                  for k, v in operands.items()}
+    if use_tma and triton_mk:
         # phase B: d(gate|up) row tiles [block_m, block_k] and weight tiles [block_k, 2 block_n]
         b_descs = (TD.from_tensor(bufs["dgu"], [bm, config.block_k]),
                    TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [config.block_k, bn2]),
@@ -374,7 +378,7 @@ def launch_rank_backward(
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
-    if use_tma_a:
+    if use_tma_a and triton_mk:
         bk = config.block_k
         a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]),
                    TD.from_tensor(bufs["xr"], [bm, bk]),
@@ -386,7 +390,7 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
     else:
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
-    if fp8 is not None and use_tma:  # the routed GEMMs' operands in e4m3 (their bf16 descriptors go unused)
+    if fp8 is not None and use_tma and triton_mk:  # the routed GEMMs' operands in e4m3 (the bf16 ones go unused)
         f8 = torch.float8_e4m3fn
         if fp8_b:
             b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
@@ -500,7 +504,7 @@ def launch_rank_backward(
     # Weight gradients: same stream, after the megakernel, so every pulled row and phase-A output exists.
     for order, offsets, ends, groups, p_name, q_name, dst, n, m in jobs:
         p_op, q_op = operands[p_name], operands[q_name]
-        p_arg, q_arg = (descs[p_name], descs[q_name]) if use_tma else (p_op, q_op)
+        p_arg, q_arg = (descs[p_name], descs[q_name]) if descs else (p_op, q_op)  # (the Triton kernels')
         tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
         if config.wgrad == "gluon":  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
             from kittenmoe.kernels import wgrad_gluon

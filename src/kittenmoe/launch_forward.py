@@ -203,7 +203,9 @@ def launch_rank_forward(
     has_shared = S > 0
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
-    use_tma = _tma_ok(config, dev, dtype, H, I, S)
+    kernel = resolve_forward_kernel(config, dev, dtype, R, H, I, S, ring.resident, fp8, phases)
+    # The Triton kernel's TMA descriptors; a Gluon launch builds its own (_launch_gluon)
+    use_tma = kernel == "triton" and _tma_ok(config, dev, dtype, H, I, S)
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
 
@@ -295,7 +297,6 @@ def launch_rank_forward(
             **meta,
         )
 
-    kernel = resolve_forward_kernel(config, dev, dtype, R, H, I, S, ring.resident, fp8, phases)
     if kernel in ("gluon", "gluon-gather"):
         config = config.with_(forward_kernel=kernel)  # ("auto" resolved: the launch below reads the form)
         knob = f"forward_kernel={config.forward_kernel!r}"
