@@ -245,10 +245,10 @@ def test_ops_fake_impls(shared):
     x, w13 = args[0], args[3]
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out, x_routed, gate_up, shared_gu = fwd(*fargs, *cfg)
-        grads = bwd(mode.from_tensor(d_out), *fargs, x_routed, gate_up, shared_gu, *cfg)
-    real = fwd(*args, *cfg)  # the kept activations' shapes come from shapes and config alone: compare
-    fake = (out, x_routed, gate_up, shared_gu)
+        out, x_routed, gate_up, shared_gu, schedule = fwd(*fargs, *cfg)
+        grads = bwd(mode.from_tensor(d_out), *fargs, x_routed, gate_up, shared_gu, schedule, *cfg)
+    real = fwd(*args, *cfg)  # the kept activations' and the schedule's shapes come from shapes and config: compare
+    fake = (out, x_routed, gate_up, shared_gu, schedule)
     assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]
     assert real[1].shape[0] > 0 and real[2].dtype == x.dtype  # CFG keeps them (resident ring)
     assert (tuple(out.shape), out.dtype, out.device) == (tuple(x.shape), x.dtype, x.device)

@@ -464,6 +464,28 @@ def test_resident_backward_matches_replay(name, monkeypatch):
         _assert_grad_close(gname, g, ref[gname], tol, rescale=tol != "fp32")
 
 
+@pytest.mark.parametrize("name", ["r2-sig-limit", "r4-few"])  # two ranks and a partial I tile; four, some empty
+def test_backward_reads_the_forward_schedule(name):
+    """backward(schedules=[each rank's forward schedule]) builds none and gives every gradient bit for bit as
+    the backward that builds its own; a schedule of another rank is refused before any launch."""
+    case = RESIDENT_CASES[name]
+    inp = _make_inputs(case, seed=9)
+    cfg = case.config()
+    peers = LocalPeers(case.r, inp.xs[0].device)
+    fwd = _forward_saved(case, inp, cfg, peers)
+    args = (inp.d_outs, inp.xs, inp.ids, inp.ws, *inp.weights(), case.swiglu_limit)
+    built = {k: v.clone() for k, v in _named(megakernel_backward_multirank(
+        *args, config=cfg, peers=peers, saved=fwd.saved())).items()}
+    res = megakernel_backward_multirank(*args, config=cfg, peers=peers, saved=fwd.saved(),
+                                        schedules=[st.schedule for st in fwd.states])
+    res.check_errors()
+    for gname, g in _named(res).items():
+        assert_bitwise_equal(g, built[gname], f"{gname}: the forward's schedule vs one built again")
+    swapped = [fwd.states[1].schedule, fwd.states[0].schedule, *(st.schedule for st in fwd.states[2:])]
+    with pytest.raises(ValueError, match="schedule was built for rank 1"):
+        megakernel_backward_multirank(*args, config=cfg, peers=peers, saved=fwd.saved(), schedules=swapped)
+
+
 @pytest.mark.parametrize("t", [16, 40])  # a ring that wraps at run time (40 tokens), one that does not (16)
 def test_wrapping_ring_keeps_macrobatch_zero(t, monkeypatch):
     """A 32-row ring (macrobatch 32 < the capacity): the forward runs its macrobatches last to first, so the ring

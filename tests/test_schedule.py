@@ -420,6 +420,30 @@ def test_triton_schedule_matches_torch_bitwise(name):
         assert_same_tables(a, b, f"{name} rank {rank}")
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])  # a concatenation, or the Triton build's one buffer
+@pytest.mark.parametrize("name", ["R2-no-route", "R1-steps-like"])  # several ranks with padding; one rank
+def test_packed_table_round_trips(impl, name):
+    """``Schedule.packed`` then ``from_table`` gives every table bit for bit (what a forward hands its
+    backward); a table of another problem is refused."""
+    R, L, T, K, bm = (2, 3, 6, 2, 4) if name == "R2-no-route" else (1, 6, 175, 4, 16)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(-1, R * L + 1, (R, T, K), generator=g)
+    ids[:, T // 2:] = NO_ROUTE
+    for rank in range(R):
+        a = build_schedule(ids, rank, L, bm, impl=impl)
+        table = a.packed()
+        assert table.dtype == torch.int32 and table.dim() == 1
+        b = Schedule.from_table(table, rank, R, L, T, K, bm)
+        assert_same_tables(a, b, f"{impl} rank {rank}")
+        assert (b.rank, b.num_ranks, b.experts_per_rank, b.tokens, b.topk, b.block_m) == (rank, R, L, T, K, bm)
+        if impl == "triton":  # views of the one buffer the kernels wrote: no copy
+            assert table.data_ptr() == a.peer_rank.data_ptr()
+        with pytest.raises(ValueError, match="another problem"):
+            Schedule.from_table(table, rank, R, L, T + 1, K, bm)
+        with pytest.raises(ValueError, match="another problem"):
+            Schedule.from_table(table.long(), rank, R, L, T, K, bm)
+
+
 # Routes split over chunk programs (kernels/schedule.py): (R, L, T, K, block_m, programs, routing). ``programs``
 # is the launcher's target R*NCH; small ones give several BLOCK steps (128 routes at R = 1, 64 otherwise) a chunk.
 CHUNK_CASES = {

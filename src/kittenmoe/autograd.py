@@ -61,6 +61,7 @@ from kittenmoe import launch_backward, launch_common, launch_forward
 from kittenmoe.checks import canonical_device
 from kittenmoe.config import KernelConfig, routed_capacity
 from kittenmoe.peers import LocalPeers
+from kittenmoe.schedule import Schedule, table_length
 
 Tensor = torch.Tensor
 ErrorCheck = Literal["sync", "deferred"]
@@ -125,12 +126,14 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 # GEMMs read (e4m3 wgmma takes B K-major only); None makes the backward transpose them per call.
 _FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
         "bool fp8_pow2, bool fp8_dx_high, bool fp8_down_high")
+# And its routing schedule, the seven tables packed in one int32 tensor (kittenmoe.schedule.Schedule.packed): the
+# backward reads it rather than building the same schedule again.
 torch.library.define("kittenmoe::moe_forward",
                      f"({_INPUTS}, {_FP8}, str config) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
-                     "Tensor shared_gate_up)")
+                     "Tensor shared_gate_up, Tensor schedule)")
 torch.library.define("kittenmoe::moe_backward",
                      f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, Tensor shared_gate_up, "
-                     f"str config) -> {_GRADS}")
+                     f"Tensor schedule, str config) -> {_GRADS}")
 
 
 def _fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high):
@@ -272,24 +275,28 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
     shared_gu = kept[2]
     if shared_gu is None:
         shared_gu = x_TH.new_empty(0, _shared_width(shared_w13_2SH), dtype=x_TH.dtype)
-    return res.outputs[0], kept[0], kept[1], shared_gu
+    return res.outputs[0], kept[0], kept[1], shared_gu, res.states[0].schedule.packed()
 
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
 def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
                        shared_w2_HS, swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2,
-                       fp8_dx_high, fp8_down_high, x_routed, gate_up, shared_gate_up,
+                       fp8_dx_high, fp8_down_high, x_routed, gate_up, shared_gate_up, schedule,
                        *config_args):
     config = config_from_args(config_args)
     launch_common.check_device(x_TH.device)
     st, peers = _workspace(x_TH, topk_ids_TK.shape[1])
+    (T, K), E = topk_ids_TK.shape, w13_E2IH.shape[0]
+    sched = Schedule.from_table(schedule, rank=0, num_ranks=1, experts_per_rank=E, tokens=T, topk=K,
+                                block_m=config.block_m)
     res = launch_backward.megakernel_backward_multirank(
         d_out_RTH=[d_out_TH.contiguous()], x_RTH=[x_TH], topk_ids_RTK=[topk_ids_TK],
         topk_weights_RTK=[topk_weights_TK], w13_E2IH=w13_E2IH, w2_EHI=w2_EHI, shared_w13_2SH=shared_w13_2SH,
         shared_w2_HS=shared_w2_HS, swiglu_limit=swiglu_limit, config=config, peers=peers,
         saved=[(x_routed, gate_up, shared_gate_up if shared_gate_up.shape[0] else None)
                if x_routed.shape[0] else None],
-        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high))
+        fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high),
+        schedules=[sched])
     _report(st, list(res.errs))
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
@@ -318,12 +325,15 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high,
                   *config_args):
-    n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config_from_args(config_args))
+    config = config_from_args(config_args)
+    n = _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config)
     # (an FP8 forward keeps its routed rows and gate|up in x's dtype, beside the e4m3 ring its GEMMs read)
     two_s = _shared_width(shared_w13_2SH)
+    (T, K), E, bm = topk_ids_TK.shape, w13_E2IH.shape[0], config.block_m
     return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype),
             x_TH.new_empty(n, w13_E2IH.shape[1], dtype=x_TH.dtype),
-            x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=x_TH.dtype))
+            x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=x_TH.dtype),
+            x_TH.new_empty(table_length(routed_capacity(1, T, K, E, bm), E, bm), dtype=torch.int32))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
@@ -347,15 +357,15 @@ torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 
 def _setup_context(ctx, inputs, output):
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
-    _, x_routed, gate_up, shared_gate_up = output
+    _, x_routed, gate_up, shared_gate_up, schedule = output
     fp8_tensors = inputs[8:14]  # w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-                          x_routed, gate_up, shared_gate_up, *fp8_tensors)
+                          x_routed, gate_up, shared_gate_up, schedule, *fp8_tensors)
     ctx.swiglu_limit, ctx.fp8_flags = inputs[7], tuple(inputs[14:17])  # fp8_pow2, fp8_dx_high, fp8_down_high
     ctx.config_args = tuple(inputs[17:])
     # The kept activations are not differentiable outputs: their (absent) gradients arrive as None rather
     # than as materialised zero tensors (0.3 GB for gate_up on the Kimi slice).
-    ctx.mark_non_differentiable(x_routed, gate_up, shared_gate_up)
+    ctx.mark_non_differentiable(x_routed, gate_up, shared_gate_up, schedule)
     ctx.set_materialize_grads(False)
 
 
@@ -393,19 +403,19 @@ def refuse_double_backward(what: str, gradients, ctx, d_out_TH, instead: str = "
     return tuple(out)
 
 
-def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up, _d_shared_gate_up):
+def _backward(ctx, d_out_TH, _d_x_routed, _d_gate_up, _d_shared_gate_up, _d_schedule):
     return refuse_double_backward("the megakernel", _gradients, ctx, d_out_TH,
                                   "; backend='torch' (kittenmoe.moe, MoELayer) runs it in differentiable torch ops")
 
 
 def _gradients(ctx, d_out_TH):
     (x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, x_routed,
-     gate_up, shared_gate_up, *fp8_tensors) = ctx.saved_tensors
+     gate_up, shared_gate_up, schedule, *fp8_tensors) = ctx.saved_tensors
     if d_out_TH is None:  # the output did not reach the loss
         d_out_TH = torch.zeros_like(x_TH)
     d_x, d_w, d_w13, d_w2, d_sw13, d_sw2 = torch.ops.kittenmoe.moe_backward(
         d_out_TH.contiguous(), x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
-        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, *ctx.fp8_flags, x_routed, gate_up, shared_gate_up,
+        shared_w2_HS, ctx.swiglu_limit, *fp8_tensors, *ctx.fp8_flags, x_routed, gate_up, shared_gate_up, schedule,
         *ctx.config_args)
     if shared_w13_2SH is None:
         d_sw13 = d_sw2 = None

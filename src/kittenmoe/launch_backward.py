@@ -25,7 +25,7 @@ from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, 
                                      check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import build_schedule, ids_int32
+from kittenmoe.schedule import Schedule, build_schedule, ids_int32
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
@@ -131,16 +131,11 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
     passed): d(gate|up), w h, the d_w partials, the routed d_x rows and the gathered d_out rows (``dor``, for the
     weight gradients) land where the Triton kernel puts them. Returns the compiled kernel and, with ``trace``,
     its events ([4 x its tile count, 5] int64, unused rows -1: ``kittenmoe.trace.BWD_KINDS``), else None."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from kittenmoe.kernels import megakernel_bwd_gluon as mbg
+    from kittenmoe.kernels.gluon_api import tensor_desc as desc
 
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[w13_L2IH.dtype]
     bm, bn, bk, half = (int(v.value) for v in (mbg.BM, mbg.BN, mbg.BK, mbg.HALF))
 
-    def desc(t: torch.Tensor, block: list[int]):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     cnt = torch.zeros(max(NMB, 1), dtype=torch.int32, device=w13_L2IH.device)  # a_ready[p]
     MB = config.minibatch_size
@@ -233,6 +228,7 @@ def launch_rank_backward(
     saved: Saved | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
+    schedule: Schedule | None = None,
 ) -> dict:
     """Run rank ``rank``'s backward megakernel; its d_x rows and d_w values land in the peers' buffers.
 
@@ -252,7 +248,8 @@ def launch_rank_backward(
     forward did not keep are replayed in e4m3 as the forward computed them: the pull quantises their x rows
     with the forward's rule and phase A runs the forward's gate|up tile code on them (same bits as keeping
     them). ``trace``: ``out["trace"]`` records every tile and copy (``kittenmoe.trace.BWD_KINDS``); the
-    weight-gradient launch is not traced."""
+    weight-gradient launch is not traced. ``schedule``: rank ``rank``'s schedule of this routing as its forward
+    built it (``ForwardState.schedule``, same ``block_m``), read instead of built again (three launches)."""
     from kittenmoe.kernels import megakernel_bwd as mb
 
     phases = mb.PB_ALL if phases is None else phases
@@ -263,7 +260,15 @@ def launch_rank_backward(
     dev, dtype, bm = w13_L2IH.device, w13_L2IH.dtype, config.block_m
     if dev.type == "cuda":
         check_shared_memory(config, dtype.itemsize, backward=True)
-    sched = build_schedule(ids_all_RTK, rank, L, bm)
+    if schedule is None:
+        sched = build_schedule(ids_all_RTK, rank, L, bm)
+    elif ((schedule.rank, schedule.num_ranks, schedule.tokens, schedule.topk, schedule.experts_per_rank,
+           schedule.block_m) != (rank, R, T, K, L, bm)):
+        raise ValueError(f"schedule was built for rank {schedule.rank} of {schedule.num_ranks}, T={schedule.tokens}, "
+                         f"K={schedule.topk}, L={schedule.experts_per_rank}, block_m={schedule.block_m}; this "
+                         f"backward runs rank {rank} of {R}, T={T}, K={K}, L={L}, block_m={bm}")
+    else:
+        sched = schedule
     MB = config.minibatch_size
     NR = _backward_rows(R, T, K, L, config)
     NMB = NR // MB
@@ -591,6 +596,7 @@ def megakernel_backward_multirank(
     saved: list[Saved | None] | None = None,
     fp8: FP8ExpertWeights | None = None,
     trace: bool = False,
+    schedules: list[Schedule | None] | None = None,
 ) -> MultirankBackward:
     """Gradients of the multi-rank forward w.r.t. every input, through the backward megakernel.
 
@@ -604,6 +610,7 @@ def megakernel_backward_multirank(
     another; a subset whose consumers lack their producers times out by design. Gradients of the shared expert are summed
     over ranks in rank order (the replicated weight's total gradient). ``trace``: ``result.traces[r]`` records
     what every program of rank r's backward megakernel did and when (``kittenmoe.trace``, ``BWD_KINDS``).
+    ``schedules``: per rank, the forward's schedule (``ForwardState.schedule``) or None to build it again.
     """
     config = config or KernelConfig()
     check_fp8_type(fp8)
@@ -628,6 +635,9 @@ def megakernel_backward_multirank(
     if saved is not None and len(saved) != R:
         raise ValueError(f"saved holds {len(saved)} ranks' activations, the backward runs {R} ranks")
     saved = [None] * R if saved is None else saved
+    if schedules is not None and len(schedules) != R:
+        raise ValueError(f"schedules holds {len(schedules)} ranks' schedules, the backward runs {R} ranks")
+    schedules = [None] * R if schedules is None else schedules
     # every rank's entry before any rank launches (launch_rank_backward checks its own again: the EP path's)
     S = 0 if shared_w13_2SH is None else shared_w13_2SH.shape[0] // 2
     NR, I = _backward_rows(R, T, K, L, config), w13_E2IH.shape[1] // 2
@@ -638,7 +648,8 @@ def megakernel_backward_multirank(
         launch_rank_backward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                              shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,
                              dw13_out=d_w13[d * L:(d + 1) * L], dw2_out=d_w2[d * L:(d + 1) * L], saved=saved[d],
-                             fp8=None if fp8 is None else fp8.experts(d * L, (d + 1) * L), trace=trace)
+                             fp8=None if fp8 is None else fp8.experts(d * L, (d + 1) * L), trace=trace,
+                             schedule=schedules[d])
         for d in range(R)
     ]
     has_shared = shared_w13_2SH is not None

@@ -339,16 +339,11 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     """``kernels.megakernel_fwd_gluon.forward_kernel`` over ``st``'s buffers (``forward_gluon_refusal`` passed).
     Returns the compiled kernel and, with ``trace``, its events (``kittenmoe.trace.KINDS``; unused rows -1), else
     None."""
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from kittenmoe.kernels import megakernel_fwd_gluon as mkg
+    from kittenmoe.kernels.gluon_api import tensor_desc as desc
 
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x_TH.dtype]
     bm, bn, bk, half = (int(v.value) for v in (mkg.BM, mkg.BN, mkg.BK, mkg.HALF))
 
-    def desc(t: torch.Tensor, block: list[int]):
-        return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     ring = st.ring
     xl = desc(x_TH, [bm, bk])

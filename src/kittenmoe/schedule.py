@@ -48,6 +48,8 @@ class Schedule:
     tokens: int
     topk: int
     block_m: int
+    # the seven tables above as views of one int32 buffer, in that order (``packed``), where they were built so
+    table: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -56,6 +58,41 @@ class Schedule:
     @property
     def num_tiles(self) -> int:
         return self.tile_expert.shape[0]
+
+    def packed(self) -> torch.Tensor:
+        """The seven tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
+        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid. What a forward hands its backward so
+        that the backward does not build the same schedule again (``from_table``). No copy where the tables
+        were built as views of one buffer (the Triton build); one concatenation otherwise."""
+        if self.table is not None:
+            return self.table
+        return torch.cat([t.reshape(-1).to(torch.int32) for t in self._parts()])
+
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.peer_rank, self.peer_token_idx, self.expert_offsets, self.expert_counts, self.num_rows,
+                self.tile_expert, self.num_invalid)
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, rank: int, num_ranks: int, experts_per_rank: int, tokens: int,
+                   topk: int, block_m: int) -> Schedule:
+        """The schedule ``packed`` gave as ``table``, for routing of ``num_ranks`` x ``tokens`` x ``topk`` to
+        ``experts_per_rank`` experts of ``rank`` at ``block_m`` (views, no copy). A table of another length or
+        dtype is refused: it was built for another problem."""
+        C = routed_capacity(num_ranks, tokens, topk, experts_per_rank, block_m)
+        L = experts_per_rank
+        n = table_length(C, L, block_m)
+        if table.dtype != torch.int32 or table.dim() != 1 or table.shape[0] != n or not table.is_contiguous():
+            raise ValueError(f"a schedule table for R={num_ranks}, T={tokens}, K={topk}, L={L}, block_m={block_m} is "
+                             f"a contiguous int32 tensor of {n} entries, got {table.dtype} of shape "
+                             f"{tuple(table.shape)}: it was built for another problem")
+        parts = table.split([C, C, L + 1, L, 1, C // block_m, 1])
+        return cls(*parts, rank=rank, num_ranks=num_ranks, experts_per_rank=L, tokens=tokens, topk=topk,
+                   block_m=block_m, table=table)
+
+
+def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
+    """Entries of a schedule's packed table (``Schedule.packed``) for ``capacity`` routed rows."""
+    return 2 * capacity + 2 * experts_per_rank + 3 + capacity // block_m
 
 
 def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
@@ -223,23 +260,20 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     # atomics a thread whatever its width
     ks.schedule_count_kernel[(nch, R)](ids, hist, bad, P, rank, L, R * L, nch, ch, LB=lb,
                                        BLOCK=min(1024, triton.next_power_of_2(ch)), NO_ROUTE=NO_ROUTE)
+    # the seven tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
+    table = torch.empty(table_length(C, L, block_m), dtype=i32, device=dev)
+    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid = table.split(
+        [C, C, L + 1, L, 1, C // block_m, 1])
     # the scan: 4 experts a program, one [NB, 4] step up to 1024 chunks on 8 warps (100 registers on sm_90;
     # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
     cnt = torch.empty(L, R, dtype=i32, device=dev)
-    num_invalid = torch.empty(1, dtype=i32, device=dev)
     ks.schedule_scan_kernel[(triton.cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
                                                     NB=min(triton.next_power_of_2(nch), 1024), num_warps=8)
-    peer_rank = torch.empty(C, dtype=i32, device=dev)
-    peer_tok = torch.empty(C, dtype=i32, device=dev)
-    offsets = torch.empty(L + 1, dtype=i32, device=dev)
-    counts = torch.empty(L, dtype=i32, device=dev)
-    num_rows = torch.empty(1, dtype=i32, device=dev)
-    tile_expert = torch.empty(C // block_m, dtype=i32, device=dev)
     ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
                                          tile_expert, P, R, rank, L, C, nch, ch, BM=block_m,
                                          BMB=triton.next_power_of_2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
                                          num_warps=block // 32)
     return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
                     num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, rank=rank, num_ranks=R,
-                    experts_per_rank=L, tokens=T, topk=K, block_m=block_m)
+                    experts_per_rank=L, tokens=T, topk=K, block_m=block_m, table=table)

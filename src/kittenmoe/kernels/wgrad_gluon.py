@@ -31,7 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
-from kittenmoe.kernels.gluon_api import barrier, tma_load, tma_store
+from kittenmoe.kernels.gluon_api import barrier, tensor_desc, tma_load, tma_store
 
 HALF_N = 64  # rows of an output tile a math group owns (one m64 wgmma); a tile is 2 * HALF_N = 128 rows
 STAGES_BY_WK = {64: 3}  # 3 x 48 KB of operands + 2 x 32 KB store buffers = 213,232 B on sm_90 (4 stages: 262 KB)
@@ -157,16 +157,13 @@ def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: i
     them). P [rows, N], Q [rows, M] and out share a 2-byte dtype; N % 128 == 0; out contiguous."""
     import torch
     import triton
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     G = out.numel() // (N * M)
     assert out.is_contiguous() and out.numel() == G * N * M
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[out.dtype]
+    assert out.dtype in (torch.bfloat16, torch.float16)
     assert p_op.dtype == q_op.dtype == out.dtype and N % (2 * HALF_N) == 0 and wk in STAGES_BY_WK
-    lay = gl.NVMMASharedLayout.get_default_for
-    p_desc = TensorDescriptor.from_tensor(p_op, [wk, HALF_N], lay([wk, HALF_N], gdt))
-    q_desc = TensorDescriptor.from_tensor(q_op, [wk, wm], lay([wk, wm], gdt))
-    out_desc = TensorDescriptor.from_tensor(out.view(G * N, M), [HALF_N, wm], lay([HALF_N, wm], gdt))
+    p_desc = tensor_desc(p_op, [wk, HALF_N])
+    q_desc = tensor_desc(q_op, [wk, wm])
+    out_desc = tensor_desc(out.view(G * N, M), [HALF_N, wm])
     tiles = G * (N // (2 * HALF_N)) * triton.cdiv(M, wm)
     return gluon_wgrad_kernel[(min(tiles, progs),)](order, offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
                                                      STAGES=STAGES_BY_WK[wk], num_warps=4, maxnreg=168)
