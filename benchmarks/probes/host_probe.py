@@ -23,26 +23,35 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def calls_ms(fn, calls: int, hold_gpu: bool) -> float:
-    """ms a call of ``fn`` over ``calls`` calls. ``hold_gpu``: the host's time alone, the GPU kept far behind by a
-    long sleep kernel queued first (~1-2 s), so no call waits on it; else the wall time to the last kernel's end
+def calls_ms(fn, calls: int, hold_gpu: bool, batch: int = 2) -> float:
+    """ms a call of ``fn`` over ``calls`` calls. ``hold_gpu``: the host's time alone, ``batch`` calls at a time
+    behind a sleep kernel (~0.5 s) that keeps the GPU from them, so no call waits on it. Only a few calls a hold:
+    twenty forward+backwards queued behind one long sleep filled the launch queue, and every launch after that
+    waited for the GPU (76 ms a call read as host time, on an H100). Else the wall time to the last kernel's end
     with the GPU free (what a benchmark's loop sees)."""
     torch.cuda.synchronize()
     if hold_gpu:
-        torch.cuda._sleep(int(3e9))
+        host = 0.0
+        for first in range(0, calls, batch):
+            torch.cuda._sleep(int(1e9))
+            t0 = time.perf_counter()
+            for _ in range(min(batch, calls - first)):
+                fn()
+            host += time.perf_counter() - t0
+            torch.cuda.synchronize()
+        return host * 1e3 / calls
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
-    host = (time.perf_counter() - t0) * 1e3 / calls
     torch.cuda.synchronize()
-    return host if hold_gpu else (time.perf_counter() - t0) * 1e3 / calls
+    return (time.perf_counter() - t0) * 1e3 / calls
 
 
 def profile_calls(fn, calls: int) -> pstats.Stats:
-    """cProfile over ``calls`` calls of ``fn``, the GPU held back as in ``calls_ms``."""
+    """cProfile over ``calls`` calls of ``fn`` with the GPU free (one long hold fills the launch queue:
+    ``calls_ms``). Where the kernels outlast the host's work, the waits of a full queue show up too."""
     pr = cProfile.Profile()
     torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))
     pr.enable()
     for _ in range(calls):
         fn()

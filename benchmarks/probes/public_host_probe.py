@@ -5,9 +5,11 @@
 Asked because ``kittenmoe bench --baseline sonicmoe`` timed Qwen3-30B-A3B's layer (no shared expert) at 6.29 ms a
 forward+backward through ``kittenmoe.moe`` where the same call's kernels take ~4.45 ms of GPU time
 (``kernel_times.py``): a call whose host work outlasts its kernels leaves the GPU idle between them, and
-``do_bench`` times that. For each mode this prints the host time a call (the GPU held back by a sleep kernel, so
-no call waits on it), the wall time a call with the GPU free (what a benchmark sees), and cProfile's heaviest
-functions (cumulative, then own time).
+``do_bench`` times that. For each mode this prints the host time a call (two calls at a time behind a sleep
+kernel, so no call waits on the GPU: ``host_probe.calls_ms``), the wall time a call with the GPU free (what a
+benchmark sees), and cProfile's heaviest functions (cumulative, then own time). On an H100 (torch 2.11, Triton
+3.6) a forward took 2.2-3.1 ms of host time against ~1.4 ms of kernels and a forward+backward 4.9-6.8 against
+~4.3: the public path is host-bound at these widths (docs/performance.md, "Against SonicMoE").
 """
 
 from __future__ import annotations
