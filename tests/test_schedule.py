@@ -438,6 +438,9 @@ def test_packed_table_round_trips(impl, name):
         assert (b.rank, b.num_ranks, b.experts_per_rank, b.tokens, b.topk, b.block_m) == (rank, R, L, T, K, bm)
         if impl == "triton":  # views of the one buffer the kernels wrote: no copy
             assert table.data_ptr() == a.peer_rank.data_ptr()
+        # every table from a 16-byte boundary, as a separate allocation's (the kernels' pointer specialisations)
+        for f in INT32_FIELDS:
+            assert (getattr(b, f).data_ptr() - table.data_ptr()) % 16 == 0, f
         with pytest.raises(ValueError, match="another problem"):
             Schedule.from_table(table, rank, R, L, T + 1, K, bm)
         with pytest.raises(ValueError, match="another problem"):

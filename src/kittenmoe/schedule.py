@@ -61,16 +61,19 @@ class Schedule:
 
     def packed(self) -> torch.Tensor:
         """The seven tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
-        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid. What a forward hands its backward so
-        that the backward does not build the same schedule again (``from_table``). No copy where the tables
-        were built as views of one buffer (the Triton build); one concatenation otherwise."""
+        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, each from a 16-byte boundary. What a
+        forward hands its backward so that the backward does not build the same schedule again
+        (``from_table``). No copy where the tables were built as views of one buffer (the Triton build); one
+        copy each otherwise."""
         if self.table is not None:
             return self.table
-        return torch.cat([t.reshape(-1).to(torch.int32) for t in self._parts()])
-
-    def _parts(self) -> tuple[torch.Tensor, ...]:
-        return (self.peer_rank, self.peer_token_idx, self.expert_offsets, self.expert_counts, self.num_rows,
-                self.tile_expert, self.num_invalid)
+        parts = (self.peer_rank, self.peer_token_idx, self.expert_offsets, self.expert_counts, self.num_rows,
+                 self.tile_expert, self.num_invalid)
+        table = torch.zeros(table_length(self.capacity, self.experts_per_rank, self.block_m), dtype=torch.int32,
+                            device=self.peer_rank.device)
+        for dst, src in zip(_split_table(table, self.capacity, self.experts_per_rank, self.block_m), parts):
+            dst.copy_(src.reshape(-1))
+        return table
 
     @classmethod
     def from_table(cls, table: torch.Tensor, rank: int, num_ranks: int, experts_per_rank: int, tokens: int,
@@ -85,14 +88,27 @@ class Schedule:
             raise ValueError(f"a schedule table for R={num_ranks}, T={tokens}, K={topk}, L={L}, block_m={block_m} is "
                              f"a contiguous int32 tensor of {n} entries, got {table.dtype} of shape "
                              f"{tuple(table.shape)}: it was built for another problem")
-        parts = table.split([C, C, L + 1, L, 1, C // block_m, 1])
+        parts = _split_table(table, C, L, block_m)
         return cls(*parts, rank=rank, num_ranks=num_ranks, experts_per_rank=L, tokens=tokens, topk=topk,
                    block_m=block_m, table=table)
 
 
+def _table_sizes(capacity: int, experts_per_rank: int, block_m: int) -> list[int]:
+    """Entries of each table in the packed form, each rounded up to 4 (16 bytes): every table starts where a
+    separate allocation would be aligned, so the kernels reading them keep their pointer specialisations."""
+    sizes = (capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1)
+    return [-(-n // 4) * 4 for n in sizes]
+
+
 def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
     """Entries of a schedule's packed table (``Schedule.packed``) for ``capacity`` routed rows."""
-    return 2 * capacity + 2 * experts_per_rank + 3 + capacity // block_m
+    return sum(_table_sizes(capacity, experts_per_rank, block_m))
+
+
+def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int) -> list[torch.Tensor]:
+    """The seven tables of a packed table, views, each its own length (the padding past it left out)."""
+    sizes = (capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1)
+    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m)), sizes)]
 
 
 def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
@@ -262,8 +278,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
                                        BLOCK=min(1024, triton.next_power_of_2(ch)), NO_ROUTE=NO_ROUTE)
     # the seven tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
     table = torch.empty(table_length(C, L, block_m), dtype=i32, device=dev)
-    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid = table.split(
-        [C, C, L + 1, L, 1, C // block_m, 1])
+    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid = _split_table(table, C, L, block_m)
     # the scan: 4 experts a program, one [NB, 4] step up to 1024 chunks on 8 warps (100 registers on sm_90;
     # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
