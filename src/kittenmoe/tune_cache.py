@@ -15,6 +15,7 @@ None, pinning the heuristic; ``kittenmoe tune`` still writes the cache then.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -75,6 +76,13 @@ def cache_path(key: dict) -> Path:
     dev = re.sub(r"[^A-Za-z0-9_.-]+", "_", key["device"]).strip("_") or "device"
     name = f"{dev}-{key['dtype']}-T{key['t']}-H{key['h']}-I{key['i']}-E{key['e']}-K{key['k']}-S{key['s']}" \
            f"-R{key['ranks']}.json"
+    return _path_in(os.environ.get(ENV_CACHE_DIR, ""), os.environ.get("HOME", ""), name)
+
+
+@functools.lru_cache(maxsize=256)
+def _path_in(env_dir: str, home: str, name: str) -> Path:
+    """The file ``name`` under ``cache_dir()``, kept a table by what that reads ($KITTENMOE_CACHE_DIR, $HOME):
+    building the Path took ~10 us of every forward's config lookup."""
     return cache_dir() / "tune" / name
 
 
