@@ -41,7 +41,8 @@
 #   bash scripts/gpu.sh host [SHAPES]    benchmarks/probes/public_host_probe.py: the public path's host time a call
 #                                         (forward, forward+backward) against its wall time, and where it goes,
 #                                         per shape (T,H,I,E,K, ';'-separated; default Qwen3-30B-A3B's and the
-#                                         fine-grained one); about 1 minute a shape
+#                                         fine-grained one); about 1 minute a shape; GPU_TESTS=1 first runs the
+#                                         public path's and its custom ops' GPU tests (test_api, test_layer)
 #   bash scripts/gpu.sh ab [SLICES]       benchmarks/ab_revisions.py run: the revision prepared in a carried .ab against
 #                                         this tree, interleaved rounds and equal-bits checks per seed slice
 #                                         (SLICES model:tokens or TxHxIxExK,... as ab_revisions takes them; ROUNDS,
@@ -218,6 +219,9 @@ gluon)
   grep -h "^  \[" "$OUT/gluon-fwd.log"
   ;;
 host)
+  if [[ ${GPU_TESTS:-0} == 1 ]]; then  # the public path's ops, their fake impls and full opcheck, first
+    step host-tests 300 python3 -m pytest -v -p no:cacheprovider -m gpu tests/test_api.py tests/test_layer.py
+  fi
   IFS=';' read -ra shapes <<< "${arg:-8192,2048,768,128,8;32768,4096,512,128,8}"
   for sh in "${shapes[@]}"; do
     step "host-${sh//,/x}" 200 python3 benchmarks/probes/public_host_probe.py --shape "$sh"
