@@ -136,7 +136,6 @@ def _launch_gluon(sched, peers: LocalPeers, rank: int, bufs: dict, gate_up: torc
 
     bm, bn, bk, half = (int(v.value) for v in (mbg.BM, mbg.BN, mbg.BK, mbg.HALF))
 
-
     cnt = torch.zeros(max(NMB, 1), dtype=torch.int32, device=w13_L2IH.device)  # a_ready[p]
     MB = config.minibatch_size
     total = (NMB + 1) * (MB // bm) * (I // bn + H // (2 * bn))  # the kernel's tile sequence (LAG 1)

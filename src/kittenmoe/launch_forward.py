@@ -344,7 +344,6 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
 
     bm, bn, bk, half = (int(v.value) for v in (mkg.BM, mkg.BN, mkg.BK, mkg.HALF))
 
-
     ring = st.ring
     xl = desc(x_TH, [bm, bk])
     w13 = desc(w13_L2IH.view(L * 2 * I, H), [bn, bk])

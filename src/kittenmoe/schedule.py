@@ -93,11 +93,15 @@ class Schedule:
                    block_m=block_m, table=table)
 
 
+def _table_entries(capacity: int, experts_per_rank: int, block_m: int) -> tuple[int, ...]:
+    """Entries of each of the seven tables, in ``Schedule.packed``'s order."""
+    return capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1
+
+
 def _table_sizes(capacity: int, experts_per_rank: int, block_m: int) -> list[int]:
     """Entries of each table in the packed form, each rounded up to 4 (16 bytes): every table starts where a
     separate allocation would be aligned, so the kernels reading them keep their pointer specialisations."""
-    sizes = (capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1)
-    return [-(-n // 4) * 4 for n in sizes]
+    return [-(-n // 4) * 4 for n in _table_entries(capacity, experts_per_rank, block_m)]
 
 
 def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
@@ -107,8 +111,8 @@ def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
 
 def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int) -> list[torch.Tensor]:
     """The seven tables of a packed table, views, each its own length (the padding past it left out)."""
-    sizes = (capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1)
-    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m)), sizes)]
+    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m)),
+                                        _table_entries(capacity, experts_per_rank, block_m))]
 
 
 def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:

@@ -15,8 +15,8 @@ stubs that raise when called, so each binding prefers the new name and falls bac
 new is absent. ``launch_common.GLUON_API`` is the check that a Triton has one of each pair (and the rest of the
 API the kernels use) before any kernel here is built.
 
-Also the one host-side helper the Gluon launchers share: ``tensor_desc``, a TMA descriptor in the default NVMMA
-shared layout.
+``tensor_desc`` is the host-side helper the Gluon launchers share: a TMA descriptor in the default NVMMA shared
+layout.
 """
 
 from __future__ import annotations
@@ -61,4 +61,3 @@ def tensor_desc(t, block: list[int]):
     them. The layout is kept a table by block and dtype: choosing it took ~7 of a descriptor's ~9 us of host
     time, and a forward+backward builds ~20 descriptors."""
     return TensorDescriptor.from_tensor(t, block, _nvmma_layout(tuple(block), _GL_DTYPE[t.dtype]))
-
