@@ -506,7 +506,7 @@ def default_config(t: int, h: int, i: int, e: int, k: int, ranks: int = 1, devic
 
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dtype is None else dtype
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     local = e // ranks
     n = t * k
     if pinned.get("combine_gather") is True and ranks != 1:
