@@ -42,6 +42,7 @@ from kittenmoe.checks import check_megakernel_dtype, check_moe_inputs, check_swi
 from kittenmoe.config import KernelConfig
 from kittenmoe.fp8 import FP8Config, FP8ExpertWeights, check_fp8_option, resolve_expert_weights
 from kittenmoe.functional import contiguous_activations, no_tokens_output
+from kittenmoe.intmath import cdiv
 from kittenmoe.peers import SymmetricPeers
 from kittenmoe.schedule import NO_ROUTE, ids_int32
 
@@ -67,7 +68,7 @@ def all_gather_routing(peers: SymmetricPeers) -> torch.Tensor:
     T, K = mine.shape
     out = torch.empty(peers.num_ranks, T, K, dtype=torch.int32, device=peers.device)
     block = 1024
-    _gather_peers_kernel[(peers.num_ranks, triton.cdiv(T * K, block))](peers.ptrs("ids"), out, T * K, BLOCK=block)
+    _gather_peers_kernel[(peers.num_ranks, cdiv(T * K, block))](peers.ptrs("ids"), out, T * K, BLOCK=block)
     return out
 
 

@@ -178,8 +178,7 @@ def dequantize_activations(q_MK: torch.Tensor, scale_MKb: torch.Tensor, cfg: FP8
 
 
 def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton
-
+    from kittenmoe.intmath import cdiv
     from kittenmoe.kernels import quant
 
     check_triton_device(x_MK.device, "quantize_activations(impl='triton')")
@@ -193,7 +192,7 @@ def _quantize_activations_triton(x_MK: torch.Tensor, cfg: FP8Config) -> tuple[to
     scale = torch.empty((*x.shape[:-1], kb), dtype=torch.float32, device=x.device)
     if m and k:
         block_m = ACT_QUANT_LAUNCH[b]["BLOCK_M"]
-        quant.quantize_act_1xb_kernel[(triton.cdiv(m, block_m), kb)](
+        quant.quantize_act_1xb_kernel[(cdiv(m, block_m), kb)](
             x2, q.view(torch.uint8).reshape(m, k), scale.reshape(m, kb), m, k, kb,
             SB=b, POW2=cfg.pow2_scales, **ACT_QUANT_LAUNCH[b])
     return q, scale

@@ -20,6 +20,7 @@ import triton
 from kittenmoe import launch_common as lc
 from kittenmoe.checks import check_swiglu_limit
 from kittenmoe.config import KernelConfig, check_shared_memory, gluon_wgrad_gradient_ok, routed_capacity
+from kittenmoe.intmath import cdiv, next_pow2
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, Saved, check_errors,
                                      check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
@@ -176,7 +177,7 @@ class MultirankBackward:
 def _backward_rows(R: int, T: int, K: int, L: int, config: KernelConfig) -> int:
     """Routed rows the backward holds resident (it has no ring): the capacity in whole minibatches."""
     MB = config.minibatch_size
-    return triton.cdiv(routed_capacity(R, T, K, L, config.block_m), MB) * MB
+    return cdiv(routed_capacity(R, T, K, L, config.block_m), MB) * MB
 
 
 def _check_saved(saved: Saved, NR: int, bm: int, T: int, H: int, I: int, S: int, dtype: torch.dtype,
@@ -310,7 +311,7 @@ def launch_rank_backward(
     # The shared phase A with its gate|up kept likewise holds the down dgrad alone: tiles of 2 bn when S allows.
     shared_kept = gu_mode > 0 and saved[2] is not None
     bns = 2 * bn if shared_kept and S % (2 * bn) == 0 else bn
-    NI = triton.cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
+    NI = cdiv(I, bn)  # d_w partial columns: one per bn-wide slice of I, whatever bna
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
@@ -412,17 +413,17 @@ def launch_rank_backward(
     trace_meta = {}
     out["trace"] = None
     if trace and config.backward_kernel != "gluon":  # (the Gluon kernel's buffer: _launch_gluon)
-        n_a = triton.cdiv(I, bna)  # routed phase-A column tiles
-        per_mb = (MB // bm) * (n_a + triton.cdiv(H, bn2))
-        n_srt = triton.cdiv(T, bm)
-        n_gemm = (n_srt * (triton.cdiv(S, bns) + triton.cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
+        n_a = cdiv(I, bna)  # routed phase-A column tiles
+        per_mb = (MB // bm) * (n_a + cdiv(H, bn2))
+        n_srt = cdiv(T, bm)
+        n_gemm = (n_srt * (cdiv(S, bns) + cdiv(H, bn2)) if has_shared else 0) + (NMB + 1) * per_mb
         # processing indices < 2 NMB: every pull runs ahead
         n_epi = (NMB + 1) * (MB // bm) * n_a if bna != bn else 0  # one per wide phase-A tile
         out["trace"], trace_meta = trace_buffer(n_gemm, 2 * NMB + 1, grid[0] if self_pull else num_comm, dev,
                                                  n_epi)
     meta = dict(
         LAG=1, MB=MB, TGM=config.tile_group_m, BM=bm, BN=bn, BNA=bna, BN2=bn2, BK=config.block_k,
-        ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        ROWS=math.gcd(COPY_ROWS, MB), BLOCK_H=min(COPY_BLOCK_H, next_pow2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, USE_TMA=use_tma, USE_TMA_A=use_tma_a,
         GU_MODE=gu_mode, FP8=fp8 is not None, FP8_B=fp8_b, SB=sb, DGB=dgb,
         SHARED_KEPT=shared_kept, BNS=bns,
@@ -498,7 +499,7 @@ def launch_rank_backward(
     else:
         if mk_phases & mb.PB_SHARED_A:
             launch(mb.PB_SHARED_A, 0, 0, 0)
-        n_live = triton.cdiv(int(sched.num_rows.item()), MB)
+        n_live = cdiv(int(sched.num_rows.item()), MB)
         for p in range(n_live):
             for ph in (mb.PB_PULL, mb.PB_A, mb.PB_B, mb.PB_PUSH):
                 if mk_phases & ph:
@@ -509,7 +510,7 @@ def launch_rank_backward(
     for order, offsets, ends, groups, p_name, q_name, dst, n, m in jobs:
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if descs else (p_op, q_op)  # (the Triton kernels')
-        tiles = groups * triton.cdiv(n, wn) * triton.cdiv(m, wm)
+        tiles = groups * cdiv(n, wn) * cdiv(m, wm)
         if config.wgrad == "gluon":  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
             from kittenmoe.kernels import wgrad_gluon
 
@@ -551,9 +552,9 @@ def launch_bwd_epilogue(sdx_TH, dx_comb_TKH, dw_comb_TK, ids_TK, num_experts: in
     dw = torch.empty(T, K, dtype=torch.float32, device=dx_comb_TKH.device)
     if T == 0:  # an EP rank that brought no tokens: empty gradients, no launch
         return dx, dw
-    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    bt, bh = 16, min(256, next_pow2(H))
     gather = route_row_TK is not None
-    mb.bwd_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+    mb.bwd_epilogue_kernel[(cdiv(T, bt), cdiv(H, bh))](
         sdx_TH, dx_comb_TKH, dw_comb_TK, route_row_TK if gather else ids_TK, ids_TK, dx, dw, T, H, num_experts,
         dw_comb_TK.shape[-1] if gather else 1, K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
     return dx, dw

@@ -21,6 +21,7 @@ import triton
 
 from kittenmoe.checks import check_moe_inputs, interpreting
 from kittenmoe.config import KernelConfig
+from kittenmoe.intmath import cdiv
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule
@@ -89,10 +90,10 @@ class RingGeometry:
     @staticmethod
     def make(capacity: int, config: KernelConfig) -> "RingGeometry":
         mb = config.minibatch_size
-        full = triton.cdiv(capacity, mb) * mb
+        full = cdiv(capacity, mb) * mb
         mac = full if config.macrobatch_size is None else min(config.macrobatch_size, full)
         slots = mac // mb
-        return RingGeometry(capacity, mb, mac, slots, triton.cdiv(capacity, mac) * slots)
+        return RingGeometry(capacity, mb, mac, slots, cdiv(capacity, mac) * slots)
 
     @property
     def resident(self) -> bool:
@@ -103,7 +104,7 @@ class RingGeometry:
 
     def live_minibatches(self, num_rows: int) -> list[int]:
         """Processing indices that hold rows (host mirror of the kernel's ``_mb_rows``)."""
-        nmac = triton.cdiv(num_rows, self.macrobatch)
+        nmac = cdiv(num_rows, self.macrobatch)
         out = []
         for p in range(self.num_minibatches):
             m = nmac - 1 - p // self.slots

@@ -19,6 +19,7 @@ import triton
 from kittenmoe import launch_common as lc
 from kittenmoe.checks import check_swiglu_limit
 from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
+from kittenmoe.intmath import cdiv, next_pow2
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, RingGeometry, Saved,
                                      check_errors, check_fp8, check_fp8_type, prepare_inputs, route_rows,
@@ -261,9 +262,9 @@ def launch_rank_forward(
     trace_meta = {}
     if trace and config.forward_kernel == "triton":  # (a Gluon form's buffer: _launch_gluon)
         bn, lag = config.block_n, min(ring.slots - 1, 1)
-        n_sh_rt = triton.cdiv(T, bm)
-        per_mb = (ring.minibatch // bm) * (triton.cdiv(I, bn) + triton.cdiv(H, 2 * bn))
-        n_gemm = ((n_sh_rt * (triton.cdiv(S, bn) + triton.cdiv(H, 2 * bn)) if S > 0 else 0)
+        n_sh_rt = cdiv(T, bm)
+        per_mb = (ring.minibatch // bm) * (cdiv(I, bn) + cdiv(H, 2 * bn))
+        n_gemm = ((n_sh_rt * (cdiv(S, bn) + cdiv(H, 2 * bn)) if S > 0 else 0)
                   + (ring.num_minibatches + lag) * per_mb)  # every GEMM tile of the forward (the kernel's total)
         # processing indices < NMB + pull_ahead <= NMB + 2
         # without comm programs every program records a pull event per minibatch
@@ -271,7 +272,7 @@ def launch_rank_forward(
                                              dev)
     meta = dict(
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, BM=bm, BN=config.block_n, BN2=2 * config.block_n,
-        BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        BK=config.block_k, TGM=config.tile_group_m, ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, next_pow2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared,
         USE_TMA=use_tma, SAVE_GU=save_gu, FP8=fp8 is not None, SB=sb, FP8_DOWN=fp8_down,
         POW2=fp8 is not None and fp8.cfg.pow2_scales, SELF_PULL=self_pull,
@@ -362,7 +363,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
     grid = (lc.num_programs(x_TH.device, 0),)
     events = None
     if trace:  # slots: a tile's K loop, its epilogue, the producer's poll before it, then a pull a minibatch
-        n_sh_rt = triton.cdiv(T, bm)
+        n_sh_rt = cdiv(T, bm)
         total = ((n_sh_rt * (S // bn + H // (2 * bn)) if has_shared else 0)
                  + (ring.num_minibatches + min(ring.slots - 1, 1)) * (ring.minibatch // bm) * (I // bn + H // (2 * bn)))
         events = torch.full((3 * total + ring.num_minibatches * grid[0], 5), -1, dtype=torch.int64,
@@ -376,7 +377,7 @@ def _launch_gluon(st: ForwardState, sched: Schedule, x_TH: torch.Tensor, w13_L2I
         T, H, I, S, K, ring.num_minibatches, ring.slots, float(swiglu_limit) if swiglu_limit is not None else 0.0,
         max_spin, int(save_gu),
         LAG=min(ring.slots - 1, 1), MAC=ring.macrobatch, MB=ring.minibatch, TGM=config.tile_group_m,
-        ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, triton.next_power_of_2(H)),
+        ROWS=math.gcd(COPY_ROWS, ring.minibatch), BLOCK_H=min(COPY_BLOCK_H, next_pow2(H)),
         HAS_LIMIT=swiglu_limit is not None, HAS_SHARED=has_shared, ZERO_PADDING=save_gu,
         # gather: the ring's depth is num_stages (2-4); 4 x 48 KB leave room for one 16 KB store buffer a math
         # group. The pull form keeps its 3 stages and two buffers a group.
@@ -395,9 +396,9 @@ def launch_epilogue(y_shared_TH, combine_TKH, w_TK, ids_TK, out_TH, num_experts:
     K = w_TK.shape[1]
     if T == 0:  # an EP rank that brought no tokens (it still served its experts): nothing to sum, no launch
         return
-    bt, bh = 16, min(256, triton.next_power_of_2(H))
+    bt, bh = 16, min(256, next_pow2(H))
     gather = route_row_TK is not None
-    mk.combine_epilogue_kernel[(triton.cdiv(T, bt), triton.cdiv(H, bh))](
+    mk.combine_epilogue_kernel[(cdiv(T, bt), cdiv(H, bh))](
         y_shared_TH, combine_TKH, route_row_TK if gather else ids_TK, w_TK, ids_TK, out_TH, T, H, num_experts,
         K=K, HAS_SHARED=has_shared, BT=bt, BH=bh, GATHER=gather)
 

@@ -248,8 +248,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
                            programs: int = 1024) -> Schedule:
     """``programs``: how many chunk programs the launches aim at (R*NCH; at most one a BLOCK of routes). Tests
     pass a few, to get several BLOCKs a chunk from a routing small enough for the interpreter."""
-    import triton
-
+    from kittenmoe.intmath import cdiv, next_pow2
     from kittenmoe.kernels import schedule as ks
 
     R, T, K = topk_ids_RTK.shape
@@ -267,19 +266,19 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     # BLOCK, the placement's step: 128 routes on 4 warps for one source, 64 on 2 warps for several, where most
     # routes are other ranks' and its [BLOCK, BLOCK] comparison is most of the work (H100, R = 8, T = 4096,
     # L = 48: 21 us with 64 against 27 with 128; R = 1, T = 8192, L = 128: 15 us with 128 against 17 with 64).
-    rb = triton.next_power_of_2(R)
-    lb = max(32, triton.next_power_of_2(L))  # tl.histogram takes at least a bin a lane of the warp
+    rb = next_pow2(R)
+    lb = max(32, next_pow2(L))  # tl.histogram takes at least a bin a lane of the warp
     block = 128 if R == 1 else 64
-    nblk = triton.cdiv(P, block)
-    nch = max(1, min(nblk, triton.cdiv(programs, R)))
-    ch = triton.cdiv(nblk, nch) * block if nblk else block
-    nch = max(1, triton.cdiv(P, ch))
+    nblk = cdiv(P, block)
+    nch = max(1, min(nblk, cdiv(programs, R)))
+    ch = cdiv(nblk, nch) * block if nblk else block
+    nch = max(1, cdiv(P, ch))
     hist = torch.empty(R, nch, L, dtype=i32, device=dev)
     bad = torch.empty(R, nch, dtype=i32, device=dev)
     # the count takes a chunk in one step up to 1024 routes: a histogram step costs two barriers and L/32 shared
     # atomics a thread whatever its width
     ks.schedule_count_kernel[(nch, R)](ids, hist, bad, P, rank, L, R * L, nch, ch, LB=lb,
-                                       BLOCK=min(1024, triton.next_power_of_2(ch)), NO_ROUTE=NO_ROUTE)
+                                       BLOCK=min(1024, next_pow2(ch)), NO_ROUTE=NO_ROUTE)
     # the seven tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
     table = torch.empty(table_length(C, L, block_m), dtype=i32, device=dev)
     peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid = _split_table(table, C, L, block_m)
@@ -287,11 +286,11 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
     cnt = torch.empty(L, R, dtype=i32, device=dev)
-    ks.schedule_scan_kernel[(triton.cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
-                                                    NB=min(triton.next_power_of_2(nch), 1024), num_warps=8)
+    ks.schedule_scan_kernel[(cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
+                                                    NB=min(next_pow2(nch), 1024), num_warps=8)
     ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
                                          tile_expert, P, R, rank, L, C, nch, ch, BM=block_m,
-                                         BMB=triton.next_power_of_2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
+                                         BMB=next_pow2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
                                          num_warps=block // 32)
     return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
                     num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, rank=rank, num_ranks=R,

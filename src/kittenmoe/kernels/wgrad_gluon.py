@@ -31,6 +31,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
+from kittenmoe.intmath import cdiv
 from kittenmoe.kernels.gluon_api import barrier, tensor_desc, tma_load, tma_store
 
 HALF_N = 64  # rows of an output tile a math group owns (one m64 wgmma); a tile is 2 * HALF_N = 128 rows
@@ -156,7 +157,7 @@ def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: i
     ``order``'s order (kittenmoe.launch_backward checks the conditions and says which failed; this asserts
     them). P [rows, N], Q [rows, M] and out share a 2-byte dtype; N % 128 == 0; out contiguous."""
     import torch
-    import triton
+
     G = out.numel() // (N * M)
     assert out.is_contiguous() and out.numel() == G * N * M
     assert out.dtype in (torch.bfloat16, torch.float16)
@@ -164,6 +165,6 @@ def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: i
     p_desc = tensor_desc(p_op, [wk, HALF_N])
     q_desc = tensor_desc(q_op, [wk, wm])
     out_desc = tensor_desc(out.view(G * N, M), [HALF_N, wm])
-    tiles = G * (N // (2 * HALF_N)) * triton.cdiv(M, wm)
+    tiles = G * (N // (2 * HALF_N)) * cdiv(M, wm)
     return gluon_wgrad_kernel[(min(tiles, progs),)](order, offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
                                                      STAGES=STAGES_BY_WK[wk], num_warps=4, maxnreg=168)
