@@ -7,7 +7,8 @@ forward+backward through ``kittenmoe.moe`` where the same call's kernels take ~4
 (``kernel_times.py``): a call whose host work outlasts its kernels leaves the GPU idle between them, and
 ``do_bench`` times that. For each mode this prints the host time a call (two calls at a time behind a sleep
 kernel, so no call waits on the GPU: ``host_probe.calls_ms``), the wall time a call with the GPU free (what a
-benchmark sees), and cProfile's heaviest functions (cumulative, then own time). On an H100 (torch 2.11, Triton
+benchmark sees), cProfile's heaviest functions (cumulative, then own time), and the host time each Triton / Gluon
+kernel's launch takes (``launch_breakdown``) against the rest. On an H100 (torch 2.11, Triton
 3.6) a forward took 2.2-3.1 ms of host time against ~1.4 ms of kernels and a forward+backward 4.9-6.8 against
 ~4.3: the public path is host-bound at these widths (docs/performance.md, "Against SonicMoE").
 """
@@ -15,8 +16,10 @@ benchmark sees), and cProfile's heaviest functions (cumulative, then own time). 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
+import time
 
 import torch
 
@@ -27,6 +30,40 @@ from kittenmoe.testing import make_weights, routing_uniform
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host_probe import calls_ms, profile_calls
+
+
+def launch_breakdown(fn, calls: int) -> None:
+    """Host microseconds a call spent in each Triton / Gluon kernel's ``run`` (its argument specialisation, cache
+    lookup, descriptor encoding and the driver launch), and in the rest, over ``calls`` calls with the GPU free."""
+    from triton.runtime.jit import JITFunction
+
+    spent: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    original = JITFunction.run
+
+    def timed_run(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec = spent[getattr(self, "__name__", None) or self.fn.__name__]
+            rec[0] += 1
+            rec[1] += time.perf_counter() - t0
+
+    JITFunction.run = timed_run
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        total = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        JITFunction.run = original
+    in_launches = sum(v[1] for v in spent.values())
+    print(f"host us a call: total {1e6 * total / calls:.0f}, Triton/Gluon launches {1e6 * in_launches / calls:.0f}, "
+          f"the rest {1e6 * (total - in_launches) / calls:.0f}")
+    for name, (n, sec) in sorted(spent.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<44} {n / calls:5.1f} launches a call  {1e6 * sec / n:7.1f} us each")
 
 
 def main() -> int:
@@ -65,6 +102,7 @@ def main() -> int:
         wall = calls_ms(fn, args.calls, hold_gpu=False)
         st = profile_calls(fn, args.calls)
         print(f"\n==== {name} {args.shape}: host {host:.3f} ms a call (GPU held back), wall {wall:.3f} ms a call")
+        launch_breakdown(fn, args.calls)
         st.sort_stats("cumulative").print_stats(args.top)
         st.sort_stats("tottime").print_stats(args.top)
     return 0
