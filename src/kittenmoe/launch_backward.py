@@ -26,7 +26,7 @@ from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, 
                                      check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import Schedule, build_schedule, ids_int32
+from kittenmoe.schedule import Schedule, build_schedule, stack_ids
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
@@ -315,7 +315,10 @@ def launch_rank_backward(
     out = dict(
         dw13=e(L, 2 * I, H) if dw13_out is None else dw13_out, dw2=e(L, H, I) if dw2_out is None else dw2_out,
         dsw13=e(2 * S, H) if has_shared else None, dsw2=e(H, S) if has_shared else None,
-        err=torch.zeros(1, dtype=torch.int32, device=dev),
+        # Routes with expert ids outside [0, E) were never computed: flagged as the forward does, on the device
+        # (num_invalid >= 0, int32: clamped to 0 or 1, then the flag's bit; two small kernels where zeros, a
+        # compare, a cast, a product and a copy were five).
+        err=sched.num_invalid.clamp(max=1).mul_(mk.ERR_BAD_EXPERT_ID),
     )
     bufs = dict(
         xr=saved[0] if gu_mode == 1 else e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
@@ -349,8 +352,6 @@ def launch_rank_backward(
         fp8_bufs = (bufs["dor"],) * 6  # placeholders, never touched
         fp8_w = (w13_L2IH, w13_L2IH, w2_LHI, bufs["dwp"], bufs["dwp"])
     cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
-    # Routes with expert ids outside [0, E) were never computed: flag them as the forward does (device op).
-    out["err"].copy_((sched.num_invalid > 0).to(torch.int32) * mk.ERR_BAD_EXPERT_ID)
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     dsw13 = out["dsw13"] if has_shared else out["dw13"]
@@ -628,7 +629,7 @@ def megakernel_backward_multirank(
     if not config.combine_gather:  # which pushes nothing: no d_x / d_w combine buffers (as the forward's)
         dx_comb = peers.alloc("dx_comb", (T * K, H), dtype)
         dw_comb = peers.alloc("dw_comb", (T * K,), torch.float32)
-    ids_all = torch.stack([ids_int32(ids, padding=True) for ids in topk_ids_RTK])
+    ids_all = stack_ids(topk_ids_RTK)
     # each rank writes its experts' slice
     d_w13 = torch.empty(w13_E2IH.shape, dtype=dtype, device=dev)
     d_w2 = torch.empty(w2_EHI.shape, dtype=dtype, device=dev)

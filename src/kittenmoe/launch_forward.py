@@ -25,7 +25,7 @@ from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, 
                                      check_errors, check_fp8, check_fp8_type, prepare_inputs, route_rows,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import Schedule, build_schedule, ids_int32
+from kittenmoe.schedule import Schedule, build_schedule, stack_ids
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
@@ -479,7 +479,7 @@ def megakernel_forward_multirank(
     # shared by layers of different configs would then do on every call.)
     # (A None per rank then: rank_forward_epilogue reads y_routed instead.)
     cb = [None] * R if config.combine_gather else peers.alloc("combine", (T * K, H), dtype)
-    ids_all = torch.stack([ids_int32(ids, padding=True) for ids in topk_ids_RTK])  # the routing all-gather
+    ids_all = stack_ids(topk_ids_RTK)  # the routing all-gather
     states = [
         launch_rank_forward(d, peers, ids_all, w13_E2IH[d * L:(d + 1) * L], w2_EHI[d * L:(d + 1) * L],
                             shared_w13_2SH, shared_w2_HS, swiglu_limit, config, max_spin, phases,

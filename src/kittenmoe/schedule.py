@@ -138,6 +138,14 @@ def ids_int32(topk_ids: torch.Tensor, padding: bool = False) -> torch.Tensor:
     return torch.where((topk_ids >= 0) & (topk_ids <= top), topk_ids, -1).to(torch.int32)
 
 
+def stack_ids(topk_ids_RTK) -> torch.Tensor:
+    """Every rank's ``[T, K]`` routing ids as one contiguous int32 ``[R, T, K]`` (``ids_int32`` with padding): the
+    launchers' routing all-gather. One rank's is a view of its ids when they are int32 already (no copy)."""
+    if len(topk_ids_RTK) == 1:
+        return ids_int32(topk_ids_RTK[0], padding=True).contiguous().unsqueeze(0)
+    return torch.stack([ids_int32(ids, padding=True) for ids in topk_ids_RTK])
+
+
 def _check_args(R: int, T: int, K: int, rank: int, L: int, block_m: int) -> None:
     if not 0 <= rank < R:
         raise ValueError(f"build_schedule: rank={rank} outside [0, R={R})")
