@@ -1076,3 +1076,15 @@ def test_measure_ranks_rounds_orchestration(monkeypatch):
     # kittenmoe ran at positions 0, 3, 4, 7, 8, 11: p50s 0, 9, 16, 49, 64, 121, median 32.5; the baseline 30.5
     assert got["kittenmoe"].p50 == 32.5 and got["baseline"].p50 == 30.5
     assert got["kittenmoe"].p20 == 32.0 and got["kittenmoe"].p80 == 33.0 and got["kittenmoe"].runs == 12
+
+
+def test_cpu_host_probe_runs():
+    """benchmarks/probes/cpu_host_probe.py (the public path's own host time with kernel bodies skipped) still
+    drives kittenmoe.moe forward and forward+backward, with a real schedule, at a tiny shape."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probes" / "cpu_host_probe.py"),
+                        "--shape", "64,64,32,8,2", "--blocks", "1"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    times = re.findall(r"==== (forward|forward\+backward) 64,64,32,8,2: ([0-9.]+) ms", r.stdout)
+    assert [m for m, _ in times] == ["forward", "forward+backward"] and all(float(v) > 0 for _, v in times)
