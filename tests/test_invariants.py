@@ -208,7 +208,7 @@ def test_custom_op_impls_have_no_host_sync(cfg, meta_launches, monkeypatch):
     design: the device error flags, read at once on CPU and under ``set_error_check("sync")``; under
     "deferred" on CUDA they are OR-ed on device. That reporting step is recorded here instead."""
     reported = []
-    monkeypatch.setattr(kag, "_report", lambda st, flags: reported.append(len(flags)))
+    monkeypatch.setattr(kag, "_report", lambda st, flags, *detail: reported.append(len(flags)))
     monkeypatch.setattr(kag, "_states", {})  # a fresh workspace, on meta
     sh, t = TINY, 7
     mw = make_weights(sh, device="meta")

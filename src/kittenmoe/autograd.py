@@ -242,11 +242,14 @@ def report_device_errors(device: torch.device | str, flags: list[Tensor]) -> Non
     _report(_device_state(canonical_device(device)), flags)
 
 
-def _report(st: _DeviceState, flags: list[Tensor]) -> None:
+def _report(st: _DeviceState, flags: list[Tensor], num_invalid: Tensor | None = None,
+            num_experts: int | None = None) -> None:
+    """``num_invalid`` / ``num_experts``: the schedule's count of routes with a bad expert id, and E, for the
+    message of an error raised now (the deferred path keeps only the flags)."""
     dev = st.err_acc.device
     if dev.type != "cuda" or _error_check == "sync":
         for f in flags:
-            launch_common.check_errors(f)
+            launch_common.check_errors(f, num_invalid, num_experts)
         return
     for f in flags:
         st.err_acc.bitwise_or_(f)
@@ -266,7 +269,7 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
         [x_TH], [topk_ids_TK], [topk_weights_TK], w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
         swiglu_limit, config=config, peers=peers, save_for_backward=config.keep_activations,
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high))
-    _report(st, [state.err for state in res.states])
+    _report(st, [state.err for state in res.states], res.states[0].schedule.num_invalid, w13_E2IH.shape[0])
     kept = res.saved()[0]
     if kept is None:  # the fake impl's dtypes (an FP8 forward keeps its rows in x's dtype too)
         H, two_i = x_TH.shape[1], w13_E2IH.shape[1]
@@ -297,7 +300,7 @@ def _moe_backward_impl(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w
                if x_routed.shape[0] else None],
         fp8=_fp8_weights(w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high),
         schedules=[sched])
-    _report(st, list(res.errs))
+    _report(st, list(res.errs), sched.num_invalid, E)
     return _pack_grads(res.d_x[0], res.d_topk_weights[0], res.d_w13, res.d_w2, res.d_shared_w13,
                        res.d_shared_w2, w13_E2IH)
 

@@ -51,8 +51,9 @@ class MegakernelError(RuntimeError):
     """A device-side failure reported through the megakernel's error flag."""
 
 
-def check_errors(err: torch.Tensor) -> None:
-    """Raise ``MegakernelError`` if a megakernel flagged an error (reads the flag: a sync on CUDA)."""
+def check_errors(err: torch.Tensor, num_invalid: torch.Tensor | None = None, num_experts: int | None = None) -> None:
+    """Raise ``MegakernelError`` if a megakernel flagged an error (reads the flag: a sync on CUDA). With the
+    schedule's ``num_invalid`` and the expert count, a bad-id message says how many routes and what E is."""
     code = int(err.max().item())
     if code == 0:
         return
@@ -60,7 +61,12 @@ def check_errors(err: torch.Tensor) -> None:
     if code & mk.ERR_TIMEOUT:
         what.append("a spin-wait timed out (a producer never signalled: programs not co-resident, or a bug)")
     if code & mk.ERR_BAD_EXPERT_ID:
-        what.append("topk_ids held expert ids outside [0, E); those routes were not computed")
+        if num_invalid is not None and num_experts is not None:
+            n = int(num_invalid.sum().item())
+            what.append(f"topk_ids held expert ids outside [0, E={num_experts}) in {n} route(s); those routes were "
+                        f"not computed")
+        else:
+            what.append("topk_ids held expert ids outside [0, E); those routes were not computed")
     raise MegakernelError("megakernel error: " + "; ".join(what))
 
 
