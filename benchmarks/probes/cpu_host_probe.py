@@ -10,8 +10,8 @@ machine, so a change to it can be judged before a GPU run.
 
 How: under the Triton interpreter every launch goes through ``InterpretedFunction.run``; the probe makes it return
 at once, so a launch costs only the launcher's work up to it. The schedule is built as on CUDA (the Triton
-implementation, three launches) and then filled with the tables the real kernels compute for this routing, which
-the probe computes once beforehand (one small copy a call more than the library does): launchers that read the
+implementation, three launches) and then filled with the real tables for this routing, which the real kernels
+compute on its first build (one small copy a call more than the library does): launchers that read the
 schedule on the host under the interpreter (the number of live minibatches) then see real values, not the
 stubbed launches' uninitialised memory. What it leaves out is what only a GPU has: Triton's launch path
 (argument specialisation, TMA descriptors, the driver), the Gluon kernels (the interpreter runs the Triton ones),
@@ -30,6 +30,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import sys
 import time
 
 if os.environ.get("TRITON_INTERPRET") != "1":
@@ -38,34 +39,39 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import torch
 import triton.runtime.interpreter as interpreter
 
-import kittenmoe
 import kittenmoe.launch_backward as launch_backward
 import kittenmoe.launch_common as launch_common
 import kittenmoe.launch_forward as launch_forward
 import kittenmoe.schedule as schedule
-from kittenmoe.config import ModelShape
-from kittenmoe.testing import make_weights, routing_uniform
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_probe import public_path_calls
 
 
-def stub_kernels(ids_TK: torch.Tensor, experts: int) -> None:
+def stub_kernels() -> None:
     """Make every interpreter launch return at once, with the schedule (built as on CUDA) filled with the real
-    tables for ``ids_TK``'s routing, and device error flags (stale memory) left unread."""
+    tables for the probe's one routing (the real kernels compute them on the first build), and device error
+    flags (stale memory) left unread."""
     real = {}
     build = schedule.build_schedule
+    run = interpreter.InterpretedFunction.run
+
+    def skip(self, *args, grid, warmup, **kwargs):
+        return None
 
     def build_as_on_cuda(ids_RTK, rank, experts_per_rank, block_m, impl=None):
         sched = build(ids_RTK, rank, experts_per_rank, block_m, impl="triton")
-        key = (tuple(ids_RTK.shape), rank, experts_per_rank, block_m)
-        if key not in real:
-            raise AssertionError(f"cpu_host_probe: no real schedule for {key}; the probe computes one a shape")
+        key = (tuple(ids_RTK.shape), rank, experts_per_rank, block_m)  # (the probe runs one routing)
+        if key not in real:  # the real kernels, once
+            interpreter.InterpretedFunction.run = run
+            try:
+                real[key] = build(ids_RTK, rank, experts_per_rank, block_m, impl="triton").table.clone()
+            finally:
+                interpreter.InterpretedFunction.run = skip
         sched.table.copy_(real[key])
         return sched
 
-    # one real build a block_m the launchers may ask for (forward and backward use the config's)
-    ids_RTK = schedule.stack_ids([ids_TK])
-    for bm in (16, 32, 64, 128):
-        real[(tuple(ids_RTK.shape), 0, experts, bm)] = build(ids_RTK, 0, experts, bm, impl="triton").table.clone()
-    interpreter.InterpretedFunction.run = lambda self, *args, grid, warmup, **kwargs: None
+    interpreter.InterpretedFunction.run = skip
     launch_common.check_errors = lambda *flags_and_detail: None
     for module in (schedule, launch_forward, launch_backward):
         if hasattr(module, "build_schedule"):
@@ -79,24 +85,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also print cProfile's heaviest functions")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    t, h, i, e, k = (int(v) for v in args.shape.split(","))
-    g = torch.Generator().manual_seed(0)
-    w = make_weights(ModelShape("p", e=e, h=h, i=i, k=k), dtype=torch.float32, generator=g, shared=False)
-    w13, w2 = (p.to(torch.bfloat16).requires_grad_() for p in (w.w13_E2IH, w.w2_EHI))
-    x = torch.randn(t, h, generator=g).to(torch.bfloat16).requires_grad_()
-    ids, tw = routing_uniform(t, e, k, generator=g)
-    tw = tw.float().requires_grad_()
-    d_out = torch.randn(t, h, generator=g).to(torch.bfloat16)
-    leaves = [x, tw, w13, w2]
-    stub_kernels(ids, e)
-
-    def forward():
-        with torch.no_grad():
-            return kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
-
-    def forward_backward():
-        out = kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
-        return torch.autograd.grad(out, leaves, d_out)
+    forward, forward_backward, _, _ = public_path_calls(args.shape, torch.device("cpu"))
+    stub_kernels()
 
     for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
         for _ in range(3):  # config lookups, workspaces, caches

@@ -60,6 +60,35 @@ def profile_calls(fn, calls: int) -> pstats.Stats:
     return pstats.Stats(pr)
 
 
+def public_path_calls(shape: str, device: torch.device):
+    """``(forward, forward_backward, topk_ids, E)`` for a ``T,H,I,E,K`` shape (no shared expert): closures calling
+    ``kittenmoe.moe`` (the megakernel backend) on fresh bf16 inputs on ``device``, the forward under no_grad, the
+    forward+backward through ``torch.autograd.grad`` to x, the routing weights and both expert weights."""
+    import kittenmoe
+    from kittenmoe.config import ModelShape
+    from kittenmoe.testing import make_weights, routing_uniform
+
+    t, h, i, e, k = (int(v) for v in shape.split(","))
+    g = torch.Generator().manual_seed(0)
+    w = make_weights(ModelShape("p", e=e, h=h, i=i, k=k), dtype=torch.float32, generator=g, shared=False)
+    w13, w2 = (p.to(device, torch.bfloat16).requires_grad_() for p in (w.w13_E2IH, w.w2_EHI))
+    x = torch.randn(t, h, generator=g).to(device, torch.bfloat16).requires_grad_()
+    ids, tw = routing_uniform(t, e, k, generator=g, device=device)
+    tw = tw.float().requires_grad_()
+    d_out = torch.randn(t, h, generator=g).to(device, torch.bfloat16)
+    leaves = [x, tw, w13, w2]
+
+    def forward():
+        with torch.no_grad():
+            return kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
+
+    def forward_backward():
+        out = kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
+        return torch.autograd.grad(out, leaves, d_out)
+
+    return forward, forward_backward, ids, e
+
+
 def main() -> int:
     from fwd_round import forward_slice
 

@@ -23,13 +23,10 @@ import time
 
 import torch
 
-import kittenmoe
 from kittenmoe.bench.timing import sync_warnings
-from kittenmoe.config import ModelShape
-from kittenmoe.testing import make_weights, routing_uniform
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_probe import calls_ms, profile_calls
+from host_probe import calls_ms, profile_calls, public_path_calls
 
 
 def launch_breakdown(fn, calls: int) -> None:
@@ -45,7 +42,7 @@ def launch_breakdown(fn, calls: int) -> None:
         try:
             return original(self, *args, **kwargs)
         finally:
-            rec = spent[getattr(self, "__name__", None) or self.fn.__name__]
+            rec = spent[self.fn.__name__]
             rec[0] += 1
             rec[1] += time.perf_counter() - t0
 
@@ -72,24 +69,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    t, h, i, e, k = (int(v) for v in args.shape.split(","))
-    dev = torch.device("cuda")
-    g = torch.Generator().manual_seed(0)
-    w = make_weights(ModelShape("p", e=e, h=h, i=i, k=k), dtype=torch.float32, generator=g, shared=False)
-    w13, w2 = (p.to(dev, torch.bfloat16).requires_grad_() for p in (w.w13_E2IH, w.w2_EHI))
-    x = torch.randn(t, h, generator=g).to(dev, torch.bfloat16).requires_grad_()
-    ids, tw = routing_uniform(t, e, k, generator=g, device=dev)
-    tw = tw.float().requires_grad_()
-    d_out = torch.randn(t, h, device=dev, dtype=torch.bfloat16)
-    leaves = [x, tw, w13, w2]
-
-    def forward():
-        with torch.no_grad():
-            return kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
-
-    def forward_backward():
-        out = kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
-        return torch.autograd.grad(out, leaves, d_out)
+    forward, forward_backward, _, _ = public_path_calls(args.shape, torch.device("cuda"))
 
     for name, fn in (("forward", forward), ("forward+backward", forward_backward)):
         for _ in range(5):  # compile, tune-cache lookups, allocator warm
