@@ -295,7 +295,7 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
     cnt = torch.empty(L, R, dtype=i32, device=dev)
     ks.schedule_scan_kernel[(cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
-                                                    NB=min(next_pow2(nch), 1024), num_warps=8)
+                                             NB=min(next_pow2(nch), 1024), num_warps=8)
     ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
                                          tile_expert, P, R, rank, L, C, nch, ch, BM=block_m,
                                          BMB=next_pow2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
