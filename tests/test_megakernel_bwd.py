@@ -729,28 +729,30 @@ def test_bitwise_across_configs(bitwise_base, variant):
 
 
 @pytest.mark.parametrize("persistent", [False, True])
-def test_wgrad_sums_rows_up_to_ends(persistent):
-    """The weight-gradient kernels sum group g's rows [offsets[g], ends[g]) and nothing past: the launcher sets
-    ends to each expert's real rows rounded up to the row step, so the padding past is never read. Rows past
-    the ends hold NaN here; group 1 has no rows (its gradient is zeros), group 2 ends mid-segment."""
+def test_wgrad_sums_rows_up_to_rounded_counts(persistent):
+    """The weight-gradient kernels sum group g's rows from offsets[g] up to its real rows counts[g] rounded up to
+    the row step, at most to its segment's end, and nothing past: an expert's padding past the last step it
+    needs is never read, and the shared expert's one group [0, T) stops at T. Rows past each end hold NaN
+    here; group 1 has no rows (its gradient is zeros), group 2 ends mid-segment, group 3's rounded count
+    (16) runs past its segment (7 rows, the last of the operands)."""
     wn, wm, wk, n, m = 16, 32, 16, 16, 32
-    offsets = torch.tensor([0, 48, 64, 112], dtype=torch.int32, device=DEV)  # padded segments of 48, 16, 48 rows
-    ends = torch.tensor([32, 48, 80], dtype=torch.int32, device=DEV)  # 2 steps, none, 1 step
+    offsets = torch.tensor([0, 48, 64, 112, 119], dtype=torch.int32, device=DEV)  # segments of 48, 16, 48, 7 rows
+    counts = torch.tensor([25, 0, 9, 7], dtype=torch.int32, device=DEV)  # 2 steps, none, 1 step, 7 rows
     g = torch.Generator().manual_seed(17)
-    p_op = torch.randn(112, n, generator=g).to(DEV)
-    q_op = torch.randn(112, m, generator=g).to(DEV)
+    p_op = torch.randn(119, n, generator=g).to(DEV)
+    q_op = torch.randn(119, m, generator=g).to(DEV)
     for lo, hi in ((32, 48), (80, 112)):  # the rows past each end
         p_op[lo:hi] = float("nan")
         q_op[lo:hi] = float("nan")
-    out = torch.full((3, n, m), float("nan"), device=DEV)
+    out = torch.full((4, n, m), float("nan"), device=DEV)
     meta = dict(WN=wn, WM=wm, WK=wk, USE_TMA=False, DOT_FP32=True, PRECISION="ieee")
-    order = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)  # the order tiles are taken in: any permutation
+    order = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)  # the order tiles are taken in: any permutation
     if persistent:
-        mb.weight_grad_persistent_kernel[(2,)](order, offsets, ends, p_op, q_op, out, out, n, m, n, m, 3,
+        mb.weight_grad_persistent_kernel[(2,)](order, offsets, counts, p_op, q_op, out, out, n, m, n, m, 4,
                                                TMA_STORE=False, **meta)
     else:
-        mb.weight_grad_kernel[(3,)](order, offsets, ends, p_op, q_op, out, n, m, n, m, **meta)
-    for gi, (lo, hi) in enumerate(((0, 32), (48, 48), (64, 80))):
+        mb.weight_grad_kernel[(4,)](order, offsets, counts, p_op, q_op, out, n, m, n, m, **meta)
+    for gi, (lo, hi) in enumerate(((0, 32), (48, 48), (64, 80), (112, 119))):
         want = p_op[lo:hi].double().T @ q_op[lo:hi].double()
         assert torch.isfinite(out[gi]).all(), f"group {gi} read a row past its end"
         torch.testing.assert_close(out[gi].double(), want, rtol=1e-5, atol=1e-5)
@@ -770,14 +772,15 @@ def test_wgrad_persistent_takes_every_tile_once(progs):
     wn, wm, wk, n, m = 16, 16, 16, 32, 32  # 2 x 2 tiles a group
     counts = [16, 48, 0]
     offsets = torch.tensor([0, 16, 64, 64], dtype=torch.int32, device=DEV)
-    ends = offsets[1:].clone()
     order = torch.tensor([1, 0, 2], dtype=torch.int32, device=DEV)
     g = torch.Generator().manual_seed(23)
     p_op = torch.randn(64, n, generator=g).to(DEV)
     q_op = torch.randn(64, m, generator=g).to(DEV)
     out = torch.full((3, n, m), float("nan"), device=DEV)
     tiles = 3 * 2 * 2
-    mb.weight_grad_persistent_kernel[(min(progs, tiles),)](order, offsets, ends, p_op, q_op, out, out, n, m, n, m,
+    mb.weight_grad_persistent_kernel[(min(progs, tiles),)](order, offsets, torch.tensor(counts, dtype=torch.int32,
+                                                                                        device=DEV),
+                                                           p_op, q_op, out, out, n, m, n, m,
                                                            tiles, TMA_STORE=False, WN=wn, WM=wm, WK=wk,
                                                            USE_TMA=False, DOT_FP32=True, PRECISION="ieee")
     for gi, c in enumerate(counts):
@@ -1276,28 +1279,27 @@ def test_gpu_wgrad_gluon_kernel_same_bits(counts, total_rows, cuda_cleanup):
     N, M, wk = 256, 640, 64
     seg = [(c + 127) // 128 * 128 for c in counts] if total_rows is None else [total_rows]
     offsets = torch.tensor([0] + list(itertools.accumulate(seg)), dtype=torch.int32)
-    ends = (offsets[:-1] + torch.tensor([(c + wk - 1) // wk * wk for c in counts], dtype=torch.int32)
-            if total_rows is None else offsets[1:].clone())
+    rows_of = torch.tensor(counts if total_rows is None else [total_rows], dtype=torch.int32)
     rows = max(int(offsets[-1]), 1)
     p = torch.randn(rows, N, generator=gen).to(dev, torch.bfloat16)
     q = torch.randn(rows, M, generator=gen).to(dev, torch.bfloat16)
     for e, c in enumerate(counts):  # padding rows are zeros, as the pull writes them
         p[int(offsets[e]) + c:int(offsets[e + 1])] = 0
         q[int(offsets[e]) + c:int(offsets[e + 1])] = 0
-    offsets, ends = offsets.to(dev), ends.to(torch.int32).to(dev)
+    offsets, rows_of = offsets.to(dev), rows_of.to(dev)
     G = len(counts)
     want = torch.full((G, N, M), float("nan"), dtype=torch.bfloat16, device=dev)
     tiles = G * (N // 128) * triton.cdiv(M, 256)
     order = torch.randperm(G, generator=gen).to(torch.int32).to(dev)  # any order gives the same bits
     mb.weight_grad_persistent_kernel[(min(tiles, 132),)](
-        order, offsets, ends, TD.from_tensor(p, [wk, 128]), TD.from_tensor(q, [wk, 256]), want,
+        order, offsets, rows_of, TD.from_tensor(p, [wk, 128]), TD.from_tensor(q, [wk, 256]), want,
         TD.from_tensor(want.view(-1, M), [128, 256]), N, M, N, M, tiles, WN=128, WM=256, WK=wk, USE_TMA=True,
         TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
     segs = [slice(int(offsets[e]), int(offsets[e + 1])) for e in range(G)]
     ref = torch.stack([p[sl].double().T @ q[sl].double() for sl in segs])
     for progs in (132, 7, 5, 3):  # one program an SM (as launched); and a few, each walking several tiles
         got = torch.full_like(want, float("nan"))
-        wgrad_gluon.launch(order, offsets, ends, p, q, got, N, M, wk, 256, progs)
+        wgrad_gluon.launch(order, offsets, rows_of, p, q, got, N, M, wk, 256, progs)
         torch.cuda.synchronize()
         assert not got.isnan().any(), f"{progs} programs: unwritten output"
         assert_bitwise_equal(got, want, f"gluon ({progs} programs) vs the Triton kernel")

@@ -63,13 +63,14 @@ def naive_schedule(ids: list, rank: int, L: int, bm: int) -> dict:
             owner = next(e for e in range(L) if offsets[e] <= start < offsets[e + 1])
         tile_expert.append(owner)
     return dict(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
-                num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, capacity=cap)
+                num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, capacity=cap,
+                expert_order=sorted(range(L), key=lambda e: (-counts[e], e)))
 
 
 # ---------------------------------------------------------------- the checks
 
 INT32_FIELDS = ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
-                "num_invalid")
+                "num_invalid", "expert_order")
 
 
 def assert_same_tables(a: Schedule, b: Schedule, what: str) -> None:
@@ -108,6 +109,7 @@ def check_schedule(ids_RTK: torch.Tensor, rank: int, L: int, bm: int) -> Schedul
     assert s.num_rows.tolist() == [ref["num_rows"]], ctx
     assert s.tile_expert.tolist() == ref["tile_expert"], ctx
     assert s.num_invalid.tolist() == [ref["num_invalid"]], ctx
+    assert s.expert_order.tolist() == ref["expert_order"], ctx
 
     # structural invariants, stated independently of the naive table
     pr, pt = s.peer_rank.tolist(), s.peer_token_idx.tolist()
@@ -532,6 +534,5 @@ def test_schedule_same_on_cpu_and_cuda(impl):
     for rank in range(R):
         a = build_schedule(ids, rank, L, bm, impl="torch")
         b = build_schedule(ids.cuda(), rank, L, bm, impl=impl)
-        for f in ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
-                  "num_invalid"):
+        for f in INT32_FIELDS:
             assert torch.equal(getattr(a, f), getattr(b, f).cpu()), f"rank {rank}: {f} differs on CUDA ({impl})"

@@ -36,16 +36,16 @@ import torch
 import triton
 
 
-def launch_gluon(order, offsets, ends, p_op, q_op, out, progs: int):
+def launch_gluon(order, offsets, counts, p_op, q_op, out, progs: int):
     """The library's Gluon launch (``kittenmoe.kernels.wgrad_gluon``, ``KernelConfig.wgrad="gluon"``) as the backward
     makes it: 128 x 256 tiles of 64-row steps, 3 stages."""
     from kittenmoe.kernels import wgrad_gluon
 
     G, N, M = out.shape
-    return wgrad_gluon.launch(order, offsets, ends, p_op, q_op, out, N, M, 64, 256, progs)
+    return wgrad_gluon.launch(order, offsets, counts, p_op, q_op, out, N, M, 64, 256, progs)
 
 
-def launch_library(order, offsets, ends, p_op, q_op, out, progs: int):
+def launch_library(order, offsets, counts, p_op, q_op, out, progs: int):
     """The backward's d_W launch with the default CUDA config: ``weight_grad_persistent_kernel``, 128 x 256 tiles
     of 64-row steps, 8 warps, the TMA store (3 stages), one program an SM (kittenmoe.launch_backward)."""
     from triton.tools.tensor_descriptor import TensorDescriptor as TD
@@ -56,7 +56,7 @@ def launch_library(order, offsets, ends, p_op, q_op, out, progs: int):
     wn, wm, wk = 128, 256, 64
     tiles = G * triton.cdiv(N, wn) * triton.cdiv(M, wm)
     return mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
-        order, offsets, ends, TD.from_tensor(p_op, [wk, wn]), TD.from_tensor(q_op, [wk, wm]), out,
+        order, offsets, counts, TD.from_tensor(p_op, [wk, wn]), TD.from_tensor(q_op, [wk, wm]), out,
         TD.from_tensor(out.view(-1, M), [wn, wm]), N, M, p_op.stride(0), q_op.stride(0), tiles,
         WN=wn, WM=wm, WK=wk, USE_TMA=True, TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8,
         num_stages=3)
@@ -108,14 +108,13 @@ def ptxas_notes(ptx: str) -> str:
 
 
 def ragged(L: int, routed: int, pad: int, wk: int, dev, gen):
-    """Expert row counts of uniform top-k routing (multinomial), segments padded to ``pad`` rows, the rows summed
-    up to the count rounded to ``wk`` (the backward's ``ends``)."""
+    """Expert row counts of uniform top-k routing (multinomial) and segments padded to ``pad`` rows (the kernels
+    sum each expert's rows up to its count rounded to ``wk``)."""
     counts = torch.bincount(torch.randint(0, L, (routed,), generator=gen), minlength=L)
     seg = (counts + pad - 1) // pad * pad
     offsets = torch.zeros(L + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(seg, 0)
-    ends = offsets[:-1] + (counts + wk - 1) // wk * wk
-    return counts, offsets.to(torch.int32).to(dev), ends.to(torch.int32).to(dev)
+    return counts, offsets.to(torch.int32).to(dev), counts.to(torch.int32).to(dev)
 
 
 def main() -> int:
@@ -136,7 +135,7 @@ def main() -> int:
         base = SEED_SHAPES[name]
         L, T = base.e // 8, SLICES[name]
         gen = torch.Generator().manual_seed(0)
-        counts, offsets, ends = ragged(L, T * base.k, 128, 64, dev, gen)
+        counts, offsets, rows_of = ragged(L, T * base.k, 128, 64, dev, gen)
         rows = int(offsets[-1])
         for job in args.jobs.split(","):
             N, M = (2 * base.i, base.h) if job == "dw13" else (base.h, base.i)
@@ -152,10 +151,10 @@ def main() -> int:
             ref = None
             res = {}
             offs_gm = offsets[1:].clone()
-            order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32).to(dev)  # the launcher's
-            variants = {"library": lambda: launch_library(order, offsets, ends, p, q, out, progs),
+            order = torch.sort(counts, descending=True, stable=True).indices.to(torch.int32).to(dev)  # the schedule's
+            variants = {"library": lambda: launch_library(order, offsets, rows_of, p, q, out, progs),
                         "grouped_mm": lambda: torch._grouped_mm(p.T, q, offs=offs_gm, out_dtype=torch.bfloat16)}
-            variants["gluon"] = lambda: launch_gluon(order, offsets, ends, p, q, out, progs)
+            variants["gluon"] = lambda: launch_gluon(order, offsets, rows_of, p, q, out, progs)
             for label, fn in variants.items():
                 out.fill_(float("nan"))  # unwritten tiles show
                 try:

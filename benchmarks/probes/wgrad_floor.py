@@ -61,7 +61,7 @@ VARIANTS = {"copy": (0, 64, 4), "no store": (1, 64, 4), "MMA only": (3, 64, 4), 
 def wgrad_variant_kernel(
     order_ptr,  # [G] int32, the groups in the order tiles are taken (identity here)
     offsets_ptr,  # [G + 1] int32, each expert's row segment
-    ends_ptr,  # [G] int32, the end of the rows summed (here the segment's end: every row real)
+    counts_ptr,  # [G] int32, the rows of each group (here the segment's length: every row real)
     p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
     q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
     out_ptr,  # [G, N, M]
@@ -70,7 +70,7 @@ def wgrad_variant_kernel(
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr, MODE: tl.constexpr,
 ):
     # the library's tile mapping
-    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
+    g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, counts_ptr, N, M, WN, WM, WK)
     acc = tl.zeros((WN, WM), dtype=tl.float32)
     if MODE == 3:
         p = p_desc.load([seg0, n0])
@@ -96,7 +96,7 @@ def wgrad_variant_kernel(
 def wgrad_persistent_store_kernel(
     order_ptr,  # [G] int32, the groups in the order tiles are taken (identity here)
     offsets_ptr,  # [G + 1] int32, each expert's row segment
-    ends_ptr,  # [G] int32, the end of the rows summed
+    counts_ptr,  # [G] int32, the rows of each group
     p_desc,  # [rows, N] TMA descriptor, blocks [WK, WN]
     q_desc,  # [rows, M] TMA descriptor, blocks [WK, WM]
     out_desc,  # [G * N, M] TMA descriptor, blocks [WN, WM]
@@ -104,7 +104,7 @@ def wgrad_persistent_store_kernel(
     WN: tl.constexpr, WM: tl.constexpr, WK: tl.constexpr,
 ):
     for t in range(tl.program_id(0), tiles, tl.num_programs(0)):
-        g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
+        g, n0, m0, seg0, seg1 = mb._wgrad_tile_at(t, order_ptr, offsets_ptr, counts_ptr, N, M, WN, WM, WK)
         acc = tl.zeros((WN, WM), dtype=tl.float32)
         for r0 in range(seg0, seg1, WK):
             p = p_desc.load([r0, n0])
@@ -135,7 +135,8 @@ def main() -> int:
         p_op = torch.randn(L * rows, N, device=dev, generator=g).to(torch.bfloat16)
         q_op = torch.randn(L * rows, M, device=dev, generator=g).to(torch.bfloat16)
         offsets = (torch.arange(L + 1, device=dev, dtype=torch.int32) * rows)
-        order = torch.arange(L, device=dev, dtype=torch.int32)  # equal groups: the launcher's sort keeps this order
+        order = torch.arange(L, device=dev, dtype=torch.int32)  # equal groups: the schedule's order is this one
+        counts = torch.full((L,), rows, device=dev, dtype=torch.int32)
         out = torch.empty(L, N, M, device=dev, dtype=torch.bfloat16)
         pd, qd = TD.from_tensor(p_op, [WK, WN]), TD.from_tensor(q_op, [WK, WM])
         tiles = L * triton.cdiv(N, WN) * triton.cdiv(M, WM)
@@ -149,7 +150,7 @@ def main() -> int:
 
         def lib():  # as launch_backward.launch_rank_backward launches it with the TMA store (3 stages beside its 64 KB buffer)
             mb.weight_grad_persistent_kernel[(min(tiles, sms),)](
-                order, offsets, offsets[1:], pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK,
+                order, offsets, counts, pd, qd, out, out_desc, N, M, N, M, tiles, WN=WN, WM=WM, WK=WK,
                 USE_TMA=True, TMA_STORE=True, DOT_FP32=False, PRECISION="tf32", num_warps=8, num_stages=3)
 
         ref = None
@@ -161,9 +162,9 @@ def main() -> int:
             else:
                 mode, wk, st = VARIANTS[label]
                 fn = (lambda st=st: wgrad_persistent_store_kernel[(min(tiles, sms),)](
-                    order, offsets, offsets[1:], *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
+                    order, offsets, counts, *descs[64], out_desc, N, M, tiles, WN=WN, WM=WM, WK=64, num_warps=8,
                     num_stages=st)) if mode == 6 else (lambda m=mode, wk=wk, st=st: wgrad_variant_kernel[(tiles,)](
-                    order, offsets, offsets[1:], *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m,
+                    order, offsets, counts, *descs[wk], out, out_desc, N, M, 0, WN=WN, WM=WM, WK=wk, MODE=m,
                     num_warps=8, num_stages=st))
             out.fill_(float("nan"))  # tiles this variant leaves unwritten show in its bit check
             fn()

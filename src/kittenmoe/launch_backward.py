@@ -460,19 +460,16 @@ def launch_rank_backward(
     # The weight-gradient jobs, launched after the megakernel (below); listed first so that the Gluon kernel's
     # conditions are checked before the megakernel launches (the schedule's kernels have run, as for every
     # check here that needs the routed buffers).
-    jobs = []  # (group order, row offsets, ends of the rows summed, groups, P, Q, out, N, M)
+    jobs = []  # (group order, row offsets, real rows a group, groups, P, Q, out, N, M)
     if phases & mb.PB_WGRAD:
-        # Each expert's rows up to its real count rounded up to wk: the padding rows past are zeros (the pull
-        # writes them so), whole wk-row steps of exact zeros, skipped (DeepSeek's slice: ~10% of the rows summed).
-        # On the device, from the schedule's counts (no host sync, capturable).
-        ends = (sched.expert_offsets[:-1] + (sched.expert_counts + wk - 1) // wk * wk).to(torch.int32)
-        # The experts' tiles are taken most rows first (a stable sort: the same order every run; the bits do not
-        # depend on it, each tile sums its rows in order whoever takes it): with the kernels' snake over waves
-        # the programs end together under skewed routing, and an expert's tiles run side by side while its
-        # rows are in L2.
-        order = torch.sort(sched.expert_counts, descending=True, stable=True).indices.to(torch.int32)
-        jobs += [(order, sched.expert_offsets, ends, L, "dgu", "xr", out["dw13"], 2 * I, H),
-                 (order, sched.expert_offsets, ends, L, "dor", "hw", out["dw2"], H, I)]
+        # The experts' tiles are taken most rows first (the schedule's expert_order, a stable sort: the same
+        # order every run; the bits do not depend on it, each tile sums its rows in order whoever takes it): with
+        # the kernels' snake over waves the programs end together under skewed routing, and an expert's tiles
+        # run side by side while its rows are in L2. Each sums its expert's real rows rounded up to wk (the
+        # kernels' _wgrad_tile_at), all from the schedule on the device: no op here.
+        jobs += [(sched.expert_order, sched.expert_offsets, sched.expert_counts, L, "dgu", "xr", out["dw13"], 2 * I,
+                  H),
+                 (sched.expert_order, sched.expert_offsets, sched.expert_counts, L, "dor", "hw", out["dw2"], H, I)]
     if phases & mb.PB_SHARED_WGRAD and has_shared:
         whole = torch.arange(2, dtype=torch.int32, device=dev) * T  # [0, T], built on the device (capturable)
         jobs += [(whole[:1], whole, whole[1:], 1, "sdgu", "xl", dsw13, 2 * S, H),
@@ -508,14 +505,14 @@ def launch_rank_backward(
         if mk_phases & mb.PB_SHARED_B:
             launch(mb.PB_SHARED_B, 0, 0, 0)
     # Weight gradients: same stream, after the megakernel, so every pulled row and phase-A output exists.
-    for order, offsets, ends, groups, p_name, q_name, dst, n, m in jobs:
+    for order, offsets, counts, groups, p_name, q_name, dst, n, m in jobs:
         p_op, q_op = operands[p_name], operands[q_name]
         p_arg, q_arg = (descs[p_name], descs[q_name]) if descs else (p_op, q_op)  # (the Triton kernels')
         tiles = groups * cdiv(n, wn) * cdiv(m, wm)
         if config.wgrad == "gluon":  # the same tiles and bits from a warp-specialized Gluon kernel (checked above)
             from kittenmoe.kernels import wgrad_gluon
 
-            out["compiled_wgrad"] = wgrad_gluon.launch(order, offsets, ends, p_op, q_op, dst, n, m, wk, wm,
+            out["compiled_wgrad"] = wgrad_gluon.launch(order, offsets, counts, p_op, q_op, dst, n, m, wk, wm,
                                                          lc.num_programs(dev, 0))
         elif config.wgrad == "persistent":  # one program per SM (3 under the interpreter)
             progs = lc.num_programs(dev, 0)
@@ -530,11 +527,11 @@ def launch_rank_backward(
             if tma_store and not interp:
                 pmeta["num_stages"] = min(config.num_stages, 3)
             out["compiled_wgrad"] = mb.weight_grad_persistent_kernel[(min(tiles, progs),)](
-                order, offsets, ends, p_arg, q_arg, dst, out_desc, n, m, p_op.stride(0), q_op.stride(0), tiles,
+                order, offsets, counts, p_arg, q_arg, dst, out_desc, n, m, p_op.stride(0), q_op.stride(0), tiles,
                 TMA_STORE=tma_store, **pmeta)
         else:
             out["compiled_wgrad"] = mb.weight_grad_kernel[(tiles,)](
-                order, offsets, ends, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)
+                order, offsets, counts, p_arg, q_arg, dst, n, m, p_op.stride(0), q_op.stride(0), **wmeta)
     out["sdx"] = bufs["sdx"]
     return out
 

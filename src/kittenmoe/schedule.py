@@ -42,13 +42,16 @@ class Schedule:
     num_rows: torch.Tensor  # [1] int32, padded rows in use (a multiple of block_m)
     tile_expert: torch.Tensor  # [C // block_m] int32, local expert of each row tile; -1 past num_rows
     num_invalid: torch.Tensor  # [1] int32, routes on any rank whose expert id is outside [0, E) (NO_ROUTE aside)
+    # [L] int32, the local experts by real rows, most first, ties in expert order (a stable sort): the order the
+    # weight-gradient kernels take their tiles in (``kernels/megakernel_bwd.py``, ``_wgrad_slot_tile``)
+    expert_order: torch.Tensor
     rank: int
     num_ranks: int
     experts_per_rank: int
     tokens: int
     topk: int
     block_m: int
-    # the seven tables above as views of one int32 buffer, in that order (``packed``), where they were built so
+    # the eight tables above as views of one int32 buffer, in that order (``packed``), where they were built so
     table: torch.Tensor | None = None
 
     @property
@@ -60,15 +63,16 @@ class Schedule:
         return self.tile_expert.shape[0]
 
     def packed(self) -> torch.Tensor:
-        """The seven tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
-        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, each from a 16-byte boundary. What a
+        """The eight tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
+        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, expert_order, each from a 16-byte
+        boundary. What a
         forward hands its backward so that the backward does not build the same schedule again
         (``from_table``). No copy where the tables were built as views of one buffer (the Triton build); one
         copy each otherwise."""
         if self.table is not None:
             return self.table
         parts = (self.peer_rank, self.peer_token_idx, self.expert_offsets, self.expert_counts, self.num_rows,
-                 self.tile_expert, self.num_invalid)
+                 self.tile_expert, self.num_invalid, self.expert_order)
         table = torch.zeros(table_length(self.capacity, self.experts_per_rank, self.block_m), dtype=torch.int32,
                             device=self.peer_rank.device)
         for dst, src in zip(_split_table(table, self.capacity, self.experts_per_rank, self.block_m), parts):
@@ -94,8 +98,8 @@ class Schedule:
 
 
 def _table_entries(capacity: int, experts_per_rank: int, block_m: int) -> tuple[int, ...]:
-    """Entries of each of the seven tables, in ``Schedule.packed``'s order."""
-    return capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1
+    """Entries of each of the eight tables, in ``Schedule.packed``'s order."""
+    return capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1, experts_per_rank
 
 
 def _table_sizes(capacity: int, experts_per_rank: int, block_m: int) -> list[int]:
@@ -110,7 +114,7 @@ def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
 
 
 def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int) -> list[torch.Tensor]:
-    """The seven tables of a packed table, views, each its own length (the padding past it left out)."""
+    """The eight tables of a packed table, views, each its own length (the padding past it left out)."""
     return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m)),
                                         _table_entries(capacity, experts_per_rank, block_m))]
 
@@ -243,6 +247,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
         num_rows=num_rows.to(torch.int32),
         tile_expert=tile_expert.to(torch.int32),
         num_invalid=num_invalid,
+        expert_order=torch.sort(cnt_L, descending=True, stable=True).indices.to(torch.int32),
         rank=rank,
         num_ranks=R,
         experts_per_rank=L,
@@ -287,9 +292,10 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     # atomics a thread whatever its width
     ks.schedule_count_kernel[(nch, R)](ids, hist, bad, P, rank, L, R * L, nch, ch, LB=lb,
                                        BLOCK=min(1024, next_pow2(ch)), NO_ROUTE=NO_ROUTE)
-    # the seven tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
+    # the eight tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
     table = torch.empty(table_length(C, L, block_m), dtype=i32, device=dev)
-    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid = _split_table(table, C, L, block_m)
+    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid, order = _split_table(table, C, L,
+                                                                                                     block_m)
     # the scan: 4 experts a program, one [NB, 4] step up to 1024 chunks on 8 warps (100 registers on sm_90;
     # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
@@ -297,9 +303,10 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     ks.schedule_scan_kernel[(cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
                                              NB=min(next_pow2(nch), 1024), num_warps=8)
     ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
-                                         tile_expert, P, R, rank, L, C, nch, ch, BM=block_m,
-                                         BMB=next_pow2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024,
+                                         tile_expert, order, P, R, rank, L, C, nch, ch, BM=block_m,
+                                         BMB=next_pow2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024, OC=32,
                                          num_warps=block // 32)
     return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
-                    num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, rank=rank, num_ranks=R,
+                    num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, expert_order=order,
+                    rank=rank, num_ranks=R,
                     experts_per_rank=L, tokens=T, topk=K, block_m=block_m, table=table)

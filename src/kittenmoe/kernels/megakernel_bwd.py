@@ -925,17 +925,23 @@ def combine_mlp_swiglu_dispatch_bwd_kernel(
 
 
 @triton.jit
-def _wgrad_tile_at(tile, order_ptr, offsets_ptr, ends_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr):
+def _wgrad_tile_at(tile, order_ptr, offsets_ptr, counts_ptr, N, M, WN: tl.constexpr, WM: tl.constexpr,
+                   WK: tl.constexpr):
     """Weight-gradient tile ``tile`` (groups one after another in ``order_ptr``'s order, each WN x WM output
     tiles row by row): its group g, output origin (n0, m0) and the rows it sums, [seg0, seg1): seg0 from
-    offsets_ptr ([G + 1]), seg1 from ends_ptr ([G])."""
+    offsets_ptr ([G + 1]); seg1 the group's real rows (counts_ptr, [G]) rounded up to WK, at most its segment's
+    end. An expert's segment is padded to BM rows, a multiple of WK, with rows of zeros (the pull writes them
+    so): the whole zero steps past are skipped (DeepSeek's slice: ~10% of the rows). The shared expert's one
+    group [0, T) ends at T."""
     n_n = tl.cdiv(N, WN)
     n_m = tl.cdiv(M, WM)
     g = tl.load(order_ptr + tile // (n_n * n_m))
     q = tile % (n_n * n_m)
     n0 = (q // n_m) * WN
     m0 = (q % n_m) * WM
-    return g, n0, m0, tl.load(offsets_ptr + g), tl.load(ends_ptr + g)
+    seg0 = tl.load(offsets_ptr + g)
+    seg1 = tl.minimum(seg0 + (tl.load(counts_ptr + g) + WK - 1) // WK * WK, tl.load(offsets_ptr + g + 1))
+    return g, n0, m0, seg0, seg1
 
 
 @triton.jit
@@ -955,10 +961,9 @@ def _wgrad_slot_tile(s, nprog, tiles):
 
 @triton.jit
 def weight_grad_kernel(
-    order_ptr,  # [G] int32, the groups in the order their tiles are taken (the launcher's: most rows first)
+    order_ptr,  # [G] int32, the groups in the order their tiles are taken (the schedule's: most rows first)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (an expert's padded rows; [0, T] shared)
-    ends_ptr,  # [G] int32, end of the rows summed: an expert's real rows rounded up to WK (the padding past is
-    # whole zero steps, skipped); T for the shared one
+    counts_ptr,  # [G] int32, real rows of each group (T for the shared one): the rows summed (_wgrad_tile_at)
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
@@ -973,7 +978,8 @@ def weight_grad_kernel(
     (4 stages x 48 KB) would not fit. Output sums run over rows in order inside one program: bitwise
     reproducible.
     """
-    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
+    g, n0, m0, seg0, seg1 = _wgrad_tile_at(tl.program_id(0), order_ptr, offsets_ptr, counts_ptr, N, M, WN, WM,
+                                             WK)
     out = out_ptr + g.to(tl.int64) * N * M
     _wgrad_tile(p_op, p_stride, q_op, q_stride, seg0, seg1, out, M, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                 PRECISION)
@@ -983,7 +989,7 @@ def weight_grad_kernel(
 def weight_grad_persistent_kernel(
     order_ptr,  # [G] int32, the groups in the order their tiles are taken (as weight_grad_kernel's)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_kernel's)
-    ends_ptr,  # [G] int32, end of the rows summed (as weight_grad_kernel's)
+    counts_ptr,  # [G] int32, real rows of each group (as weight_grad_kernel's)
     p_op,  # [rows, N] left operand (pointer, or TMA descriptor with blocks [WK, WN] when USE_TMA)
     q_op,  # [rows, M] right operand (pointer, or descriptor with blocks [WK, WM])
     out_ptr,  # [G, N, M] gradient, row-major
@@ -1002,7 +1008,7 @@ def weight_grad_persistent_kernel(
     no rows stores zeros."""
     for s in range(tl.program_id(0), tiles, tl.num_programs(0)):
         t = _wgrad_slot_tile(s, tl.num_programs(0), tiles)
-        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, WN, WM)
+        g, n0, m0, seg0, seg1 = _wgrad_tile_at(t, order_ptr, offsets_ptr, counts_ptr, N, M, WN, WM, WK)
         acc = _wgrad_acc(p_op, p_stride, q_op, q_stride, seg0, seg1, n0, N, m0, M, WN, WM, WK, USE_TMA, DOT_FP32,
                          PRECISION)
         if TMA_STORE:

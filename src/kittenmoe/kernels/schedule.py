@@ -37,7 +37,8 @@ T = 4096, L = 48 (1331 us before).
    ``offset[e] + sum_r' min(cnt[e, r'], o) + #{r' < r : cnt[e, r'] > o}``.
    The padding rows, the rows past ``num_rows`` and the tile table are split
    over the same programs (strided); program 0 writes counts, offsets and
-   ``num_rows``.
+   ``num_rows``, the last program the experts' order by count (most first,
+   ties in expert order: the weight gradients' tile order).
 
 Every program of the placement scans all its chunk's routes, also those to
 other ranks' experts: at R = 8 seven in eight are (75 us at T = 32768, L = 48;
@@ -117,9 +118,10 @@ def schedule_place_kernel(
     counts_ptr,  # [L] int32 out
     num_rows_ptr,  # [1] int32 out
     tile_expert_ptr,  # [C // BM] int32 out
+    order_ptr,  # [L] int32 out: the local experts by count, most first, ties in expert order
     P, R, rank, L, C, NCH, CH,
     BM: tl.constexpr, BMB: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr,
-    FILL: tl.constexpr,
+    FILL: tl.constexpr, OC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)  # R * NCH
@@ -140,6 +142,15 @@ def schedule_place_kernel(
         tl.store(offsets_ptr + ll, off, mask=ll < L)
         tl.store(offsets_ptr + L, num_rows)
         tl.store(num_rows_ptr, num_rows)
+    if pid == nprog - 1:  # (another program than the one writing the counts, where there are two)
+        # expert e's place in the order: experts with more rows, and those before it with as many;
+        # OC experts a step against all LB ([32, 512] at L = 384: 128 comparisons a thread on 4 warps)
+        for e0 in range(0, L, OC):
+            ee = e0 + tl.arange(0, OC)
+            te = tl.gather(tot, tl.where(ee < L, ee, 0), 0)
+            ahead = (tot[None, :] > te[:, None]) | ((tot[None, :] == te[:, None]) & (ll[None, :] < ee[:, None]))
+            place = tl.sum((ahead & (ll < L)[None, :]).to(tl.int32), axis=1)
+            tl.store(order_ptr + place, ee, mask=ee < L)
 
     # the chunk's routes, BLOCK at a time in (t, j) order; run[e]: the source's routes to e before the step
     run = tl.load(pre_ptr + pid * L + ll, mask=ll < L, other=0)  # pid * L = (r * NCH + ch) * L

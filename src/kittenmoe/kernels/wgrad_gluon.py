@@ -39,13 +39,15 @@ STAGES_BY_WK = {64: 3}  # 3 x 48 KB of operands + 2 x 32 KB store buffers = 213,
 
 
 @gluon.jit
-def _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, WN: gl.constexpr, WM: gl.constexpr):
+def _tile_at(t, order_ptr, offsets_ptr, counts_ptr, N, M, WN: gl.constexpr, WM: gl.constexpr, WK: gl.constexpr):
     """megakernel_bwd._wgrad_tile_at in Gluon: tile t's group g, output origin (n0, m0), rows [seg0, seg1)."""
     n_n = (N + WN - 1) // WN
     n_m = (M + WM - 1) // WM
     g = gl.load(order_ptr + t // (n_n * n_m))
     q = t % (n_n * n_m)
-    return g, (q // n_m) * WN, (q % n_m) * WM, gl.load(offsets_ptr + g), gl.load(ends_ptr + g)
+    seg0 = gl.load(offsets_ptr + g)
+    seg1 = gl.minimum(seg0 + (gl.load(counts_ptr + g) + WK - 1) // WK * WK, gl.load(offsets_ptr + g + 1))
+    return g, (q // n_m) * WN, (q % n_m) * WM, seg0, seg1
 
 
 @gluon.jit
@@ -58,7 +60,7 @@ def _slot_tile(s, nprog, tiles):
 
 
 @gluon.jit
-def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles,
+def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, counts_ptr, N, M, tiles,
              HALF: gl.constexpr, STAGES: gl.constexpr):
     """One math group: output rows n0 + HALF * 64 .. + 64 of each tile. acc += P^T Q one WK-row step at a time,
     one wgmma group in flight; a ring stage goes back to the producer (``empty``, count 2: both groups read
@@ -72,7 +74,7 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends
     it = 0
     for s in range(gl.program_id(0), tiles, gl.num_programs(0)):
         t = _slot_tile(s, gl.num_programs(0), tiles)
-        g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
+        g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, counts_ptr, N, M, 2 * HN, WM, WK)
         acc = gl.zeros((HN, WM), dtype=gl.float32, layout=layout)
         for r in range(seg0, seg1, WK):
             st = it % STAGES
@@ -95,7 +97,7 @@ def _consume(p_s, q_s, c_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends
 
 @gluon.jit
 def _partition(ROLE: gl.constexpr, STAGES: gl.constexpr, p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s,
-               ready, empty, order_ptr, offsets_ptr, ends_ptr, N, M, tiles):
+               ready, empty, order_ptr, offsets_ptr, counts_ptr, N, M, tiles):
     """ROLE 0 / 1: the math groups of each tile's rows 0-63 / 64-127; ROLE 2: the producer warp, walking the
     same tiles and row steps as the math groups (so the ring's order is theirs). STAGES comes beside ROLE in each
     partition's literal tuple: inside the shared argument tuple, warp_specialize would hand it over as a runtime
@@ -107,7 +109,7 @@ def _partition(ROLE: gl.constexpr, STAGES: gl.constexpr, p_desc, q_desc, out_des
         it = 0
         for s in range(gl.program_id(0), tiles, gl.num_programs(0)):
             t = _slot_tile(s, gl.num_programs(0), tiles)
-            g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, ends_ptr, N, M, 2 * HN, WM)
+            g, n0, m0, seg0, seg1 = _tile_at(t, order_ptr, offsets_ptr, counts_ptr, N, M, 2 * HN, WM, WK)
             for r in range(seg0, seg1, WK):
                 st = it % STAGES
                 mbarrier.wait(empty.index(st), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -117,16 +119,17 @@ def _partition(ROLE: gl.constexpr, STAGES: gl.constexpr, p_desc, q_desc, out_des
                 tma_load(q_desc, [r, m0], ready.index(st), q_s.index(st))
                 it += 1
     elif ROLE == 0:
-        _consume(p0_s, q_s, c0_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles, 0, STAGES)
+        _consume(p0_s, q_s, c0_s, ready, empty, out_desc, order_ptr, offsets_ptr, counts_ptr, N, M, tiles, 0, STAGES)
     else:
-        _consume(p1_s, q_s, c1_s, ready, empty, out_desc, order_ptr, offsets_ptr, ends_ptr, N, M, tiles, 1, STAGES)
+        _consume(p1_s, q_s, c1_s, ready, empty, out_desc, order_ptr, offsets_ptr, counts_ptr, N, M, tiles, 1, STAGES)
 
 
 @gluon.jit
 def gluon_wgrad_kernel(
     order_ptr,  # [G] int32, the groups in the order their tiles are taken (as weight_grad_persistent_kernel's)
     offsets_ptr,  # [G + 1] int32, first row of each group's segment (as weight_grad_persistent_kernel's)
-    ends_ptr,  # [G] int32, end of the rows summed (a multiple of WK past offsets, or the tensor's end: TMA zeros)
+    counts_ptr,  # [G] int32, real rows of each group (as weight_grad_persistent_kernel's; the shared group's last
+    # step reads past T, as TMA zeros)
     p_desc,  # P [rows, N] bf16/fp16 descriptor, blocks [WK, 64] (each math group loads its own 64 columns)
     q_desc,  # Q [rows, M] descriptor, blocks [WK, WM]
     out_desc,  # out [G * N, M] descriptor (N % 128 == 0: a tile never crosses groups), blocks [64, WM]
@@ -146,13 +149,13 @@ def gluon_wgrad_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, order_ptr, offsets_ptr, ends_ptr, N,
+    args = (p_desc, q_desc, out_desc, p0_s, p1_s, q_s, c0_s, c1_s, ready, empty, order_ptr, offsets_ptr, counts_ptr, N,
             M, tiles)
     gl.warp_specialize([(_partition, (0, STAGES) + args), (_partition, (1, STAGES) + args),
                         (_partition, (2, STAGES) + args)], [4, 1], [224, 24])
 
 
-def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
+def launch(order, offsets, counts, p_op, q_op, out, N: int, M: int, wk: int, wm: int, progs: int):
     """out [G, N, M] (or [N, M] for one group) = P[seg_g]^T Q[seg_g] for each group, the groups' tiles taken in
     ``order``'s order (kittenmoe.launch_backward checks the conditions and says which failed; this asserts
     them). P [rows, N], Q [rows, M] and out share a 2-byte dtype; N % 128 == 0; out contiguous."""
@@ -166,5 +169,5 @@ def launch(order, offsets, ends, p_op, q_op, out, N: int, M: int, wk: int, wm: i
     q_desc = tensor_desc(q_op, [wk, wm])
     out_desc = tensor_desc(out.view(G * N, M), [HALF_N, wm])
     tiles = G * (N // (2 * HALF_N)) * cdiv(M, wm)
-    return gluon_wgrad_kernel[(min(tiles, progs),)](order, offsets, ends, p_desc, q_desc, out_desc, N, M, tiles,
+    return gluon_wgrad_kernel[(min(tiles, progs),)](order, offsets, counts, p_desc, q_desc, out_desc, N, M, tiles,
                                                      STAGES=STAGES_BY_WK[wk], num_warps=4, maxnreg=168)
