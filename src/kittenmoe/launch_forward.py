@@ -171,6 +171,9 @@ def launch_rank_forward(
     ring = RingGeometry.make(routed_capacity(R, T, K, L, bm), config)
     row_dtype = dtype if fp8 is None else torch.uint8  # FP8: the routed rows are e4m3 bits
     fp8_down = fp8 is not None and not fp8.cfg.down_high  # else the down projection in x's dtype
+    # the error flag and the ring's counters, zeroed by one fill: the flag at 0, the counters from 4 (each from a
+    # 16-byte boundary, as two allocations would be: the kernels keep their pointer specialisations)
+    flags = torch.zeros(4 + 4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev)
     st = ForwardState(
         schedule=sched,
         ring=ring,
@@ -179,8 +182,8 @@ def launch_rank_forward(
         y_routed=torch.empty(ring.macrobatch, H, dtype=dtype, device=dev),
         shared_hidden=torch.empty(T, max(S, 1), dtype=dtype, device=dev),
         y_shared=torch.empty(T, H, dtype=dtype, device=dev),
-        counters=torch.zeros(4 * ring.num_minibatches + 1, dtype=torch.int32, device=dev),
-        err=torch.zeros(1, dtype=torch.int32, device=dev),
+        counters=flags[4:],
+        err=flags[:1],
     )
     save_gu = save_for_backward
     if save_gu:
