@@ -101,10 +101,14 @@ class LocalPeers:
     def _address_table(self, addrs: list[int]) -> torch.Tensor:
         """The ``[R]`` int64 device table of ``addrs``, without a host sync: on a GPU copied from pinned memory
         (non_blocking; the host allocator keeps the pinned block until the copy is done), and under CUDA graph
-        capture written by one fill kernel an entry, the addresses baked into the graph (a captured copy would
-        read host memory at every replay, long after this call freed it)."""
+        capture or with one rank written by one fill kernel an entry, the addresses baked into the graph (a
+        captured copy would read host memory at every replay, long after this call freed it). One rank's table
+        is rebuilt whenever a caller's tensor moves (``stage``: a training step's activations, every call): one
+        fill kernel there instead of a pinned allocation, a host-to-device copy and its event."""
         if self.device.type != "cuda":
             return torch.tensor(addrs, dtype=torch.int64, device=self.device)
+        if len(addrs) == 1:
+            return torch.full((1,), addrs[0], dtype=torch.int64, device=self.device)
         if torch.cuda.is_current_stream_capturing():
             table = torch.empty(len(addrs), dtype=torch.int64, device=self.device)
             for r, a in enumerate(addrs):
