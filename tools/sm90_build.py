@@ -233,23 +233,18 @@ def _build(name: str, k) -> Build:
 
 
 @contextlib.contextmanager
-def compile_only_sm90(gather_tracked: bool = True):
-    """Within: kernel launches compile for sm_90 and do not run; yields the list they append Builds to.
-    ``gather_tracked``: what ``launch_backward.gather_tracked`` answers (it reads the GPU's L2 size)."""
+def gpu_path_on_cpu(run, gather_tracked: bool = True, gluon_auto: bool = False):
+    """Within: the launchers take the GPU code path on CPU tensors (TMA descriptors, no interpreter) and every
+    ``kernel[grid](...)`` goes to ``run(original_run, jit_function, *args, grid=, warmup=, **kwargs)`` with a fake
+    sm_90 driver active. ``gather_tracked``: what ``launch_backward.gather_tracked`` answers (it reads the GPU's
+    L2 size); ``gluon_auto``: the kernel knobs' "auto" values pick the Gluon kernels, as on a Hopper GPU."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("sm90_build compiles real kernels: unset TRITON_INTERPRET before kittenmoe.kernels "
                            "is imported (run it in its own process)")
-    built: list[Build] = []
     orig_run = JITFunction.run
 
-    def run(self, *args, grid, warmup, **kwargs):
-        try:
-            k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
-        except Exception as exc:  # marked, so that build_megakernels never mistakes it for a post-launch failure
-            exc.kittenmoe_compile_failed = True
-            raise
-        built.append(_build(self.fn.__name__, k))
-        return k
+    def jit_run(self, *args, grid, warmup, **kwargs):
+        return run(orig_run, self, *args, grid=grid, warmup=warmup, **kwargs)
 
     prev_driver = driver._active
     # The GPU code path on CPU tensors: the launchers read these through their modules (launch_common's device
@@ -263,18 +258,39 @@ def compile_only_sm90(gather_tracked: bool = True):
         (launch_backward, "_bwd_tma_ok", lambda config, *a_, **k_: config.tma),
         (launch_backward, "gather_tracked", lambda d_out_bytes, dev: gather_tracked),
     ]
+    if gluon_auto:
+        patches.append((launch_common, "gluon_runs_here", lambda dev, module: True))
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     driver.set_active(_FakeSm90Driver())
-    JITFunction.run = run
+    JITFunction.run = jit_run
     for mod, name, fn in patches:
         setattr(mod, name, fn)
     try:
-        yield built
+        yield
     finally:
         JITFunction.run = orig_run
         driver._active = prev_driver
         for mod, name, fn in saved:
             setattr(mod, name, fn)
+
+
+@contextlib.contextmanager
+def compile_only_sm90(gather_tracked: bool = True):
+    """Within: kernel launches compile for sm_90 and do not run; yields the list they append Builds to.
+    ``gather_tracked``: what ``launch_backward.gather_tracked`` answers (it reads the GPU's L2 size)."""
+    built: list[Build] = []
+
+    def run(orig_run, self, *args, grid, warmup, **kwargs):
+        try:
+            k = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as exc:  # marked, so that build_megakernels never mistakes it for a post-launch failure
+            exc.kittenmoe_compile_failed = True
+            raise
+        built.append(_build(self.fn.__name__, k))
+        return k
+
+    with gpu_path_on_cpu(run, gather_tracked):
+        yield built
 
 
 def build_megakernels(which: str, shape: str = "kimi-k2.7", config: KernelConfig = KernelConfig(),

@@ -60,10 +60,11 @@ def profile_calls(fn, calls: int) -> pstats.Stats:
     return pstats.Stats(pr)
 
 
-def public_path_calls(shape: str, device: torch.device):
+def public_path_calls(shape: str, device: torch.device, config=None):
     """``(forward, forward_backward, topk_ids, E)`` for a ``T,H,I,E,K`` shape (no shared expert): closures calling
     ``kittenmoe.moe`` (the megakernel backend) on fresh bf16 inputs on ``device``, the forward under no_grad, the
-    forward+backward through ``torch.autograd.grad`` to x, the routing weights and both expert weights."""
+    forward+backward through ``torch.autograd.grad`` to x, the routing weights and both expert weights.
+    ``config``: the KernelConfig to pass (None: the public path's own choice)."""
     import kittenmoe
     from kittenmoe.config import ModelShape
     from kittenmoe.testing import make_weights, routing_uniform
@@ -80,10 +81,10 @@ def public_path_calls(shape: str, device: torch.device):
 
     def forward():
         with torch.no_grad():
-            return kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
+            return kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel", config=config)
 
     def forward_backward():
-        out = kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel")
+        out = kittenmoe.moe(x, ids, tw, w13, w2, backend="megakernel", config=config)
         return torch.autograd.grad(out, leaves, d_out)
 
     return forward, forward_backward, ids, e
