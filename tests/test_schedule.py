@@ -62,15 +62,19 @@ def naive_schedule(ids: list, rank: int, L: int, bm: int) -> dict:
         if start < num_rows:
             owner = next(e for e in range(L) if offsets[e] <= start < offsets[e + 1])
         tile_expert.append(owner)
+    route_row = [-1] * (R * T * K)  # each route's row here, by source and route
+    for row, (src, tok) in enumerate(zip(peer_rank, peer_tok)):
+        if src >= 0:
+            route_row[src * T * K + tok] = row
     return dict(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
                 num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, capacity=cap,
-                expert_order=sorted(range(L), key=lambda e: (-counts[e], e)))
+                expert_order=sorted(range(L), key=lambda e: (-counts[e], e)), route_row=route_row)
 
 
 # ---------------------------------------------------------------- the checks
 
 INT32_FIELDS = ("peer_rank", "peer_token_idx", "expert_offsets", "expert_counts", "num_rows", "tile_expert",
-                "num_invalid", "expert_order")
+                "num_invalid", "expert_order", "route_row")
 
 
 def assert_same_tables(a: Schedule, b: Schedule, what: str) -> None:
@@ -110,6 +114,7 @@ def check_schedule(ids_RTK: torch.Tensor, rank: int, L: int, bm: int) -> Schedul
     assert s.tile_expert.tolist() == ref["tile_expert"], ctx
     assert s.num_invalid.tolist() == [ref["num_invalid"]], ctx
     assert s.expert_order.tolist() == ref["expert_order"], ctx
+    assert s.route_row.tolist() == ref["route_row"], ctx
 
     # structural invariants, stated independently of the naive table
     pr, pt = s.peer_rank.tolist(), s.peer_token_idx.tolist()

@@ -336,7 +336,7 @@ def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w
     return (torch.empty_like(x_TH), x_TH.new_empty(n, x_TH.shape[1], dtype=x_TH.dtype),
             x_TH.new_empty(n, w13_E2IH.shape[1], dtype=x_TH.dtype),
             x_TH.new_empty(x_TH.shape[0] if n and two_s else 0, two_s, dtype=x_TH.dtype),
-            x_TH.new_empty(table_length(routed_capacity(1, T, K, E, bm), E, bm), dtype=torch.int32))
+            x_TH.new_empty(table_length(routed_capacity(1, T, K, E, bm), E, bm, T * K), dtype=torch.int32))
 
 
 def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,

@@ -23,7 +23,7 @@ from kittenmoe.config import KernelConfig, check_shared_memory, gluon_wgrad_grad
 from kittenmoe.intmath import cdiv, next_pow2
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, Saved, check_errors,
-                                     check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs, route_rows,
+                                     check_fp8, check_fp8_type, fp8_dgu_block, prepare_inputs,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule, build_schedule, stack_ids
@@ -484,7 +484,7 @@ def launch_rank_backward(
                 f"KernelConfig.combine_gather runs one rank (the epilogue reads this rank's routed d_x rows); got "
                 f"R={R} ranks, whose routes' rows live on other ranks (a cross-rank gather is not built)")
         mk_phases &= ~mb.PB_PUSH
-        out["route_row"] = route_rows(sched, T * K)
+        out["route_row"] = sched.route_row  # (one rank: [T * K])
         out["dxr"], out["dwp"] = bufs["dxr"], bufs["dwp"]
     if config.backward_kernel == "gluon":  # (its conditions were checked before any launch, below the buffers)
         out["compiled"], out["trace"] = _launch_gluon(sched, peers, rank, bufs, saved[1], w13_L2IH, w2_LHI,

@@ -24,14 +24,13 @@ from kittenmoe.config import KernelConfig
 from kittenmoe.intmath import cdiv
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.peers import LocalPeers
-from kittenmoe.schedule import Schedule
 
 if TYPE_CHECKING:
     from kittenmoe.fp8 import FP8ExpertWeights
 
 __all__ = ["COPY_BLOCK_H", "COPY_ROWS", "DEFAULT_MAX_SPIN", "FP8_BLOCK", "MegakernelError", "RingGeometry", "Saved",
            "check_device", "check_errors", "check_fp8", "check_fp8_type", "check_gluon_device", "fp8_dgu_block",
-           "interpreting", "num_programs", "prepare_inputs", "route_rows", "tma_capable", "trace_buffer"]
+           "interpreting", "num_programs", "prepare_inputs", "tma_capable", "trace_buffer"]
 
 
 # Polls before a wait gives up and flags a timeout. One poll is an atomic
@@ -265,20 +264,6 @@ def trace_buffer(n_gemm: int, comm_iters: int, num_comm: int, dev: torch.device,
     processing index (``comm_iters`` of them), then ``extra`` (the backward's wide phase-A epilogues)."""
     maxe = n_gemm + 2 * comm_iters * num_comm + extra
     return torch.full((maxe, 5), -1, dtype=torch.int64, device=dev), dict(TRACE=True, MAXE=maxe)
-
-
-def route_rows(sched: Schedule, num_routes: int) -> torch.Tensor:
-    """[num_routes] int32: the routed-buffer row of each route t*K + j of a one-rank schedule, -1 for routes with
-    no row (expert ids out of range). Padding and unused rows (peer_rank -1) scatter into one spare slot past the
-    end, which is dropped; every real route has exactly one row, so the result does not depend on write order.
-    Device-side, no host sync."""
-    rows = torch.arange(sched.capacity, dtype=torch.int32, device=sched.peer_rank.device)
-    dst = torch.where(sched.peer_rank >= 0, sched.peer_token_idx, num_routes).to(torch.int64)
-    out = torch.full((num_routes + 1,), -1, dtype=torch.int32, device=rows.device)
-    # index_put_ without accumulation: deterministic under torch.use_deterministic_algorithms (scatter_ with a
-    # tensor src raises there on some torch versions)
-    out.index_put_((dst,), rows)
-    return out[:num_routes]
 
 
 def prepare_inputs(x_RTH, topk_ids_RTK, topk_weights_RTK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,

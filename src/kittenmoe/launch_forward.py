@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from kittenmoe import launch_common as lc
 from kittenmoe.checks import check_swiglu_limit
@@ -22,7 +21,7 @@ from kittenmoe.config import KernelConfig, check_shared_memory, routed_capacity
 from kittenmoe.intmath import cdiv, next_pow2
 from kittenmoe.kernels import megakernel_fwd as mk
 from kittenmoe.launch_common import (COPY_BLOCK_H, COPY_ROWS, DEFAULT_MAX_SPIN, FP8_BLOCK, RingGeometry, Saved,
-                                     check_errors, check_fp8, check_fp8_type, prepare_inputs, route_rows,
+                                     check_errors, check_fp8, check_fp8_type, prepare_inputs,
                                      tma_capable, trace_buffer)
 from kittenmoe.peers import LocalPeers
 from kittenmoe.schedule import Schedule, build_schedule, stack_ids
@@ -259,7 +258,7 @@ def launch_rank_forward(
                              f"ring, combine_gather=False with comm programs, e.g. num_comm_programs_fwd=12 and "
                              f"num_comm_programs_bwd=16)")
         phases &= ~mk.PH_PUSH  # nothing is pushed: the epilogue gathers
-        st.route_row = route_rows(sched, T * K)
+        st.route_row = sched.route_row  # (one rank: [T * K])
     grid = (lc.num_programs(dev, num_comm),)
     interp = lc.interpreting()
     trace_meta = {}

@@ -45,13 +45,16 @@ class Schedule:
     # [L] int32, the local experts by real rows, most first, ties in expert order (a stable sort): the order the
     # weight-gradient kernels take their tiles in (``kernels/megakernel_bwd.py``, ``_wgrad_slot_tile``)
     expert_order: torch.Tensor
+    # [R * T * K] int32, the routed row of each route r*T*K + t*K + j (source r's route t*K + j) on this rank, -1
+    # where it has none (another rank's expert, an invalid id, NO_ROUTE): what a one-rank epilogue gathers by
+    route_row: torch.Tensor
     rank: int
     num_ranks: int
     experts_per_rank: int
     tokens: int
     topk: int
     block_m: int
-    # the eight tables above as views of one int32 buffer, in that order (``packed``), where they were built so
+    # the nine tables above as views of one int32 buffer, in that order (``packed``), where they were built so
     table: torch.Tensor | None = None
 
     @property
@@ -63,19 +66,20 @@ class Schedule:
         return self.tile_expert.shape[0]
 
     def packed(self) -> torch.Tensor:
-        """The eight tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
-        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, expert_order, each from a 16-byte
-        boundary. What a
+        """The nine tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
+        expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, expert_order, route_row, each from a
+        16-byte boundary. What a
         forward hands its backward so that the backward does not build the same schedule again
         (``from_table``). No copy where the tables were built as views of one buffer (the Triton build); one
         copy each otherwise."""
         if self.table is not None:
             return self.table
         parts = (self.peer_rank, self.peer_token_idx, self.expert_offsets, self.expert_counts, self.num_rows,
-                 self.tile_expert, self.num_invalid, self.expert_order)
-        table = torch.zeros(table_length(self.capacity, self.experts_per_rank, self.block_m), dtype=torch.int32,
+                 self.tile_expert, self.num_invalid, self.expert_order, self.route_row)
+        n = self.route_row.shape[0]
+        table = torch.zeros(table_length(self.capacity, self.experts_per_rank, self.block_m, n), dtype=torch.int32,
                             device=self.peer_rank.device)
-        for dst, src in zip(_split_table(table, self.capacity, self.experts_per_rank, self.block_m), parts):
+        for dst, src in zip(_split_table(table, self.capacity, self.experts_per_rank, self.block_m, n), parts):
             dst.copy_(src.reshape(-1))
         return table
 
@@ -87,36 +91,39 @@ class Schedule:
         dtype is refused: it was built for another problem."""
         C = routed_capacity(num_ranks, tokens, topk, experts_per_rank, block_m)
         L = experts_per_rank
-        n = table_length(C, L, block_m)
+        n = table_length(C, L, block_m, num_ranks * tokens * topk)
         if table.dtype != torch.int32 or table.dim() != 1 or table.shape[0] != n or not table.is_contiguous():
             raise ValueError(f"a schedule table for R={num_ranks}, T={tokens}, K={topk}, L={L}, block_m={block_m} is "
                              f"a contiguous int32 tensor of {n} entries, got {table.dtype} of shape "
                              f"{tuple(table.shape)}: it was built for another problem")
-        parts = _split_table(table, C, L, block_m)
+        parts = _split_table(table, C, L, block_m, num_ranks * tokens * topk)
         return cls(*parts, rank=rank, num_ranks=num_ranks, experts_per_rank=L, tokens=tokens, topk=topk,
                    block_m=block_m, table=table)
 
 
-def _table_entries(capacity: int, experts_per_rank: int, block_m: int) -> tuple[int, ...]:
-    """Entries of each of the eight tables, in ``Schedule.packed``'s order."""
-    return capacity, capacity, experts_per_rank + 1, experts_per_rank, 1, capacity // block_m, 1, experts_per_rank
+def _table_entries(capacity: int, experts_per_rank: int, block_m: int, num_routes: int) -> tuple[int, ...]:
+    """Entries of each of the nine tables, in ``Schedule.packed``'s order (``num_routes``: R*T*K)."""
+    L = experts_per_rank
+    return capacity, capacity, L + 1, L, 1, capacity // block_m, 1, L, num_routes
 
 
-def _table_sizes(capacity: int, experts_per_rank: int, block_m: int) -> list[int]:
+def _table_sizes(capacity: int, experts_per_rank: int, block_m: int, num_routes: int) -> list[int]:
     """Entries of each table in the packed form, each rounded up to 4 (16 bytes): every table starts where a
     separate allocation would be aligned, so the kernels reading them keep their pointer specialisations."""
-    return [-(-n // 4) * 4 for n in _table_entries(capacity, experts_per_rank, block_m)]
+    return [-(-n // 4) * 4 for n in _table_entries(capacity, experts_per_rank, block_m, num_routes)]
 
 
-def table_length(capacity: int, experts_per_rank: int, block_m: int) -> int:
-    """Entries of a schedule's packed table (``Schedule.packed``) for ``capacity`` routed rows."""
-    return sum(_table_sizes(capacity, experts_per_rank, block_m))
+def table_length(capacity: int, experts_per_rank: int, block_m: int, num_routes: int) -> int:
+    """Entries of a schedule's packed table (``Schedule.packed``) for ``capacity`` routed rows and ``num_routes``
+    (R*T*K) routes."""
+    return sum(_table_sizes(capacity, experts_per_rank, block_m, num_routes))
 
 
-def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int) -> list[torch.Tensor]:
-    """The eight tables of a packed table, views, each its own length (the padding past it left out)."""
-    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m)),
-                                        _table_entries(capacity, experts_per_rank, block_m))]
+def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int,
+                 num_routes: int) -> list[torch.Tensor]:
+    """The nine tables of a packed table, views, each its own length (the padding past it left out)."""
+    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m, num_routes)),
+                                        _table_entries(capacity, experts_per_rank, block_m, num_routes))]
 
 
 def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
@@ -226,6 +233,9 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
     row = torch.where(owned, offsets[e_sorted] + s - unpadded_start_L[e_sorted], C)
     src = order // P
     tok = order % P
+    # order is a permutation of the R*P routes (r*P + p): each route's row written once
+    route_row = torch.empty(R * P, dtype=torch.int32, device=dev).scatter_(
+        0, order, torch.where(owned, row, -1).to(torch.int32))
 
     peer_rank = torch.full((C + 1,), -1, dtype=torch.int32, device=dev)
     peer_token_idx = torch.full((C + 1,), -1, dtype=torch.int32, device=dev)
@@ -248,6 +258,7 @@ def build_schedule(topk_ids_RTK: torch.Tensor, rank: int, experts_per_rank: int,
         tile_expert=tile_expert.to(torch.int32),
         num_invalid=num_invalid,
         expert_order=torch.sort(cnt_L, descending=True, stable=True).indices.to(torch.int32),
+        route_row=route_row,
         rank=rank,
         num_ranks=R,
         experts_per_rank=L,
@@ -292,10 +303,10 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     # atomics a thread whatever its width
     ks.schedule_count_kernel[(nch, R)](ids, hist, bad, P, rank, L, R * L, nch, ch, LB=lb,
                                        BLOCK=min(1024, next_pow2(ch)), NO_ROUTE=NO_ROUTE)
-    # the eight tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
-    table = torch.empty(table_length(C, L, block_m), dtype=i32, device=dev)
-    peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid, order = _split_table(table, C, L,
-                                                                                                     block_m)
+    # the nine tables as views of one buffer (Schedule.packed: what a forward hands its backward), one allocation
+    table = torch.empty(table_length(C, L, block_m, R * P), dtype=i32, device=dev)
+    (peer_rank, peer_tok, offsets, counts, num_rows, tile_expert, num_invalid, order,
+     route_row) = _split_table(table, C, L, block_m, R * P)
     # the scan: 4 experts a program, one [NB, 4] step up to 1024 chunks on 8 warps (100 registers on sm_90;
     # [256, 8] steps on 4 warps took 7 us at 1024 chunks on the H100, four steps in a row)
     pre = torch.empty(R, nch, L, dtype=i32, device=dev)
@@ -303,10 +314,10 @@ def _build_schedule_triton(topk_ids_RTK: torch.Tensor, rank: int, experts_per_ra
     ks.schedule_scan_kernel[(cdiv(L, 4), R)](hist, bad, pre, cnt, num_invalid, R, L, nch, EB=4,
                                              NB=min(next_pow2(nch), 1024), num_warps=8)
     ks.schedule_place_kernel[(R * nch,)](ids, pre, cnt, peer_rank, peer_tok, offsets, counts, num_rows,
-                                         tile_expert, order, P, R, rank, L, C, nch, ch, BM=block_m,
+                                         tile_expert, order, route_row, P, R, rank, L, C, nch, ch, BM=block_m,
                                          BMB=next_pow2(block_m), RB=rb, LB=lb, BLOCK=block, FILL=1024, OC=32,
                                          num_warps=block // 32)
     return Schedule(peer_rank=peer_rank, peer_token_idx=peer_tok, expert_offsets=offsets, expert_counts=counts,
                     num_rows=num_rows, tile_expert=tile_expert, num_invalid=num_invalid, expert_order=order,
-                    rank=rank, num_ranks=R,
+                    route_row=route_row, rank=rank, num_ranks=R,
                     experts_per_rank=L, tokens=T, topk=K, block_m=block_m, table=table)

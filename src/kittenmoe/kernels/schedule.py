@@ -34,7 +34,8 @@ T = 4096, L = 48 (1331 us before).
    plus the route's rank among the step's earlier routes to e (a [BLOCK, BLOCK]
    comparison, no [BLOCK, L] one-hot). Rows of an expert are ordered by
    (per-source ordinal o, source r), so route (r, o) lands at
-   ``offset[e] + sum_r' min(cnt[e, r'], o) + #{r' < r : cnt[e, r'] > o}``.
+   ``offset[e] + sum_r' min(cnt[e, r'], o) + #{r' < r : cnt[e, r'] > o}``,
+   also written by route (``route_row``, -1 for a route with no row here).
    The padding rows, the rows past ``num_rows`` and the tile table are split
    over the same programs (strided); program 0 writes counts, offsets and
    ``num_rows``, the last program the experts' order by count (most first,
@@ -119,6 +120,7 @@ def schedule_place_kernel(
     num_rows_ptr,  # [1] int32 out
     tile_expert_ptr,  # [C // BM] int32 out
     order_ptr,  # [L] int32 out: the local experts by count, most first, ties in expert order
+    route_row_ptr,  # [R, P] int32 out: the row of each route of each source, -1 where it has none here
     P, R, rank, L, C, NCH, CH,
     BM: tl.constexpr, BMB: tl.constexpr, RB: tl.constexpr, LB: tl.constexpr, BLOCK: tl.constexpr,
     FILL: tl.constexpr, OC: tl.constexpr,
@@ -177,6 +179,7 @@ def schedule_place_kernel(
         row = tl.gather(off, eg, 0) + before
         tl.store(peer_rank_ptr + row, tl.full((BLOCK,), 0, tl.int32) + r, mask=own)
         tl.store(peer_tok_ptr + row, pp, mask=own)
+        tl.store(route_row_ptr + r * P + pp, tl.where(own, row, -1), mask=pp < p_end)
         run += tl.histogram(eg, LB, mask=own)
 
     # padding rows and row tiles of experts pid, pid + nprog, ...
