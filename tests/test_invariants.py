@@ -214,11 +214,11 @@ def test_custom_op_impls_have_no_host_sync(cfg, meta_launches, monkeypatch):
     mw = make_weights(sh, device="meta")
     x = torch.empty(t, sh.h, device="meta")
     args = (x, torch.empty(t, sh.k, dtype=torch.int64, device="meta"), torch.empty(t, sh.k, device="meta"),
-            *mw.tensors(), 0.5, None, None, None, None, None, None, False, False, False)
+            *mw.tensors(), 0.5)
     cargs = kag.config_to_args(cfg)
     out = torch.ops.kittenmoe.moe_forward.default.redispatch(_COMPOSITE, *args, *cargs)
-    grads = torch.ops.kittenmoe.moe_backward.default.redispatch(_COMPOSITE, torch.empty_like(x), *args, *out[1:],
-                                                                *cargs)
+    grads = torch.ops.kittenmoe.moe_backward.default.redispatch(_COMPOSITE, torch.empty_like(x), *args,
+                                                                *kag._NO_FP8, *out[1:], *cargs)
     assert reported == [1, 1]
     assert meta_launches.count("dispatch_mlp_swiglu_combine_kernel") == 1
     assert meta_launches.count("combine_mlp_swiglu_dispatch_bwd_kernel") == 1

@@ -219,8 +219,8 @@ def _op_args(case: Case, device, requires_grad: bool):
     if requires_grad:
         x, w = x.requires_grad_(), w.requires_grad_()
         wts = [t.requires_grad_() if t is not None else None for t in wts]
-    # bf16: no e4m3 weights; fp8_pow2, fp8_dx_high, fp8_down_high all False
-    return (x, ids, w, *wts, case.swiglu_limit, *(None,) * 6, False, False, False), d_out
+    # moe_forward's inputs (x's dtype: moe_backward takes moe_forward_fp8's, kag._NO_FP8 between)
+    return (x, ids, w, *wts, case.swiglu_limit), d_out
 
 
 def test_opcheck_megakernel_forward_op():
@@ -231,6 +231,26 @@ def test_opcheck_megakernel_forward_op():
     utils = None if HAS_CUDA else ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.kittenmoe.moe_forward, (*args, *kag.config_to_args(CFG)),
                           **({} if utils is None else {"test_utils": utils}))
+
+
+def test_opcheck_megakernel_forward_fp8_op():
+    """The e4m3 forward op (its own op: the BF16 one takes 9 arguments, not 18): autograd registration and fake
+    tensor (opcheck's schema test compares inputs before and after with arithmetic torch has no e4m3 kernel for);
+    and autograd through it reaches the bf16 master weights."""
+    from kittenmoe.fp8 import FP8Config, FP8ExpertWeights
+
+    shape = ModelShape(name="fp8-op", e=4, h=256, i=128, k=2)  # the e4m3 path needs H, I multiples of 128
+    args, _ = _op_args(Case(shape, t=5), DEV, requires_grad=True)
+    q = FP8ExpertWeights.quantize(args[3].detach(), args[4].detach(), FP8Config())
+    cfg = CFG.with_overrides(block_n=FP8Config().tile_block_n)
+    fargs = (*args, q.w13_q, q.w13_scale, q.w2_q, q.w2_scale, q.w13_qt, q.w2_qt, *kag._fp8_flags(q.cfg),
+             *kag.config_to_args(cfg))
+    torch.library.opcheck(torch.ops.kittenmoe.moe_forward_fp8, fargs,
+                          test_utils=("test_autograd_registration", "test_faketensor"))
+    out = kag.moe_megakernel(*args[:8], config=cfg, fp8=q)
+    d_w13, d_w2 = torch.autograd.grad(out.float().square().sum(), [args[3], args[4]])
+    assert d_w13.shape == args[3].shape and d_w2.shape == args[4].shape
+    assert torch.isfinite(d_w13).all() and d_w13.abs().sum() > 0
 
 
 @pytest.mark.parametrize("shared", [True, False])  # the shared gradients, or their [0] placeholders
@@ -247,7 +267,7 @@ def test_ops_fake_impls(shared):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out, x_routed, gate_up, shared_gu, schedule = fwd(*fargs, *cfg)
-        grads = bwd(mode.from_tensor(d_out), *fargs, x_routed, gate_up, shared_gu, schedule, *cfg)
+        grads = bwd(mode.from_tensor(d_out), *fargs, *kag._NO_FP8, x_routed, gate_up, shared_gu, schedule, *cfg)
     real = fwd(*args, *cfg)  # the kept activations' and the schedule's shapes come from shapes and config: compare
     fake = (out, x_routed, gate_up, shared_gu, schedule)
     assert [(tuple(t.shape), t.dtype) for t in real] == [(tuple(t.shape), t.dtype) for t in fake]

@@ -7,15 +7,18 @@ custom ops here -> autograd (``torch.library.register_autograd``) -> ``kittenmoe
 Ops (namespace ``kittenmoe``):
 
 - ``moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH?, shared_w2_HS?,
-  swiglu_limit?, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?, fp8_pow2, fp8_dx_high, fp8_down_high,
-  <KernelConfig fields>)
-  -> (out_TH, x_routed, gate_up, shared_gate_up)``: the forward megakernel (FP8 with the e4m3 weights, their
-  128 x 128 scales and transposes; None for x's dtype). With
+  swiglu_limit?, config) -> (out_TH, x_routed, gate_up, shared_gate_up, schedule)``: the forward megakernel in
+  x's dtype. ``moe_forward_fp8(<the same inputs>, w13_q?, w13_scale?, w2_q?, w2_scale?, w13_qt?, w2_qt?,
+  fp8_pow2, fp8_dx_high, fp8_down_high, config)``: the same with e4m3 routed GEMMs (the e4m3 weights, their
+  scales and transposes). Two ops, not one with optional FP8 arguments: torch's autograd wrapper refills every
+  schema argument of every call in a loop quadratic in their number (``torch._library.utils.fill_defaults``:
+  75 us a call at 18 arguments on a CPU core, 0.27 ms a forward+backward under the profiler on the H100's
+  host), so the BF16 op takes 9. With
   ``keep_activations`` it also returns its ring's routed x rows ``[MAC, H]`` and gate|up
   pre-activations ``[MAC, 2I]`` (x's dtype) for the backward (every routed row when the ring does not wrap, else
   macrobatch 0) and the shared expert's gate|up ``[T, 2S]``; otherwise ``[0, H]`` / ``[0, 2I]`` /
   ``[0, 2S]`` (``moe_megakernel`` turns the knob off when no gradient is needed).
-- ``moe_backward(d_out_TH, <the same inputs>, x_routed, gate_up, shared_gate_up, <KernelConfig fields>) ->
+- ``moe_backward(d_out_TH, <moe_forward_fp8's inputs>, x_routed, gate_up, shared_gate_up, schedule, config) ->
   (d_x_TH, d_topk_weights_TK (fp32), d_w13_E2IH, d_w2_EHI, d_shared_w13_2SH, d_shared_w2_HS)``: the backward
   megakernel. It replays the dispatch, and the gate|up GEMM for the rows ``gate_up`` does not hold (in e4m3
   under FP8), and the shared expert's when ``shared_gate_up`` is empty. Without a shared expert the last two
@@ -126,11 +129,12 @@ _GRADS = "(Tensor d_x_TH, Tensor d_topk_weights_TK, Tensor d_w13_E2IH, Tensor d_
 # GEMMs read (e4m3 wgmma takes B K-major only); None makes the backward transpose them per call.
 _FP8 = ("Tensor? w13_q, Tensor? w13_scale, Tensor? w2_q, Tensor? w2_scale, Tensor? w13_qt, Tensor? w2_qt, "
         "bool fp8_pow2, bool fp8_dx_high, bool fp8_down_high")
-# And its routing schedule, the seven tables packed in one int32 tensor (kittenmoe.schedule.Schedule.packed): the
+# And its routing schedule, the tables packed in one int32 tensor (kittenmoe.schedule.Schedule.packed): the
 # backward reads it rather than building the same schedule again.
-torch.library.define("kittenmoe::moe_forward",
-                     f"({_INPUTS}, {_FP8}, str config) -> (Tensor out_TH, Tensor x_routed, Tensor gate_up, "
-                     "Tensor shared_gate_up, Tensor schedule)")
+_FORWARD_OUT = "(Tensor out_TH, Tensor x_routed, Tensor gate_up, Tensor shared_gate_up, Tensor schedule)"
+torch.library.define("kittenmoe::moe_forward", f"({_INPUTS}, str config) -> {_FORWARD_OUT}")
+torch.library.define("kittenmoe::moe_forward_fp8", f"({_INPUTS}, {_FP8}, str config) -> {_FORWARD_OUT}")
+_NO_FP8 = (None,) * 6 + (False,) * 3  # moe_forward_fp8's FP8 arguments for x's dtype
 torch.library.define("kittenmoe::moe_backward",
                      f"(Tensor d_out_TH, {_INPUTS}, {_FP8}, Tensor x_routed, Tensor gate_up, Tensor shared_gate_up, "
                      f"Tensor schedule, str config) -> {_GRADS}")
@@ -258,8 +262,13 @@ def _report(st: _DeviceState, flags: list[Tensor], num_invalid: Tensor | None = 
 # ----------------------------------------------------------------------------- megakernel ops
 
 
-@torch.library.impl("kittenmoe::moe_forward", "default")
 def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                      swiglu_limit, config_text):
+    return _moe_forward_fp8_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                                 shared_w2_HS, swiglu_limit, *_NO_FP8, config_text)
+
+
+def _moe_forward_fp8_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                       swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high,
                       fp8_down_high, *config_args):
     config = config_from_args(config_args)
@@ -279,6 +288,10 @@ def _moe_forward_impl(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shar
     if shared_gu is None:
         shared_gu = x_TH.new_empty(0, _shared_width(shared_w13_2SH), dtype=x_TH.dtype)
     return res.outputs[0], kept[0], kept[1], shared_gu, res.states[0].schedule.packed()
+
+
+torch.library.impl("kittenmoe::moe_forward", "default")(_moe_forward_impl)
+torch.library.impl("kittenmoe::moe_forward_fp8", "default")(_moe_forward_fp8_impl)
 
 
 @torch.library.impl("kittenmoe::moe_backward", "default")
@@ -326,6 +339,12 @@ def _kept_rows(x_TH, topk_ids_TK, w13_E2IH, config: KernelConfig) -> int:
 
 
 def _fake_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                  swiglu_limit, config_text):
+    return _fake_forward_fp8(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
+                             swiglu_limit, *_NO_FP8, config_text)
+
+
+def _fake_forward_fp8(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                   swiglu_limit, w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt, fp8_pow2, fp8_dx_high, fp8_down_high,
                   *config_args):
     config = config_from_args(config_args)
@@ -353,14 +372,19 @@ def _fake_backward(d_out_TH, x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EH
 
 
 torch.library.register_fake("kittenmoe::moe_forward", _fake_forward)
+torch.library.register_fake("kittenmoe::moe_forward_fp8", _fake_forward_fp8)
 torch.library.register_fake("kittenmoe::moe_backward", _fake_backward)
 
 # ----------------------------------------------------------------------------- autograd
 
 
 def _setup_context(ctx, inputs, output):
+    """Both forward ops': ``inputs`` are moe_forward's 9 or moe_forward_fp8's 18."""
     x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS = inputs[:7]
     _, x_routed, gate_up, shared_gate_up, schedule = output
+    ctx.num_inputs = len(inputs)
+    if len(inputs) == 9:
+        inputs = (*inputs[:8], *_NO_FP8, inputs[8])
     fp8_tensors = inputs[8:14]  # w13_q, w13_scale, w2_q, w2_scale, w13_qt, w2_qt
     ctx.save_for_backward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
                           x_routed, gate_up, shared_gate_up, schedule, *fp8_tensors)
@@ -424,10 +448,11 @@ def _gradients(ctx, d_out_TH):
         d_sw13 = d_sw2 = None
     # topk_ids, the e4m3 copies and every non-tensor argument get no gradient.
     return ((d_x, None, d_w.to(topk_weights_TK.dtype), d_w13, d_w2, d_sw13, d_sw2)
-            + (None,) * (10 + len(ctx.config_args)))
+            + (None,) * (ctx.num_inputs - 7))
 
 
 torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_context=_setup_context)
+torch.library.register_autograd("kittenmoe::moe_forward_fp8", _backward, setup_context=_setup_context)
 
 # ----------------------------------------------------------------------------- python entry points
 
@@ -435,7 +460,8 @@ torch.library.register_autograd("kittenmoe::moe_forward", _backward, setup_conte
 def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH=None,
                    shared_w2_HS=None, swiglu_limit: float | None = None,
                    config: KernelConfig | None = None, fp8=None) -> Tensor:
-    """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward``.
+    """The differentiable megakernel layer (one rank): ``torch.ops.kittenmoe.moe_forward`` (``moe_forward_fp8``
+    with ``fp8``).
 
     ``fp8``: None (x's dtype), a ``kittenmoe.fp8.FP8Config`` (quantise ``w13_E2IH`` / ``w2_EHI`` now, as a
     layer with bf16 master weights does each step) or ``FP8ExpertWeights`` (already quantised, same experts)."""
@@ -449,15 +475,15 @@ def moe_megakernel(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_
         config = config.with_(keep_activations=False)  # no backward will read them
     # None or (w13_q, w13_scale, w2_q, w2_scale, cfg, w13_qt, w2_qt)
     fp8 = expert_weight_operands(fp8, w13_E2IH, w2_EHI)
-    q = (None,) * 6 if fp8 is None else (*fp8[:4], *fp8[5:7])
-    return torch.ops.kittenmoe.moe_forward(
-        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS,
-        None if swiglu_limit is None else float(swiglu_limit), *q, *_fp8_flags(None if fp8 is None else fp8[4]),
-        *config_to_args(config))[0]
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    if fp8 is None:
+        return torch.ops.kittenmoe.moe_forward(x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH,
+                                               shared_w2_HS, limit, *config_to_args(config))[0]
+    return torch.ops.kittenmoe.moe_forward_fp8(
+        x_TH, topk_ids_TK, topk_weights_TK, w13_E2IH, w2_EHI, shared_w13_2SH, shared_w2_HS, limit, *fp8[:4],
+        *fp8[5:7], *_fp8_flags(fp8[4]), *config_to_args(config))[0]
 
 
 def _fp8_flags(cfg) -> tuple[bool, bool, bool]:
-    """The op's (fp8_pow2, fp8_dx_high, fp8_down_high) from a kittenmoe.fp8.FP8Config, all False without FP8."""
-    if cfg is None:
-        return False, False, False
+    """moe_forward_fp8's (fp8_pow2, fp8_dx_high, fp8_down_high) from a kittenmoe.fp8.FP8Config."""
     return cfg.pow2_scales, cfg.dx_high, cfg.down_high
