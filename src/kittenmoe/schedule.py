@@ -68,9 +68,8 @@ class Schedule:
     def packed(self) -> torch.Tensor:
         """The nine tables in one int32 tensor of ``table_length`` entries: peer_rank, peer_token_idx,
         expert_offsets, expert_counts, num_rows, tile_expert, num_invalid, expert_order, route_row, each from a
-        16-byte boundary. What a
-        forward hands its backward so that the backward does not build the same schedule again
-        (``from_table``). No copy where the tables were built as views of one buffer (the Triton build); one
+        16-byte boundary. What a forward hands its backward so that the backward does not build the same schedule
+        again (``from_table``). No copy where the tables were built as views of one buffer (the Triton build); one
         copy each otherwise."""
         if self.table is not None:
             return self.table
