@@ -320,9 +320,13 @@ def launch_rank_backward(
         # compare, a cast, a product and a copy were five).
         err=sched.num_invalid.clamp(max=1).mul_(mk.ERR_BAD_EXPERT_ID),
     )
+    gluon_bwd = config.backward_kernel == "gluon"  # ("auto" resolved above)
     bufs = dict(
-        xr=saved[0] if gu_mode == 1 else e(NR, H), dor=e(NR, H), wr=torch.zeros(NR, dtype=torch.float32, device=dev), dgu=e(NR, 2 * I),
+        xr=saved[0] if gu_mode == 1 else e(NR, H), dor=e(NR, H), dgu=e(NR, 2 * I),
         hw=e(NR, I), dwp=e(NR, NI, dt=torch.float32), dxr=e(NR, H), sdgu=e(T, 2 * Sx), sh=e(T, Sx), sdx=e(T, H),
+        # the Triton kernel's pulled router weights, padding rows zero; the Gluon kernel reads them where they are
+        # (a zero fill less a call)
+        wr=e(1, dt=torch.float32) if gluon_bwd else torch.zeros(NR, dtype=torch.float32, device=dev),
     )
     sb = FP8_BLOCK if fp8 is None else fp8.cfg.scale_block
     dgb = fp8_dgu_block(config, sb)  # (a placeholder constexpr without FP8)
@@ -351,7 +355,8 @@ def launch_rank_backward(
     else:
         fp8_bufs = (bufs["dor"],) * 6  # placeholders, never touched
         fp8_w = (w13_L2IH, w13_L2IH, w2_LHI, bufs["dwp"], bufs["dwp"])
-    cnt = torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
+    # the Triton kernel's minibatch counters (the Gluon launch zeroes its own, fewer)
+    cnt = None if gluon_bwd else torch.zeros(3 * NMB + 1, dtype=torch.int32, device=dev)
     sw13 = shared_w13_2SH if has_shared else w13_L2IH
     sw2 = shared_w2_HS if has_shared else w2_LHI
     dsw13 = out["dsw13"] if has_shared else out["dw13"]
@@ -486,7 +491,7 @@ def launch_rank_backward(
         mk_phases &= ~mb.PB_PUSH
         out["route_row"] = sched.route_row  # (one rank: [T * K])
         out["dxr"], out["dwp"] = bufs["dxr"], bufs["dwp"]
-    if config.backward_kernel == "gluon":  # (its conditions were checked before any launch, below the buffers)
+    if gluon_bwd:  # (its conditions were checked before any launch, below the buffers)
         out["compiled"], out["trace"] = _launch_gluon(sched, peers, rank, bufs, saved[1], w13_L2IH, w2_LHI,
                                                       swiglu_limit, config, max_spin, out["err"], NMB, NI, T, H, I, K,
                                                       L, trace)
