@@ -14,6 +14,7 @@ scatter-adds).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -118,11 +119,20 @@ def table_length(capacity: int, experts_per_rank: int, block_m: int, num_routes:
     return sum(_table_sizes(capacity, experts_per_rank, block_m, num_routes))
 
 
+@functools.lru_cache(maxsize=64)
+def _split_pieces(capacity: int, experts_per_rank: int, block_m: int, num_routes: int) -> tuple[int, ...]:
+    """Each table's entries, then its padding to the next 16-byte boundary, table after table."""
+    return tuple(v for n, size in zip(_table_entries(capacity, experts_per_rank, block_m, num_routes),
+                                      _table_sizes(capacity, experts_per_rank, block_m, num_routes))
+                 for v in (n, size - n))
+
+
 def _split_table(table: torch.Tensor, capacity: int, experts_per_rank: int, block_m: int,
                  num_routes: int) -> list[torch.Tensor]:
-    """The nine tables of a packed table, views, each its own length (the padding past it left out)."""
-    return [part[:n] for part, n in zip(table.split(_table_sizes(capacity, experts_per_rank, block_m, num_routes)),
-                                        _table_entries(capacity, experts_per_rank, block_m, num_routes))]
+    """The nine tables of a packed table, views, each its own length (the padding past it left out): one split
+    into tables and paddings, every other piece kept (a forward and a backward each split one: 18 view ops a
+    call were 9 us more on a CPU core)."""
+    return list(table.split_with_sizes(_split_pieces(capacity, experts_per_rank, block_m, num_routes))[::2])
 
 
 def check_routing_ids(topk_ids_RTK: torch.Tensor) -> None:
