@@ -476,7 +476,9 @@ def launch_rank_backward(
                   H),
                  (sched.expert_order, sched.expert_offsets, sched.expert_counts, L, "dor", "hw", out["dw2"], H, I)]
     if phases & mb.PB_SHARED_WGRAD and has_shared:
-        whole = torch.arange(2, dtype=torch.int32, device=dev) * T  # [0, T], built on the device (capturable)
+        # [0, T], built on the device by one kernel (capturable; an EP rank with no tokens: [0, 0])
+        whole = (torch.arange(0, 2 * T, T, dtype=torch.int32, device=dev) if T
+                 else torch.zeros(2, dtype=torch.int32, device=dev))
         jobs += [(whole[:1], whole, whole[1:], 1, "sdgu", "xl", dsw13, 2 * S, H),
                  (whole[:1], whole, whole[1:], 1, "dol", "sh", dsw2, H, S)]
     if config.wgrad == "gluon" and jobs:
