@@ -146,8 +146,9 @@ _BOOL_KNOBS = ("combine_gather", "tma", "keep_activations")
 
 @functools.lru_cache(maxsize=1024)
 def _replaced(config: "KernelConfig", changes: tuple) -> "KernelConfig":
-    """``dataclasses.replace(config, **changes)`` for ``changes`` as (name, type, value) triples, kept: KernelConfig is frozen, so equal inputs give equal
-    configs, and a change that fails validation raises every time (exceptions are not kept)."""
+    """``dataclasses.replace(config, **changes)`` for ``changes`` as (name, type, value) triples, kept:
+    KernelConfig is frozen, so equal inputs give equal configs, and a change that fails validation raises every
+    time (exceptions are not kept)."""
     return dataclasses.replace(config, **{k: v for k, _, v in changes})
 
 

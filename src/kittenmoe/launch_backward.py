@@ -372,14 +372,13 @@ def launch_rank_backward(
                     xl=peers.buffer("x", rank), dol=peers.buffer("d_out", rank), sh=bufs["sh"])
     # Descriptors only for the kernels that read them: the Gluon backward and weight-gradient kernels build
     # their own and never read these ~20.
-    triton_mk = config.backward_kernel != "gluon"  # ("auto" resolved above)
     descs = {}
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
     if use_tma and config.wgrad != "gluon":
         descs = {k: TD.from_tensor(v, [wk, wn if k in ("dgu", "dor", "sdgu", "dol") else wm])
                  for k, v in operands.items()}
-    if use_tma and triton_mk:
+    if use_tma and not gluon_bwd:
         # phase B: d(gate|up) row tiles [block_m, block_k] and weight tiles [block_k, 2 block_n]
         b_descs = (TD.from_tensor(bufs["dgu"], [bm, config.block_k]),
                    TD.from_tensor(w13_L2IH.view(L * 2 * I, H), [config.block_k, bn2]),
@@ -389,7 +388,7 @@ def launch_rank_backward(
         b_descs = (bufs["dgu"], w13_L2IH, bufs["sdgu"], sw13)
     # Phase A through TMA needs gate tiles that end where the up rows start: I and S multiples of its width.
     use_tma_a = use_tma and I % bn == 0 and (S % bn == 0)
-    if use_tma_a and triton_mk:
+    if use_tma_a and not gluon_bwd:
         bk = config.block_k
         a_descs = (TD.from_tensor(bufs["dor"], [bm, bk]),
                    TD.from_tensor(bufs["xr"], [bm, bk]),
@@ -401,7 +400,7 @@ def launch_rank_backward(
                    TD.from_tensor(sw13.reshape(-1, H), [bn, bk]))
     else:
         a_descs = (bufs["dor"],) * 8  # placeholders, never loaded
-    if fp8 is not None and use_tma and triton_mk:  # the routed GEMMs' operands in e4m3 (the bf16 ones go unused)
+    if fp8 is not None and use_tma and not gluon_bwd:  # the routed GEMMs' operands in e4m3 (the bf16 ones go unused)
         f8 = torch.float8_e4m3fn
         if fp8_b:
             b_descs = (TD.from_tensor(fp8_bufs[2].view(f8), [bm, dgb]),
@@ -418,7 +417,7 @@ def launch_rank_backward(
     dot = dict(DOT_FP32=interp, PRECISION="ieee" if (interp or dtype == torch.float32) else "tf32")
     trace_meta = {}
     out["trace"] = None
-    if trace and config.backward_kernel != "gluon":  # (the Gluon kernel's buffer: _launch_gluon)
+    if trace and not gluon_bwd:  # (the Gluon kernel's buffer: _launch_gluon)
         n_a = cdiv(I, bna)  # routed phase-A column tiles
         per_mb = (MB // bm) * (n_a + cdiv(H, bn2))
         n_srt = cdiv(T, bm)
